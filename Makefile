@@ -1,0 +1,32 @@
+# Two commands do everything on a fresh machine with Python 3.11 and make:
+#   make demo   set up, then run the main job
+#   make test   set up, then run the test suite
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first, so pip takes the local CPU build and not a CUDA download.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m examples.demo
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

@@ -1,0 +1,147 @@
+"""Multi-head attention (paper §3.2.2) with grouped key/value heads (GQA, MQA), self or cross."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from .kv_cache import KVCache, StaticKVCache
+from .positional.base import PositionalEncoding
+from .registry import get, register
+
+
+@register("attention", "mha")
+class MultiHeadAttention(nn.Module):
+    """``MultiHead(Q, K, V) = Concat(head_1..head_h) W^O`` with ``head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)``.
+
+    ``n_kv_heads < n_heads`` shares each key/value head among ``n_heads // n_kv_heads`` query heads
+    (GQA; ``n_kv_heads=1`` is MQA). The compute backend is a registered ``attention_backend`` chosen
+    per module and switchable at runtime with ``set_backend``.
+
+    Args:
+        d_model: width of the queries' input (and of the output).
+        n_heads: query heads.
+        n_kv_heads: key/value heads (default ``n_heads``); must divide ``n_heads``.
+        d_head: query/key width per head (default ``d_model // n_heads``).
+        d_value: value width per head (default ``d_head``; Table 3 row B varies d_k alone).
+        bias: whether the projections have biases.
+        dropout: dropout on the attention weights (training only).
+        backend: registry name of the attention backend.
+        d_context: width of the key/value input for cross-attention (default ``d_model``).
+
+    Shapes: x ``(B, Lq, d_model)``, context ``(B, Lk, d_context)`` -> ``(B, Lq, d_model)``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        d_head: int | None = None,
+        d_value: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        backend: str = "sdpa",
+        d_context: int | None = None,
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if d_model < 1 or n_heads < 1 or n_kv_heads < 1:
+            raise ValueError(
+                f"d_model, n_heads and n_kv_heads must be >= 1, got {d_model}, {n_heads}, {n_kv_heads}"
+            )
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be divisible by n_kv_heads={n_kv_heads}")
+        if d_head is None:
+            if d_model % n_heads:
+                raise ValueError(
+                    f"d_model={d_model} is not divisible by n_heads={n_heads}; give d_head explicitly"
+                )
+            d_head = d_model // n_heads
+        d_value = d_head if d_value is None else d_value
+        if d_head < 1 or d_value < 1:
+            raise ValueError(f"d_head and d_value must be >= 1, got {d_head}, {d_value}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        d_context = d_model if d_context is None else d_context
+        self.n_heads, self.n_kv_heads, self.d_head, self.d_value = n_heads, n_kv_heads, d_head, d_value
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, n_heads * d_head, bias=bias)
+        self.k_proj = nn.Linear(d_context, n_kv_heads * d_head, bias=bias)
+        self.v_proj = nn.Linear(d_context, n_kv_heads * d_value, bias=bias)
+        self.o_proj = nn.Linear(n_heads * d_value, d_model, bias=bias)
+        self.set_backend(backend)
+
+    def set_backend(self, name: str) -> None:
+        """Switch the compute backend (a registered ``attention_backend`` name)."""
+        self._backend = get("attention_backend", name)
+        self.backend = name
+
+    def extra_repr(self) -> str:
+        return (
+            f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, "
+            f"backend={self.backend!r}"
+        )
+
+    def _split(self, x: Tensor, n_heads: int) -> Tensor:
+        b, length, _ = x.shape
+        return x.view(b, length, n_heads, -1).transpose(1, 2)  # (B, H, L, D)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        bias: Tensor | None = None,
+        is_causal: bool = False,
+        rotary: PositionalEncoding | None = None,
+        positions: Tensor | None = None,
+        cache: KVCache | StaticKVCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend from ``x`` to itself (``context=None``) or to ``context``.
+
+        Args:
+            x: queries' input ``(B, Lq, d_model)``.
+            context: keys'/values' input for cross-attention ``(B, Lk, d_context)``; may be None
+                when a filled ``StaticKVCache`` is given.
+            mask: bool, True = may attend, broadcastable to ``(B, H, Lq, Lk)``.
+            bias: additive attention bias broadcastable to ``(B, H, Lq, Lk)``.
+            is_causal: bottom-right aligned causal masking (in the backend).
+            rotary: a positional encoding whose ``rotate`` is applied to q and k (self-attention).
+            positions: ``(B, Lq)`` positions of the queries (and of the new keys), for ``rotary``.
+            cache: ``KVCache`` (self-attention: new keys appended) or ``StaticKVCache`` (cross-attention:
+                keys/values computed once).
+            need_weights: also return the attention weights, computed by the ``math`` backend.
+
+        Returns:
+            ``(out, weights)``: out ``(B, Lq, d_model)``; weights ``(B, H, Lq, Lk)`` or None.
+        """
+        q = self._split(self.q_proj(x), self.n_heads)  # (B, H, Lq, Dk)
+        if isinstance(cache, StaticKVCache) and cache.filled:
+            k, v = cache.k, cache.v
+        else:
+            source = x if context is None else context
+            k = self._split(self.k_proj(source), self.n_kv_heads)  # (B, Hkv, Lk, Dk)
+            v = self._split(self.v_proj(source), self.n_kv_heads)  # (B, Hkv, Lk, Dv)
+            if rotary is not None and context is None:
+                if positions is None:
+                    raise ValueError("rotary attention needs the query positions")
+                k = rotary.rotate(k, positions)
+            if isinstance(cache, StaticKVCache):
+                k, v = cache.set(k, v)
+            elif cache is not None:
+                k, v = cache.update(k, v)
+        if rotary is not None and context is None:
+            q = rotary.rotate(q, positions)
+        dropout_p = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            out, weights = get("attention_backend", "math")(
+                q, k, v, mask=mask, bias=bias, is_causal=is_causal, dropout_p=dropout_p, return_weights=True
+            )
+        else:
+            out = self._backend(q, k, v, mask=mask, bias=bias, is_causal=is_causal, dropout_p=dropout_p)
+        b, _, lq, _ = out.shape
+        out = out.transpose(1, 2).reshape(b, lq, self.n_heads * self.d_value)  # (B, Lq, H*Dv)
+        return self.o_proj(out), weights

@@ -1,0 +1,91 @@
+"""Shared input checks and mask handling for attention backends.
+
+This is the one place where boolean masks become additive floats (``-inf``), and where query rows
+with no allowed key are detected so that every backend can return zeros for them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..masks import causal_mask
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None) -> None:
+    """Validate the backend signature's shapes; raise ``ValueError`` naming the bad value."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D (B, H, L, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    b, h, _, d = q.shape
+    bk, hkv, lk, dk = k.shape
+    if bk != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {bk}, v {v.shape[0]}")
+    if dk != d:
+        raise ValueError(f"q and k head dims differ: {d} vs {dk}")
+    if v.shape[1] != hkv or v.shape[2] != lk:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in heads and length")
+    if hkv < 1 or h % hkv != 0:
+        raise ValueError(f"query heads H={h} must be a multiple of key/value heads Hkv={hkv}")
+    full = (b, h, q.shape[2], lk)
+    for name, t in (("mask", mask), ("bias", bias)):
+        if t is None:
+            continue
+        if t.dim() > 4 or torch.broadcast_shapes(t.shape, full) != full:
+            raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to (B, H, Lq, Lk)={full}")
+    if mask is not None and mask.dtype != torch.bool:
+        raise ValueError(f"mask must be bool (True = may attend), got dtype {mask.dtype}")
+
+
+def default_scale(q: Tensor, scale: float | None) -> float:
+    """``1 / sqrt(d_k)`` (paper §3.2.1) unless ``scale`` is given."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def combined_mask(mask: Tensor | None, is_causal: bool, lq: int, lk: int, device: torch.device) -> Tensor | None:
+    """``mask & causal`` (either may be absent); None when nothing is masked."""
+    if is_causal:
+        causal = causal_mask(lq, lk, device=device)
+        return causal if mask is None else mask & causal
+    return mask
+
+
+def guard_empty_rows(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """Return ``(safe_mask, has_key)`` where rows with no allowed key are opened up.
+
+    A softmax over a row of ``-inf`` is NaN; opening such rows keeps every backend (and its gradient)
+    finite, and ``has_key`` (``(..., Lq, 1)`` bool) lets the caller zero those rows afterwards.
+    """
+    if mask is None:
+        return None, None
+    has_key = mask.any(dim=-1, keepdim=True)
+    if bool(has_key.all()):
+        return mask, None
+    return mask | ~has_key, has_key
+
+
+def zero_empty_rows(out: Tensor, has_key: Tensor | None) -> Tensor:
+    """Zero the output rows whose queries had no allowed key."""
+    if has_key is None:
+        return out
+    return out * has_key.to(out.dtype)
+
+
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bool mask (True = may attend) -> additive float mask (0 or -inf). The only ``-inf`` in the zoo."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """Repeat key/value heads for grouped-query attention.
+
+    Shapes: ``(B, Hkv, L, D)`` -> ``(B, Hkv * n_rep, L, D)``, head ``h`` of the output is head
+    ``h // n_rep`` of the input.
+    """
+    if n_rep == 1:
+        return x
+    b, hkv, length, d = x.shape
+    return x[:, :, None].expand(b, hkv, n_rep, length, d).reshape(b, hkv * n_rep, length, d)

@@ -1,0 +1,77 @@
+"""Attention through ``torch.nn.attention.flex_attention`` with block masks.
+
+The bool mask becomes a ``mask_mod`` (and a ``BlockMask`` that skips fully masked blocks), the
+additive bias a ``score_mod``. On CUDA the kernel is compiled (where it pays); on CPU it runs eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from ..registry import register
+from .common import check_inputs, combined_mask, guard_empty_rows, zero_empty_rows
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@register("attention_backend", "flex")
+def flex_attention_backend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> Tensor:
+    """Flex attention with the zoo's mask/bias contract; same results as ``math``.
+
+    Shapes: q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)`` -> ``(B, H, Lq, Dv)``.
+
+    Raises:
+        NotImplementedError: for ``dropout_p > 0`` (flex attention has no attention dropout).
+    """
+    check_inputs(q, k, v, mask, bias)
+    if dropout_p > 0:
+        raise NotImplementedError(
+            f"the flex backend has no attention dropout (dropout_p={dropout_p}); "
+            "use dropout_p=0 or the sdpa/math/chunked backend for training with attention dropout"
+        )
+    b, h, lq, _ = q.shape
+    lk = k.shape[2]
+    allowed, has_key = guard_empty_rows(combined_mask(mask, is_causal, lq, lk, q.device))
+
+    block_mask = None
+    if allowed is not None:
+        full = allowed.expand(b, h, lq, lk)
+        mb = b if allowed.dim() == 4 and allowed.shape[0] != 1 else None
+        mh = h if allowed.dim() == 4 and allowed.shape[1] != 1 else None
+
+        def mask_mod(bi, hi, qi, ki):
+            return full[bi, hi, qi, ki]
+
+        block_mask = create_block_mask(mask_mod, mb, mh, lq, lk, device=q.device)
+
+    score_mod = None
+    if bias is not None:
+        full_bias = bias.to(q.dtype).expand(b, h, lq, lk)
+
+        def score_mod(score, bi, hi, qi, ki):
+            return score + full_bias[bi, hi, qi, ki]
+
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    with warnings.catch_warnings():
+        # Eager (uncompiled) flex on CPU is intended here: compiling pays off only on GPU.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=h != k.shape[1])
+    return zero_empty_rows(out, has_key)

@@ -1,0 +1,65 @@
+"""The reference attention backend, written like the paper (§3.2.1):
+``Attention(Q, K, V) = softmax(Q Kᵀ / sqrt(d_k)) V``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..registry import register
+from .common import (
+    additive_mask,
+    check_inputs,
+    combined_mask,
+    default_scale,
+    guard_empty_rows,
+    repeat_kv,
+    zero_empty_rows,
+)
+
+
+@register("attention_backend", "math")
+def math_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention computed explicitly, optionally returning the weights.
+
+    Args:
+        q, k, v: queries, keys and values; ``H % Hkv == 0`` (GQA/MQA share key/value heads).
+        mask: bool, True = may attend, broadcastable to ``(B, H, Lq, Lk)``.
+        bias: additive float bias (ALiBi, relative positions), broadcastable to ``(B, H, Lq, Lk)``.
+        is_causal: apply a bottom-right aligned causal mask.
+        dropout_p: dropout on the attention weights.
+        scale: score scale, default ``1 / sqrt(D)``.
+        return_weights: also return the attention weights ``(B, H, Lq, Lk)``.
+
+    Returns:
+        The output ``(B, H, Lq, Dv)``, and the weights when ``return_weights``. Query rows with no
+        allowed key give zero output and zero weights.
+
+    Shapes: q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)``.
+    """
+    check_inputs(q, k, v, mask, bias)
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, Lk, D)
+    scores = (q @ k.transpose(-2, -1)) * default_scale(q, scale)  # (B, H, Lq, Lk)
+    if bias is not None:
+        scores = scores + bias
+    allowed, has_key = guard_empty_rows(combined_mask(mask, is_causal, q.shape[2], k.shape[2], q.device))
+    if allowed is not None:
+        scores = scores + additive_mask(allowed, scores.dtype)
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    weights = zero_empty_rows(weights, has_key)
+    dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+    out = dropped @ v  # (B, H, Lq, Dv)
+    return (out, weights) if return_weights else out

@@ -1,0 +1,46 @@
+"""Attention through ``torch.nn.functional.scaled_dot_product_attention`` (flash, memory-efficient
+or math kernels, chosen by PyTorch)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..registry import register
+from .common import additive_mask, check_inputs, combined_mask, guard_empty_rows, zero_empty_rows
+
+
+@register("attention_backend", "sdpa")
+def sdpa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    bias: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> Tensor:
+    """Scaled dot-product attention by PyTorch's fused kernels; same contract as ``math``.
+
+    SDPA's own ``is_causal`` is aligned top-left, so it is used only when ``Lq == Lk`` and nothing else
+    is masked (which lets PyTorch pick the flash kernel); otherwise the bottom-right causal mask is built.
+
+    Shapes: q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)`` -> ``(B, H, Lq, Dv)``.
+    """
+    check_inputs(q, k, v, mask, bias)
+    lq, lk = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None and bias is None and (not is_causal or lq == lk):
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
+    allowed, has_key = guard_empty_rows(combined_mask(mask, is_causal, lq, lk, q.device))
+    attn_mask: Tensor | None = allowed
+    if bias is not None:
+        attn_mask = bias.to(q.dtype) if allowed is None else bias.to(q.dtype) + additive_mask(allowed, q.dtype)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    )
+    return zero_empty_rows(out, has_key)

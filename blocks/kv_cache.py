@@ -1,0 +1,89 @@
+"""Key/value caches for incremental decoding."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """A preallocated per-layer cache of keys and values, written in place.
+
+    The buffers ``(B, Hkv, max_len, D)`` are allocated on the first ``update`` (when shapes, dtype and
+    device are known); later steps copy the new keys/values into the next free slots, so past positions
+    are never recomputed or re-concatenated.
+
+    Args:
+        max_len: number of positions to preallocate (prompt + new tokens).
+    """
+
+    def __init__(self, max_len: int) -> None:
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        self.max_len = max_len
+        self.length = 0
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``k, v`` ``(B, Hkv, L, D)`` and return all cached keys/values so far (views)."""
+        if self.k is None:
+            b, h, _, d = k.shape
+            self.k = k.new_empty((b, h, self.max_len, d))
+            self.v = v.new_empty((b, h, self.max_len, v.shape[-1]))
+        new = k.shape[2]
+        if self.length + new > self.max_len:
+            raise ValueError(
+                f"KV cache overflow: {self.length} cached + {new} new positions > max_len={self.max_len}"
+            )
+        self.k[:, :, self.length : self.length + new] = k
+        self.v[:, :, self.length : self.length + new] = v
+        self.length += new
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+    def reorder(self, index: Tensor) -> None:
+        """Select batch rows ``index`` (beam search), in place of the old cache."""
+        if self.k is not None:
+            self.k = self.k.index_select(0, index)
+            self.v = self.v.index_select(0, index)
+
+
+class StaticKVCache:
+    """Keys/values computed once and reused at every step (cross-attention over encoder memory)."""
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    @property
+    def filled(self) -> bool:
+        return self.k is not None
+
+    def set(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k, self.v = k, v
+        return k, v
+
+    def reorder(self, index: Tensor) -> None:
+        if self.k is not None:
+            self.k = self.k.index_select(0, index)
+            self.v = self.v.index_select(0, index)
+
+
+class LayerCache:
+    """The caches of one decoder layer: self-attention and (for encoder-decoders) cross-attention."""
+
+    def __init__(self, max_len: int, cross: bool = False) -> None:
+        self.self_attn = KVCache(max_len)
+        self.cross_attn = StaticKVCache() if cross else None
+
+    def reorder(self, index: Tensor) -> None:
+        self.self_attn.reorder(index)
+        if self.cross_attn is not None:
+            self.cross_attn.reorder(index)
+
+
+def reorder_caches(caches: list[LayerCache], index: Tensor) -> None:
+    """Reorder every layer cache along the batch dimension (beam search)."""
+    index = index.to(torch.long)
+    for cache in caches:
+        cache.reorder(index)
