@@ -1,0 +1,38 @@
+"""Shared fixtures and the hypothesis profiles.
+
+``HYPOTHESIS_PROFILE=ci`` (set by ``make test``) is derandomized with no deadline.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=25,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.differing_executors],
+)
+settings.register_profile("dev", deadline=None, max_examples=25)
+settings.register_profile("thorough", deadline=None, max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    """Every test starts from the same torch RNG state."""
+    torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
