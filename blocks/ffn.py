@@ -53,6 +53,14 @@ class GeluTanhFFN(FeedForward):
         return F.gelu(x, approximate="tanh")
 
 
+@register("ffn", "silu")
+class SiluFFN(FeedForward):
+    """SiLU/swish activation (Marian's default ``swish``)."""
+
+    def activation(self, x: Tensor) -> Tensor:
+        return F.silu(x)
+
+
 class GatedFeedForward(nn.Module):
     """``down_proj(dropout(act(gate_proj(x)) * up_proj(x)))`` (GLU variants, Shazeer 2020).
 

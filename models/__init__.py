@@ -1,0 +1,21 @@
+"""transformer-zoo models: ``from models import Seq2SeqTransformer, EncoderLM, DecoderLM``."""
+
+from .base import ZooModel
+from .config import TransformerConfig
+from .decoder_lm import DecoderLM, DecoderLMConfig
+from .encoder_lm import EncoderLM, EncoderLMConfig
+from .outputs import ModelOutput, Seq2SeqOutput
+from .seq2seq import Seq2SeqConfig, Seq2SeqTransformer
+
+__all__ = [
+    "DecoderLM",
+    "DecoderLMConfig",
+    "EncoderLM",
+    "EncoderLMConfig",
+    "ModelOutput",
+    "Seq2SeqConfig",
+    "Seq2SeqOutput",
+    "Seq2SeqTransformer",
+    "TransformerConfig",
+    "ZooModel",
+]

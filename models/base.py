@@ -1,0 +1,123 @@
+"""What every zoo model shares: presets, backend switching, input checks, positions from masks."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+import blocks
+from blocks.kv_cache import LayerCache
+
+from .config import TransformerConfig
+
+
+class ZooModel(nn.Module):
+    """Base class of the zoo's models.
+
+    Subclasses set ``config_class`` and ``presets`` (name -> config overrides) and build themselves
+    from ``config`` alone.
+    """
+
+    config_class: ClassVar[type[TransformerConfig]] = TransformerConfig
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        if not isinstance(config, self.config_class):
+            raise TypeError(
+                f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}"
+            )
+        self.config = config
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ZooModel:
+        """Build a model from a named preset, with any config field overridden.
+
+        Raises:
+            ValueError: unknown preset (the valid names are listed) or unknown/invalid overrides.
+        """
+        return cls(cls.preset_config(name, **overrides))
+
+    @classmethod
+    def preset_config(cls, name: str, **overrides: Any) -> TransformerConfig:
+        """The config of a preset, with overrides applied."""
+        if name not in cls.presets:
+            raise ValueError(f"unknown {cls.__name__} preset {name!r}; expected one of {sorted(cls.presets)}")
+        return cls.config_class.from_dict({**cls.presets[name], **overrides})
+
+    def set_attention_backend(self, name: str) -> None:
+        """Switch every attention module to the registered backend ``name`` (a runtime choice)."""
+        blocks.get("attention_backend", name)  # validates the name before anything changes
+        for module in self.modules():
+            if isinstance(module, blocks.MultiHeadAttention):
+                module.set_backend(name)
+        self.config = self.config.replace(attention_backend=name)
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (tied weights counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    # ------------------------------------------------------------------ input checks
+    def check_ids(self, ids: Tensor, name: str) -> None:
+        """Raise ``ValueError`` unless ``ids`` is a ``(B, L)`` integer tensor of ids in ``[0, vocab_size)``."""
+        if not isinstance(ids, Tensor) or ids.dim() != 2:
+            shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+            raise ValueError(f"{name} must be a (B, L) tensor of token ids, got {shape}")
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+            raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            vocab = self.config.vocab_size
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"{name} contains id {bad}, outside the vocabulary [0, vocab_size={vocab})")
+
+    @staticmethod
+    def check_mask(mask: Tensor | None, shape: tuple[int, ...], name: str) -> Tensor | None:
+        """Validate a ``(B, L)`` padding mask (True/1 = real token) and return it as bool."""
+        if mask is None:
+            return None
+        if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(shape):
+            got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(f"{name} must have shape {tuple(shape)} (B, L) matching the ids, got {got}")
+        if mask.dtype != torch.bool:
+            if mask.dtype.is_floating_point or not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError(f"{name} must be bool or 0/1 integers (1 = real token), got dtype {mask.dtype}")
+            mask = mask.bool()
+        return mask
+
+
+def positions_from_mask(mask: Tensor | None, past: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Positions of the new queries and of all keys.
+
+    With a padding mask ``(B, past + length)`` positions count real tokens only, so a left- or
+    right-padded row gets the same positions as the sequence alone; without one, they are
+    ``past .. past + length - 1``.
+
+    Returns:
+        ``(query_positions (B|1, length), key_positions (B|1, past + length))``, long.
+    """
+    if mask is None:
+        keys = torch.arange(past + length, device=device)[None]
+    else:
+        keys = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return keys[:, past:], keys
+
+
+def new_caches(n_layers: int, max_len: int, cross: bool = False) -> list[LayerCache]:
+    """One empty ``LayerCache`` per decoder layer, preallocating ``max_len`` positions."""
+    return [LayerCache(max_len, cross=cross) for _ in range(n_layers)]
+
+
+def cached_length(cache: list[LayerCache] | None) -> int:
+    """Number of positions already in a decoder cache (0 without one)."""
+    return 0 if not cache else cache[0].self_attn.length
+
+
+def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean cross-entropy over positions whose label is not -100."""
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
+    )

@@ -1,0 +1,109 @@
+"""Model configurations: frozen dataclasses naming their blocks by registry name, so a config is plain JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import blocks
+
+C = TypeVar("C", bound="TransformerConfig")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Fields shared by every model family; validated in ``__post_init__``.
+
+    ``n_kv_heads`` defaults to ``n_heads``, ``d_head`` to ``d_model // n_heads`` and ``d_value`` to
+    ``d_head``; the defaults are filled in at construction so ``to_dict`` shows the effective values.
+    """
+
+    vocab_size: int = 1000
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    d_head: int | None = None
+    d_value: int | None = None
+    d_ff: int = 256
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    max_len: int = 512
+    positional: str = "sinusoidal"
+    ffn: str = "relu"
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    sublayer: str = "post_norm"
+    attention: str = "mha"
+    attention_backend: str = "sdpa"
+    bias: bool = True
+    tie_embeddings: bool = True
+    pad_token_id: int | None = 0
+    bos_token_id: int | None = 2
+    eos_token_id: int | None = 3
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_len"):
+            _check_positive_int(self, name)
+        for name in ("n_kv_heads", "d_head", "d_value"):
+            if getattr(self, name) is not None:
+                _check_positive_int(self, name)
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+        if self.d_head is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set d_head explicitly"
+                )
+            object.__setattr__(self, "d_head", self.d_model // self.n_heads)
+        if self.d_value is None:
+            object.__setattr__(self, "d_value", self.d_head)
+        for name in ("dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+        if not isinstance(self.norm_eps, (int, float)) or self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
+        for field, kind in (
+            ("positional", "positional"),
+            ("ffn", "ffn"),
+            ("norm", "norm"),
+            ("sublayer", "sublayer"),
+            ("attention", "attention"),
+            ("attention_backend", "attention_backend"),
+        ):
+            value = getattr(self, field)
+            if value not in blocks.names(kind):
+                raise ValueError(f"{field}={value!r} is not a registered {kind}; expected one of {blocks.names(kind)}")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value < self.vocab_size):
+                raise ValueError(f"{name}={value!r} must be None or an id in [0, vocab_size={self.vocab_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain JSON-able dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[C], data: dict[str, Any]) -> C:
+        """Inverse of ``to_dict``; rejects keys that are not fields of this config.
+
+        Raises:
+            ValueError: unknown keys (named), or invalid values.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; valid keys are {sorted(known)}")
+        return cls(**data)
+
+    def replace(self: C, **changes: Any) -> C:
+        """A copy with ``changes`` applied (validated; unknown keys rejected)."""
+        return self.from_dict({**self.to_dict(), **changes})
+
+
+def _check_positive_int(config: Any, name: str) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,155 @@
+"""DecoderLM — a GPT-style causal language model (Radford et al. 2018, 2019)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+import blocks
+from blocks.kv_cache import LayerCache
+
+from .base import ZooModel, cached_length, lm_loss, positions_from_mask
+from .config import TransformerConfig
+from .generation import DecoderLMGenerationMixin
+from .outputs import ModelOutput
+from .persistence import PersistenceMixin
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderLMConfig(TransformerConfig):
+    """Config of ``DecoderLM``; defaults are GPT-2's choices at a tiny size."""
+
+    n_layers: int = 2
+    positional: str = "learned"
+    ffn: str = "gelu_tanh"
+    sublayer: str = "pre_norm"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.n_layers, bool) or not isinstance(self.n_layers, int) or self.n_layers < 1:
+            raise ValueError(f"n_layers must be a positive integer, got {self.n_layers!r}")
+
+
+class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
+    """Token embedding + positions → pre-norm decoder blocks (no cross-attention) → final norm →
+    output projection tied to the token embedding.
+
+    Initialisation (GPT-2): every weight ~ N(0, 0.02), biases 0, and the projections that write into
+    the residual stream (``o_proj``, ``down_proj``) ~ N(0, 0.02 / sqrt(2 · n_layers)).
+    """
+
+    config_class: ClassVar[type[TransformerConfig]] = DecoderLMConfig
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        "tiny": dict(vocab_size=1000, d_model=64, n_heads=4, d_ff=256, n_layers=2, max_len=256, dropout=0.1),
+        "gpt2-small": dict(
+            vocab_size=50257, d_model=768, n_heads=12, d_ff=3072, n_layers=12, max_len=1024, dropout=0.1,
+            attention_dropout=0.1, ffn="gelu_tanh", norm_eps=1e-5, pad_token_id=None,
+            bos_token_id=50256, eos_token_id=50256,
+        ),
+    }
+
+    def __init__(self, config: DecoderLMConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
+        self.positional = blocks.build(
+            "positional", c.positional, d_model=c.d_model, n_heads=c.n_heads, d_head=c.d_head, max_len=c.max_len
+        )
+        self.dropout = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(
+            blocks.build(
+                "layer", "decoder", d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, n_kv_heads=c.n_kv_heads,
+                d_head=c.d_head, d_value=c.d_value, dropout=c.dropout, attention_dropout=c.attention_dropout,
+                ffn=c.ffn, norm=c.norm, norm_eps=c.norm_eps, sublayer=c.sublayer, attention=c.attention,
+                attention_backend=c.attention_backend, bias=c.bias, cross_attention=False,
+            )
+            for _ in range(c.n_layers)
+        )
+        # Pre-norm stacks leave the residual stream unnormalised: normalise once at the end (GPT-2 ln_f).
+        self.final_norm = (
+            blocks.build("norm", c.norm, d_model=c.d_model, eps=c.norm_eps) if c.sublayer == "pre_norm"
+            else nn.Identity()
+        )
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.reset_parameters()
+        if c.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation (see the class docstring)."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                if name.endswith("bias"):
+                    nn.init.zeros_(p)
+                continue
+            std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            nn.init.normal_(p, std=std)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        *,
+        cache: list[LayerCache] | None = None,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> ModelOutput:
+        """Next-token logits.
+
+        Args:
+            input_ids: ``(B, L)`` token ids.
+            attention_mask: ``(B, L)`` bool, True = real token (``(B, past + L)`` with a ``cache``).
+                Positions count real tokens only, so left padding is invisible to the model.
+            labels: ``(B, L)`` ids; the loss predicts ``labels[:, t + 1]`` from position ``t``
+                (the shift happens inside, as in ``transformers``); -100 is ignored.
+            cache: per-layer KV caches for incremental decoding (see ``models.base.new_caches``).
+
+        Returns:
+            ``ModelOutput`` with ``logits (B, L, vocab_size)`` and ``loss`` when labels are given.
+
+        Raises:
+            ValueError: ids outside the vocabulary, a mask or labels of the wrong shape, or a sequence
+                longer than ``max_len`` with learned positions.
+        """
+        self.check_ids(input_ids, "input_ids")
+        b, length = input_ids.shape
+        past = cached_length(cache)
+        attention_mask = self.check_mask(attention_mask, (b, past + length), "attention_mask")
+        if labels is not None and tuple(labels.shape) != (b, length):
+            raise ValueError(f"labels must have shape {(b, length)} like input_ids, got {tuple(labels.shape)}")
+        if cache is not None and len(cache) != len(self.layers):
+            raise ValueError(f"cache has {len(cache)} layers, the model has {len(self.layers)}")
+
+        positions, key_positions = positions_from_mask(attention_mask, past, length, input_ids.device)
+        self.positional.check_positions(positions)
+        x = self.dropout(self.positional(self.embed_tokens(input_ids), positions))  # (B, L, d_model)
+        bias = self.positional.attention_bias(positions, key_positions)
+        mask = None if attention_mask is None else blocks.padding_mask(attention_mask)  # (B, 1, 1, past + L)
+        rotary = self.positional if self.positional.rotates else None
+
+        hidden_states, attentions = [x], []
+        for i, layer in enumerate(self.layers):
+            x, weights, _ = layer(
+                x, mask=mask, bias=bias, rotary=rotary, positions=positions,
+                cache=None if cache is None else cache[i], need_weights=output_attentions,
+            )
+            hidden_states.append(x)
+            attentions.append(weights)
+        x = self.final_norm(x)
+        hidden_states[-1] = x
+        logits = self.lm_head(x)  # (B, L, vocab_size)
+
+        loss = None
+        if labels is not None:
+            loss = lm_loss(logits[:, :-1], labels[:, 1:])
+        return ModelOutput(
+            logits=logits,
+            loss=loss,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+        )

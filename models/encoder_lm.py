@@ -1,0 +1,202 @@
+"""EncoderLM — a BERT-style masked language model (Devlin et al. 2019)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+import blocks
+
+from .base import ZooModel, lm_loss, positions_from_mask
+from .config import TransformerConfig
+from .generation import EncoderLMFillMaskMixin
+from .outputs import ModelOutput
+from .persistence import PersistenceMixin
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderLMConfig(TransformerConfig):
+    """Config of ``EncoderLM``; defaults are BERT's choices at a tiny size.
+
+    ``type_vocab_size`` is the number of segment (token-type) embeddings (0: none);
+    ``mask_token_id`` is the ``[MASK]`` id used by ``fill_mask``.
+    """
+
+    n_layers: int = 2
+    positional: str = "learned"
+    ffn: str = "gelu"
+    norm_eps: float = 1e-12
+    type_vocab_size: int = 2
+    mask_token_id: int | None = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.n_layers, bool) or not isinstance(self.n_layers, int) or self.n_layers < 1:
+            raise ValueError(f"n_layers must be a positive integer, got {self.n_layers!r}")
+        if isinstance(self.type_vocab_size, bool) or not isinstance(self.type_vocab_size, int) \
+                or self.type_vocab_size < 0:
+            raise ValueError(f"type_vocab_size must be an integer >= 0, got {self.type_vocab_size!r}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id!r} must be None or an id in [0, vocab_size={self.vocab_size})"
+            )
+
+
+class MLMHead(nn.Module):
+    """BERT's prediction head: ``dense → GELU → norm``, then a decoder to the vocabulary (+ bias)."""
+
+    def __init__(self, d_model: int, vocab_size: int, norm: nn.Module) -> None:
+        super().__init__()
+        self.dense = nn.Linear(d_model, d_model)
+        self.norm = norm
+        self.decoder = nn.Linear(d_model, vocab_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.decoder(self.norm(nn.functional.gelu(self.dense(x))))
+
+
+class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, ZooModel):
+    """Token + position + segment embeddings → norm → post-norm encoder layers → MLM head whose decoder
+    is tied to the token embedding.
+
+    Initialisation (BERT): every weight ~ N(0, 0.02), biases 0, norms 1.
+    """
+
+    config_class: ClassVar[type[TransformerConfig]] = EncoderLMConfig
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        "tiny": dict(vocab_size=1000, d_model=64, n_heads=4, d_ff=256, n_layers=2, max_len=128, dropout=0.1),
+        "bert-base": dict(
+            vocab_size=30522, d_model=768, n_heads=12, d_ff=3072, n_layers=12, max_len=512, dropout=0.1,
+            attention_dropout=0.1, ffn="gelu", norm_eps=1e-12, type_vocab_size=2, pad_token_id=0,
+            bos_token_id=101, eos_token_id=102, mask_token_id=103,
+        ),
+    }
+
+    def __init__(self, config: EncoderLMConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
+        self.positional = blocks.build(
+            "positional", c.positional, d_model=c.d_model, n_heads=c.n_heads, d_head=c.d_head, max_len=c.max_len
+        )
+        self.token_type_embed = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
+        self.embed_norm = blocks.build("norm", c.norm, d_model=c.d_model, eps=c.norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(
+            blocks.build(
+                "layer", "encoder", d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, n_kv_heads=c.n_kv_heads,
+                d_head=c.d_head, d_value=c.d_value, dropout=c.dropout, attention_dropout=c.attention_dropout,
+                ffn=c.ffn, norm=c.norm, norm_eps=c.norm_eps, sublayer=c.sublayer, attention=c.attention,
+                attention_backend=c.attention_backend, bias=c.bias,
+            )
+            for _ in range(c.n_layers)
+        )
+        self.final_norm = (
+            blocks.build("norm", c.norm, d_model=c.d_model, eps=c.norm_eps) if c.sublayer == "pre_norm"
+            else nn.Identity()
+        )
+        head_norm = blocks.build("norm", c.norm, d_model=c.d_model, eps=c.norm_eps)
+        self.mlm_head = MLMHead(c.d_model, c.vocab_size, head_norm)
+        self.reset_parameters()
+        if c.tie_embeddings:
+            self.mlm_head.decoder.weight = self.embed_tokens.weight
+
+    def reset_parameters(self) -> None:
+        """BERT initialisation (see the class docstring)."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def encode(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        *,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
+        """The encoder without the MLM head: ``(last hidden state (B, L, d_model), hidden states, attentions)``."""
+        self.check_ids(input_ids, "input_ids")
+        b, length = input_ids.shape
+        attention_mask = self.check_mask(attention_mask, (b, length), "attention_mask")
+        x = self.embed_tokens(input_ids)
+        if token_type_ids is not None:
+            if self.token_type_embed is None:
+                raise ValueError("token_type_ids given but the model has type_vocab_size=0")
+            if tuple(token_type_ids.shape) != (b, length):
+                raise ValueError(
+                    f"token_type_ids must have shape {(b, length)} like input_ids, got {tuple(token_type_ids.shape)}"
+                )
+            if token_type_ids.numel() and not 0 <= int(token_type_ids.min()) <= int(token_type_ids.max()) \
+                    < self.config.type_vocab_size:
+                raise ValueError(
+                    f"token_type_ids must be in [0, type_vocab_size={self.config.type_vocab_size}), got "
+                    f"values in [{int(token_type_ids.min())}, {int(token_type_ids.max())}]"
+                )
+        if self.token_type_embed is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            x = x + self.token_type_embed(token_type_ids)
+        positions, _ = positions_from_mask(attention_mask, 0, length, input_ids.device)
+        self.positional.check_positions(positions)
+        x = self.dropout(self.embed_norm(self.positional(x, positions)))  # (B, L, d_model)
+        bias = self.positional.attention_bias(positions, positions)
+        mask = None if attention_mask is None else blocks.padding_mask(attention_mask)  # (B, 1, 1, L)
+        rotary = self.positional if self.positional.rotates else None
+        hidden_states, attentions = [x], []
+        for layer in self.layers:
+            x, weights = layer(
+                x, mask=mask, bias=bias, rotary=rotary, positions=positions, need_weights=output_attentions
+            )
+            hidden_states.append(x)
+            attentions.append(weights)
+        x = self.final_norm(x)
+        hidden_states[-1] = x
+        return x, hidden_states, attentions
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        *,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> ModelOutput:
+        """Masked-LM logits for every position.
+
+        Args:
+            input_ids: ``(B, L)`` token ids.
+            attention_mask: ``(B, L)`` bool, True = real token.
+            token_type_ids: ``(B, L)`` segment ids in ``[0, type_vocab_size)`` (default 0).
+            labels: ``(B, L)`` original ids at the positions to predict, -100 elsewhere; the loss
+                covers only labelled positions.
+
+        Returns:
+            ``ModelOutput`` with ``logits (B, L, vocab_size)``, and ``loss`` when labels are given.
+
+        Raises:
+            ValueError: ids outside the vocabulary, masks/labels/segments of the wrong shape, or a
+                sequence longer than ``max_len`` with learned positions.
+        """
+        if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
+            raise ValueError(f"labels must have shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        x, hidden_states, attentions = self.encode(
+            input_ids, attention_mask, token_type_ids,
+            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+        )
+        logits = self.mlm_head(x)  # (B, L, vocab_size)
+        loss = None if labels is None else lm_loss(logits, labels)
+        return ModelOutput(
+            logits=logits,
+            loss=loss,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+        )

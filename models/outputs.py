@@ -1,0 +1,41 @@
+"""Model output objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class ModelOutput:
+    """What a model's ``forward`` returns.
+
+    Attributes:
+        logits: ``(B, L, vocab_size)``.
+        loss: scalar, when ``labels`` were given (positions labelled -100 are ignored).
+        hidden_states: with ``output_hidden_states=True``: the embeddings' output then every layer's
+            output, each ``(B, L, d_model)`` (the last one after the final norm, if the model has one).
+        attentions: with ``output_attentions=True``: per layer, the weights ``(B, H, Lq, Lk)``.
+    """
+
+    logits: Tensor
+    loss: Tensor | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple[Tensor, ...] | None = None
+
+
+@dataclass
+class Seq2SeqOutput(ModelOutput):
+    """``ModelOutput`` of an encoder-decoder; ``hidden_states`` and ``attentions`` are the decoder's.
+
+    Attributes:
+        encoder_last_hidden_state: the memory ``(B, S, d_model)``.
+        encoder_hidden_states / encoder_attentions: the encoder's, as for ``hidden_states``/``attentions``.
+        cross_attentions: per decoder layer, ``(B, H, L, S)``.
+    """
+
+    encoder_last_hidden_state: Tensor | None = None
+    encoder_hidden_states: tuple[Tensor, ...] | None = None
+    encoder_attentions: tuple[Tensor, ...] | None = None
+    cross_attentions: tuple[Tensor, ...] | None = None

@@ -1,0 +1,283 @@
+"""Seq2SeqTransformer — the encoder-decoder of *Attention Is All You Need* (Vaswani et al. 2017)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+import blocks
+from blocks.kv_cache import LayerCache
+
+from .base import ZooModel, cached_length, lm_loss, positions_from_mask
+from .config import TransformerConfig
+from .generation import Seq2SeqGenerationMixin
+from .outputs import Seq2SeqOutput
+from .persistence import PersistenceMixin
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq2SeqConfig(TransformerConfig):
+    """Config of ``Seq2SeqTransformer``; defaults follow the paper.
+
+    Fields beyond the shared ones:
+        n_encoder_layers, n_decoder_layers: N of each stack.
+        share_embeddings: one embedding matrix for source and target (§3.4, with a shared vocabulary).
+        tie_embeddings: the pre-softmax projection shares the target embedding's weights (§3.4).
+        scale_embeddings: multiply embeddings by sqrt(d_model) (§3.4).
+        embedding_norm: a norm after embeddings + positions (BART's ``layernorm_embedding``).
+        output_bias: a bias on the output projection (Marian/BART ``final_logits_bias``).
+        decoder_start_token_id: first decoder input (default ``bos_token_id``).
+    """
+
+    n_encoder_layers: int = 2
+    n_decoder_layers: int = 2
+    share_embeddings: bool = True
+    scale_embeddings: bool = True
+    embedding_norm: bool = False
+    output_bias: bool = False
+    decoder_start_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("n_encoder_layers", "n_decoder_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.decoder_start_token_id is None:
+            object.__setattr__(self, "decoder_start_token_id", self.bos_token_id)
+        start = self.decoder_start_token_id
+        if start is not None and not 0 <= start < self.vocab_size:
+            raise ValueError(f"decoder_start_token_id={start!r} must be an id in [0, vocab_size={self.vocab_size})")
+
+
+def _paper(d_model: int, d_ff: int, n_heads: int, dropout: float) -> dict[str, Any]:
+    return dict(
+        vocab_size=37000, d_model=d_model, d_ff=d_ff, n_heads=n_heads, n_encoder_layers=6, n_decoder_layers=6,
+        dropout=dropout, max_len=1024, positional="sinusoidal", ffn="relu", sublayer="post_norm",
+    )
+
+
+class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, ZooModel):
+    """The paper's encoder-decoder (Figure 1): post-norm sublayers, sinusoidal encodings, embeddings
+    scaled by sqrt(d_model) with dropout on the sum of embeddings and encodings (§5.4), and one weight
+    matrix shared by the source embedding, target embedding and pre-softmax projection.
+
+    Initialisation: Xavier-uniform for every weight matrix (as the paper's reference implementation
+    tensor2tensor), embeddings ~ N(0, d_model^-1/2) so that scaled embeddings have unit variance,
+    biases 0.
+    """
+
+    config_class: ClassVar[type[TransformerConfig]] = Seq2SeqConfig
+    presets: ClassVar[dict[str, dict[str, Any]]] = {
+        "tiny": dict(
+            vocab_size=1000, d_model=64, n_heads=4, d_ff=128, n_encoder_layers=2, n_decoder_layers=2,
+            dropout=0.1, max_len=256,
+        ),
+        # Table 3: base and big.
+        "base": _paper(d_model=512, d_ff=2048, n_heads=8, dropout=0.1),
+        "big": _paper(d_model=1024, d_ff=4096, n_heads=16, dropout=0.3),
+    }
+
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        super().__init__(config)
+        c = config
+        self.src_embed = nn.Embedding(c.vocab_size, c.d_model)
+        self.tgt_embed = self.src_embed if c.share_embeddings else nn.Embedding(c.vocab_size, c.d_model)
+        self.encoder_positional = self._positional()
+        self.decoder_positional = self._positional()
+        self.embed_scale = math.sqrt(c.d_model) if c.scale_embeddings else 1.0  # §3.4
+        self.encoder_embed_norm = self._norm() if c.embedding_norm else nn.Identity()
+        self.decoder_embed_norm = self._norm() if c.embedding_norm else nn.Identity()
+        self.dropout = nn.Dropout(c.dropout)
+        layer_cfg = dict(
+            d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, n_kv_heads=c.n_kv_heads, d_head=c.d_head,
+            d_value=c.d_value, dropout=c.dropout, attention_dropout=c.attention_dropout, ffn=c.ffn, norm=c.norm,
+            norm_eps=c.norm_eps, sublayer=c.sublayer, attention=c.attention, attention_backend=c.attention_backend,
+            bias=c.bias,
+        )
+        self.encoder_layers = nn.ModuleList(
+            blocks.build("layer", "encoder", **layer_cfg) for _ in range(c.n_encoder_layers)
+        )
+        self.decoder_layers = nn.ModuleList(
+            blocks.build("layer", "decoder", **layer_cfg, cross_attention=True) for _ in range(c.n_decoder_layers)
+        )
+        pre_norm = c.sublayer == "pre_norm"
+        self.encoder_final_norm = self._norm() if pre_norm else nn.Identity()
+        self.decoder_final_norm = self._norm() if pre_norm else nn.Identity()
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=c.output_bias)
+        self.reset_parameters()
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tgt_embed.weight
+
+    def _positional(self) -> nn.Module:
+        c = self.config
+        return blocks.build(
+            "positional", c.positional, d_model=c.d_model, n_heads=c.n_heads, d_head=c.d_head, max_len=c.max_len
+        )
+
+    def _norm(self) -> nn.Module:
+        return blocks.build("norm", self.config.norm, d_model=self.config.d_model, eps=self.config.norm_eps)
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform weights, N(0, d_model^-1/2) embeddings, zero biases (see the class docstring)."""
+        embeddings = {id(self.src_embed.weight), id(self.tgt_embed.weight)}
+        for name, p in self.named_parameters():
+            if id(p) in embeddings:
+                nn.init.normal_(p, std=self.config.d_model**-0.5)
+            elif p.dim() >= 2:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    # ------------------------------------------------------------------ encoder
+    def _encode(
+        self, src_ids: Tensor, src_mask: Tensor | None, output_hidden_states: bool, output_attentions: bool
+    ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
+        self.check_ids(src_ids, "src_ids")
+        b, length = src_ids.shape
+        src_mask = self.check_mask(src_mask, (b, length), "src_mask")
+        positions, _ = positions_from_mask(src_mask, 0, length, src_ids.device)
+        pos = self.encoder_positional
+        pos.check_positions(positions)
+        x = self.src_embed(src_ids) * self.embed_scale
+        x = self.dropout(self.encoder_embed_norm(pos(x, positions)))  # (B, S, d_model)
+        bias = pos.attention_bias(positions, positions)
+        mask = None if src_mask is None else blocks.padding_mask(src_mask)  # (B, 1, 1, S)
+        rotary = pos if pos.rotates else None
+        hidden_states, attentions = [x], []
+        for layer in self.encoder_layers:
+            x, weights = layer(x, mask=mask, bias=bias, rotary=rotary, positions=positions,
+                               need_weights=output_attentions)
+            hidden_states.append(x)
+            attentions.append(weights)
+        x = self.encoder_final_norm(x)
+        hidden_states[-1] = x
+        return x, hidden_states, attentions
+
+    def encode(self, src_ids: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """Run the encoder.
+
+        Args:
+            src_ids: ``(B, S)`` source ids.
+            src_mask: ``(B, S)`` bool, True = real token.
+
+        Returns:
+            The memory ``(B, S, d_model)``.
+        """
+        return self._encode(src_ids, src_mask, False, False)[0]
+
+    # ------------------------------------------------------------------ decoder
+    def _decode(
+        self,
+        memory: Tensor,
+        tgt_ids: Tensor,
+        src_mask: Tensor | None,
+        tgt_mask: Tensor | None,
+        cache: list[LayerCache] | None,
+        output_hidden_states: bool,
+        output_attentions: bool,
+    ) -> tuple[Tensor, list[Tensor], list[Tensor | None], list[Tensor | None]]:
+        self.check_ids(tgt_ids, "tgt_ids")
+        b, length = tgt_ids.shape
+        if memory.dim() != 3 or memory.shape[0] != b or memory.shape[2] != self.config.d_model:
+            raise ValueError(
+                f"memory must be (B={b}, S, d_model={self.config.d_model}), got {tuple(memory.shape)}"
+            )
+        src_mask = self.check_mask(src_mask, (b, memory.shape[1]), "src_mask")
+        past = cached_length(cache)
+        tgt_mask = self.check_mask(tgt_mask, (b, past + length), "tgt_mask")
+        if cache is not None and len(cache) != len(self.decoder_layers):
+            raise ValueError(f"cache has {len(cache)} layers, the decoder has {len(self.decoder_layers)}")
+        positions, key_positions = positions_from_mask(tgt_mask, past, length, tgt_ids.device)
+        pos = self.decoder_positional
+        pos.check_positions(positions)
+        x = self.tgt_embed(tgt_ids) * self.embed_scale
+        x = self.dropout(self.decoder_embed_norm(pos(x, positions)))  # (B, L, d_model)
+        bias = pos.attention_bias(positions, key_positions)
+        self_mask = None if tgt_mask is None else blocks.padding_mask(tgt_mask)  # (B, 1, 1, past + L)
+        memory_mask = None if src_mask is None else blocks.padding_mask(src_mask)  # (B, 1, 1, S)
+        rotary = pos if pos.rotates else None
+        hidden_states, self_attns, cross_attns = [x], [], []
+        for i, layer in enumerate(self.decoder_layers):
+            x, self_w, cross_w = layer(
+                x, memory, mask=self_mask, memory_mask=memory_mask, bias=bias, rotary=rotary, positions=positions,
+                cache=None if cache is None else cache[i], need_weights=output_attentions,
+            )
+            hidden_states.append(x)
+            self_attns.append(self_w)
+            cross_attns.append(cross_w)
+        x = self.decoder_final_norm(x)
+        hidden_states[-1] = x
+        return x, hidden_states, self_attns, cross_attns
+
+    def decode(
+        self,
+        memory: Tensor,
+        tgt_ids: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        *,
+        cache: list[LayerCache] | None = None,
+    ) -> Tensor:
+        """Run the decoder over ``memory`` and return next-token logits.
+
+        Args:
+            memory: encoder output ``(B, S, d_model)``.
+            tgt_ids: ``(B, L)`` decoder input ids (starting with the decoder start token).
+            src_mask: ``(B, S)`` bool source padding mask.
+            tgt_mask: ``(B, L)`` bool target padding mask (``(B, past + L)`` with a cache).
+            cache: per-layer caches (``models.base.new_caches(..., cross=True)``) for incremental decoding.
+
+        Returns:
+            Logits ``(B, L, vocab_size)``.
+        """
+        x = self._decode(memory, tgt_ids, src_mask, tgt_mask, cache, False, False)[0]
+        return self.lm_head(x)
+
+    def forward(
+        self,
+        src_ids: Tensor,
+        tgt_ids: Tensor,
+        src_mask: Tensor | None = None,
+        tgt_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        *,
+        output_hidden_states: bool = False,
+        output_attentions: bool = False,
+    ) -> Seq2SeqOutput:
+        """Teacher-forced forward pass.
+
+        Args:
+            src_ids: ``(B, S)`` source ids; ``src_mask`` ``(B, S)`` bool, True = real token.
+            tgt_ids: ``(B, L)`` decoder inputs (targets shifted right); ``tgt_mask`` ``(B, L)``.
+            labels: ``(B, L)`` the token each position must predict (aligned with ``tgt_ids``, no
+                shift inside); -100 is ignored.
+
+        Returns:
+            ``Seq2SeqOutput`` with ``logits (B, L, vocab_size)`` and ``loss`` when labels are given.
+
+        Raises:
+            ValueError: ids outside the vocabulary, masks or labels of the wrong shape, sequences
+                longer than ``max_len`` with learned positions.
+        """
+        if labels is not None and tuple(labels.shape) != tuple(tgt_ids.shape):
+            raise ValueError(f"labels must have shape {tuple(tgt_ids.shape)} like tgt_ids, got {tuple(labels.shape)}")
+        memory, enc_hidden, enc_attn = self._encode(src_ids, src_mask, output_hidden_states, output_attentions)
+        x, dec_hidden, self_attn, cross_attn = self._decode(
+            memory, tgt_ids, src_mask, tgt_mask, None, output_hidden_states, output_attentions
+        )
+        logits = self.lm_head(x)  # (B, L, vocab_size)
+        loss = None if labels is None else lm_loss(logits, labels)
+        return Seq2SeqOutput(
+            logits=logits,
+            loss=loss,
+            hidden_states=tuple(dec_hidden) if output_hidden_states else None,
+            attentions=tuple(self_attn) if output_attentions else None,
+            encoder_last_hidden_state=memory,
+            encoder_hidden_states=tuple(enc_hidden) if output_hidden_states else None,
+            encoder_attentions=tuple(enc_attn) if output_attentions else None,
+            cross_attentions=tuple(cross_attn) if output_attentions else None,
+        )
