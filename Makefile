@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m examples.demo
+	$(PY) examples/demo.py
 
 test: $(STAMP)
 	$(PY) -m ruff check .

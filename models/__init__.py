@@ -1,13 +1,14 @@
 """transformer-zoo models: ``from models import Seq2SeqTransformer, EncoderLM, DecoderLM``."""
 
 from .base import ZooModel
-from .config import TransformerConfig
+from .config import ConfigBase, TransformerConfig
 from .decoder_lm import DecoderLM, DecoderLMConfig
 from .encoder_lm import EncoderLM, EncoderLMConfig
 from .outputs import ModelOutput, Seq2SeqOutput
 from .seq2seq import Seq2SeqConfig, Seq2SeqTransformer
 
 __all__ = [
+    "ConfigBase",
     "DecoderLM",
     "DecoderLMConfig",
     "EncoderLM",

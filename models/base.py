@@ -10,7 +10,7 @@ from torch import Tensor, nn
 import blocks
 from blocks.kv_cache import LayerCache
 
-from .config import TransformerConfig
+from .config import ConfigBase
 
 
 class ZooModel(nn.Module):
@@ -20,10 +20,10 @@ class ZooModel(nn.Module):
     from ``config`` alone.
     """
 
-    config_class: ClassVar[type[TransformerConfig]] = TransformerConfig
+    config_class: ClassVar[type[ConfigBase]] = ConfigBase
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: ConfigBase) -> None:
         super().__init__()
         if not isinstance(config, self.config_class):
             raise TypeError(
@@ -41,7 +41,7 @@ class ZooModel(nn.Module):
         return cls(cls.preset_config(name, **overrides))
 
     @classmethod
-    def preset_config(cls, name: str, **overrides: Any) -> TransformerConfig:
+    def preset_config(cls, name: str, **overrides: Any) -> ConfigBase:
         """The config of a preset, with overrides applied."""
         if name not in cls.presets:
             raise ValueError(f"unknown {cls.__name__} preset {name!r}; expected one of {sorted(cls.presets)}")

@@ -7,11 +7,37 @@ from typing import Any, TypeVar
 
 import blocks
 
-C = TypeVar("C", bound="TransformerConfig")
+C = TypeVar("C", bound="ConfigBase")
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
+class ConfigBase:
+    """A frozen dataclass config that round-trips through a plain JSON dict."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain JSON-able dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[C], data: dict[str, Any]) -> C:
+        """Inverse of ``to_dict``; rejects keys that are not fields of this config.
+
+        Raises:
+            ValueError: unknown keys (named), or invalid values.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; valid keys are {sorted(known)}")
+        return cls(**data)
+
+    def replace(self: C, **changes: Any) -> C:
+        """A copy with ``changes`` applied (validated; unknown keys rejected)."""
+        return self.from_dict({**self.to_dict(), **changes})
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig(ConfigBase):
     """Fields shared by every model family; validated in ``__post_init__``.
 
     ``n_kv_heads`` defaults to ``n_heads``, ``d_head`` to ``d_model // n_heads`` and ``d_value`` to
@@ -80,27 +106,6 @@ class TransformerConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value < self.vocab_size):
                 raise ValueError(f"{name}={value!r} must be None or an id in [0, vocab_size={self.vocab_size})")
-
-    def to_dict(self) -> dict[str, Any]:
-        """A plain JSON-able dict of every field."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls: type[C], data: dict[str, Any]) -> C:
-        """Inverse of ``to_dict``; rejects keys that are not fields of this config.
-
-        Raises:
-            ValueError: unknown keys (named), or invalid values.
-        """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; valid keys are {sorted(known)}")
-        return cls(**data)
-
-    def replace(self: C, **changes: Any) -> C:
-        """A copy with ``changes`` applied (validated; unknown keys rejected)."""
-        return self.from_dict({**self.to_dict(), **changes})
 
 
 def _check_positive_int(config: Any, name: str) -> None:
