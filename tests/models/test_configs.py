@@ -1,0 +1,151 @@
+"""Config round trips and validation; bad input to the models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import blocks
+from models import DecoderLM, DecoderLMConfig, EncoderLM, EncoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer
+
+CONFIGS = [DecoderLMConfig, EncoderLMConfig, Seq2SeqConfig]
+MODELS = [DecoderLM, EncoderLM, Seq2SeqTransformer]
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+@given(data=st.data())
+def test_config_round_trip(cls, data):
+    n_heads = data.draw(st.sampled_from([1, 2, 4, 8]))
+    config = cls(
+        vocab_size=data.draw(st.integers(10, 5000)),
+        d_model=8 * data.draw(st.integers(1, 16)),
+        n_heads=n_heads,
+        n_kv_heads=data.draw(st.sampled_from([h for h in (1, 2, 4, 8) if n_heads % h == 0])),
+        dropout=data.draw(st.floats(0, 0.9)),
+        positional=data.draw(st.sampled_from(blocks.names("positional"))),
+        ffn=data.draw(st.sampled_from(blocks.names("ffn"))),
+        norm=data.draw(st.sampled_from(blocks.names("norm"))),
+        sublayer=data.draw(st.sampled_from(blocks.names("sublayer"))),
+        attention_backend=data.draw(st.sampled_from(blocks.names("attention_backend"))),
+        tie_embeddings=data.draw(st.booleans()),
+    )
+    as_json = json.loads(json.dumps(config.to_dict()))
+    assert cls.from_dict(as_json) == config
+    assert cls.from_dict(as_json).to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_config_defaults_are_filled_in(cls):
+    config = cls(d_model=64, n_heads=4)
+    assert (config.n_kv_heads, config.d_head, config.d_value) == (4, 16, 16)
+    with pytest.raises(dataclass_error()):
+        config.d_model = 3  # frozen
+
+
+def dataclass_error():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_from_dict_rejects_unknown_keys(cls):
+    with pytest.raises(ValueError, match="n_layer"):
+        cls.from_dict({**cls().to_dict(), "n_layer": 3})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"d_model": 30, "n_heads": 4}, "d_model=30 is not divisible by n_heads=4"),
+        ({"n_heads": 4, "n_kv_heads": 3}, "n_heads=4 must be divisible by n_kv_heads=3"),
+        ({"ffn": "rellu"}, "ffn='rellu' is not a registered ffn"),
+        ({"positional": "abs"}, "positional='abs'"),
+        ({"attention_backend": "cuda"}, "attention_backend='cuda'"),
+        ({"norm": "batchnorm"}, "norm='batchnorm'"),
+        ({"sublayer": "sandwich"}, "sublayer='sandwich'"),
+        ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+        ({"d_ff": -4}, "d_ff must be a positive integer, got -4"),
+        ({"d_model": 1.5}, "d_model must be a positive integer, got 1.5"),
+        ({"dropout": 1.0}, "dropout must be a float in \\[0, 1\\), got 1.0"),
+        ({"pad_token_id": 5000}, "pad_token_id=5000"),
+        ({"max_len": 0}, "max_len must be a positive integer"),
+    ],
+)
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_invalid_configs_raise_at_construction(cls, changes, message):
+    with pytest.raises(ValueError, match=message):
+        cls(**changes)
+
+
+def test_family_specific_validation():
+    with pytest.raises(ValueError, match="n_layers must be a positive integer, got 0"):
+        DecoderLMConfig(n_layers=0)
+    with pytest.raises(ValueError, match="n_decoder_layers"):
+        Seq2SeqConfig(n_decoder_layers=-1)
+    with pytest.raises(ValueError, match="type_vocab_size"):
+        EncoderLMConfig(type_vocab_size=-1)
+    with pytest.raises(TypeError, match="Seq2SeqConfig"):
+        Seq2SeqTransformer(DecoderLMConfig())
+
+
+def tiny(cls, **kw):
+    return cls.from_preset("tiny", vocab_size=50, d_model=16, n_heads=2, d_ff=32, max_len=16, **kw).eval()
+
+
+def call(model, x, mask=None):
+    if isinstance(model, Seq2SeqTransformer):
+        return model(x, x, src_mask=mask, tgt_mask=mask)
+    return model(x, attention_mask=mask)
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_ids_outside_the_vocabulary_raise(cls):
+    model = tiny(cls)
+    with pytest.raises(ValueError, match="contains id 50, outside the vocabulary \\[0, vocab_size=50\\)"):
+        call(model, torch.tensor([[1, 2, 50]]))
+    with pytest.raises(ValueError, match="contains id -1"):
+        call(model, torch.tensor([[1, -1, 3]]))
+    with pytest.raises(ValueError, match="integer token ids"):
+        call(model, torch.tensor([[1.0, 2.0]]))
+    with pytest.raises(ValueError, match="\\(B, L\\)"):
+        call(model, torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_mask_shape_must_match_ids(cls):
+    model = tiny(cls)
+    x = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="must have shape \\(1, 3\\)"):
+        call(model, x, torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="bool or 0/1"):
+        call(model, x, torch.tensor([[1, 2, 1]]))
+    # 0/1 integer masks (as tokenizers return them) are accepted.
+    call(model, x, torch.tensor([[1, 1, 0]]))
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_input_longer_than_learned_positions_raises(cls):
+    model = tiny(cls, positional="learned")
+    with pytest.raises(ValueError, match="position 16 is out of range .* max_len=16"):
+        call(model, torch.ones(1, 17, dtype=torch.long))
+    call(model, torch.ones(1, 16, dtype=torch.long))
+    # Sinusoidal tables extend on demand instead.
+    call(tiny(cls, positional="sinusoidal"), torch.ones(1, 40, dtype=torch.long))
+
+
+def test_labels_and_segments_are_checked():
+    model = tiny(EncoderLM)
+    x = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="labels must have shape"):
+        model(x, labels=torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="token_type_ids must be in \\[0, type_vocab_size=2\\)"):
+        model(x, token_type_ids=torch.tensor([[0, 2, 0]]))
+    with pytest.raises(ValueError, match="labels must have shape"):
+        tiny(DecoderLM)(x, labels=torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="labels must have shape"):
+        tiny(Seq2SeqTransformer)(x, x, labels=torch.tensor([[1, 2]]))
