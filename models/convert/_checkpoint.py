@@ -1,0 +1,202 @@
+"""Reading a ``transformers`` checkpoint: its config.json with the family's defaults, and its state dict.
+
+Both readers exist so that every converter reports problems the same way: a config value the zoo cannot
+represent names the field and the feature; a missing, leftover or ill-shaped tensor names the key.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+from torch import Tensor
+
+from ..config import ConfigBase
+
+C = TypeVar("C", bound=ConfigBase)
+
+# transformers' ACT2FN names whose function a registered zoo FFN computes (up to float rounding):
+# "gelu"/"gelu_python" are the erf form; the tanh approximations differ only in how the constant is written.
+ACTIVATIONS: dict[str, str] = {
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
+
+_MISSING = object()
+
+
+class HFConfig:
+    """A read-only view of a ``transformers`` config dict in which absent fields take the family's defaults.
+
+    Args:
+        model_type: the family (for messages).
+        data: the config.json dict.
+        defaults: the family's defaults in the installed ``transformers`` version, for every field read.
+    """
+
+    def __init__(self, model_type: str, data: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+        self.model_type = model_type
+        self.data = data
+        self.defaults = defaults
+
+    def __getitem__(self, key: str) -> Any:
+        value = self.data.get(key, _MISSING)
+        return self.defaults[key] if value is _MISSING else value
+
+    def unsupported(self, key: str, feature: str, supported: str) -> ValueError:
+        """The error for a field whose value the zoo cannot represent."""
+        return ValueError(
+            f"{self.model_type} checkpoint has {key}={self[key]!r} ({feature}); the zoo represents only "
+            f"{supported}, so it cannot load this model exactly"
+        )
+
+    def require(self, key: str, allowed: Iterable[Any], feature: str) -> None:
+        """Raise ``ValueError`` unless the field's value (or its default) is one of ``allowed``."""
+        allowed = tuple(allowed)
+        if not any(self[key] == a and type(self[key]) is type(a) for a in allowed):
+            raise self.unsupported(key, feature, " or ".join(f"{key}={a!r}" for a in allowed))
+
+    def require_legacy(self, key: str, allowed: Iterable[Any], feature: str) -> None:
+        """Like ``require`` for a field older ``transformers`` versions wrote; absent means fine."""
+        if key in self.data and self.data[key] is not None:
+            self.require(key, allowed, feature)
+
+    def positive_int(self, key: str) -> int:
+        """The field as a positive int, or a ``ValueError`` naming it."""
+        value = self[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{self.model_type} config field {key} must be a positive integer, got {value!r}")
+        return value
+
+    def probability(self, key: str) -> float:
+        """A dropout probability in [0, 1)."""
+        value = self[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ValueError(f"{self.model_type} config field {key} must be a probability in [0, 1), got {value!r}")
+        return float(value)
+
+    def activation(self, key: str) -> str:
+        """The registry name of the zoo FFN computing the activation named by the field."""
+        value = self[key]
+        if value not in ACTIVATIONS:
+            raise self.unsupported(
+                key, "the feed-forward activation", "the activations " + ", ".join(sorted(ACTIVATIONS))
+            )
+        return ACTIVATIONS[value]
+
+    def token_id(self, key: str) -> int | None:
+        """A special-token id; a one-element list (as some configs write eos) counts as that id."""
+        value = self[key]
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise self.unsupported(key, "special token ids", "a single integer id or null")
+        return value
+
+    def warn_training_only(self, key: str, zoo_value: float, what: str) -> None:
+        """Warn that a field which only matters in training is approximated (eval-mode outputs are exact)."""
+        if self[key] != zoo_value:
+            warnings.warn(
+                f"{self.model_type} checkpoint has {key}={self[key]!r} but the zoo model uses {zoo_value!r} for "
+                f"{what}; this changes training only (outputs in eval mode are identical)",
+                stacklevel=4,
+            )
+
+
+class CheckpointReader:
+    """Hands out a checkpoint's tensors by their ``transformers`` names and reports any left unused.
+
+    Args:
+        model_type: the family (for messages).
+        state_dict: the checkpoint.
+        prefix: the task model's prefix of the base model (``"transformer."``, ``"bert."``, ``"model."``),
+            stripped where present so that base-model checkpoints read the same way.
+        ignore: regular expressions of keys that carry nothing the model needs (stale buffers).
+    """
+
+    def __init__(
+        self,
+        model_type: str,
+        state_dict: Mapping[str, Tensor],
+        prefix: str = "",
+        ignore: Iterable[str] = (),
+    ) -> None:
+        self.model_type = model_type
+        self.tensors: dict[str, Tensor] = {}
+        for key, value in state_dict.items():
+            if not isinstance(key, str) or not isinstance(value, Tensor):
+                raise ValueError(
+                    f"a state dict maps str keys to tensors; got {type(key).__name__} -> {type(value).__name__} "
+                    f"for key {key!r}"
+                )
+            name = key[len(prefix):] if prefix and key.startswith(prefix) else key
+            if name in self.tensors:
+                raise ValueError(f"{model_type} checkpoint holds {name!r} both with and without the {prefix!r} prefix")
+            self.tensors[name] = value
+        patterns = [re.compile(p) for p in ignore]
+        self.unused = {k for k in self.tensors if not any(p.fullmatch(k) for p in patterns)}
+
+    def has(self, key: str) -> bool:
+        return key in self.tensors
+
+    def has_prefix(self, prefix: str) -> bool:
+        return any(k.startswith(prefix) for k in self.tensors)
+
+    def take(self, key: str) -> Tensor:
+        """The tensor stored under ``key``; ``ValueError`` if the checkpoint lacks it."""
+        if key not in self.tensors:
+            raise ValueError(f"{self.model_type} checkpoint lacks the tensor {key!r}")
+        self.unused.discard(key)
+        return self.tensors[key]
+
+    def take_first(self, *keys: str) -> Tensor:
+        """The first of several names one tensor may be stored under (tied weights); all count as used."""
+        found = [k for k in keys if k in self.tensors]
+        if not found:
+            raise ValueError(f"{self.model_type} checkpoint lacks the tensor {keys[0]!r} (also looked for {keys[1:]})")
+        self.unused.difference_update(keys)
+        return self.tensors[found[0]]
+
+    def skip(self, *keys: str) -> None:
+        """Mark names as used without reading them (aliases of a tied weight the model reads elsewhere)."""
+        self.unused.difference_update(keys)
+
+    def drop(self, pattern: str, what: str) -> None:
+        """Leave out every key matching ``pattern`` (a head the zoo model does not have), with a warning."""
+        regex = re.compile(pattern)
+        dropped = sorted(k for k in self.unused if regex.fullmatch(k))
+        if dropped:
+            self.unused.difference_update(dropped)
+            warnings.warn(
+                f"{self.model_type} checkpoint: leaving out {what} ({len(dropped)} tensors, e.g. {dropped[0]!r}); "
+                "the zoo model has no such part",
+                stacklevel=4,
+            )
+
+    def finish(self) -> None:
+        """Raise ``ValueError`` if any tensor was not used: the checkpoint holds parts the zoo cannot place."""
+        if self.unused:
+            left = sorted(self.unused)
+            shown = ", ".join(repr(k) for k in left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+            raise ValueError(
+                f"{self.model_type} checkpoint holds tensors the zoo model has no place for: {shown} "
+                "(a task head or an architecture variant the zoo does not represent)"
+            )
+
+
+
+def zoo_config(model_type: str, config_class: type[C], **fields: Any) -> C:
+    """Build the zoo config a checkpoint maps to, naming the checkpoint if the zoo rejects a value."""
+    try:
+        return config_class(**fields)
+    except ValueError as err:
+        raise ValueError(f"{model_type} checkpoint maps to an invalid {config_class.__name__}: {err}") from err

@@ -1,0 +1,126 @@
+"""BERT (``model_type: bert``) -> ``EncoderLM``.
+
+A ``BertForMaskedLM`` checkpoint maps one to one (token, position and token-type embeddings, post-norm
+layers, the MLM head). A ``BertModel`` checkpoint has no MLM head: the converter lists the head's keys in
+``allow_missing`` and a loader initialises them with a warning. The pooler and the next-sentence head of
+``BertModel``/``BertForPreTraining`` checkpoints have no zoo counterpart and are left out with a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from ..encoder_lm import EncoderLM, EncoderLMConfig
+from . import Converted, register_converter
+from ._checkpoint import CheckpointReader, HFConfig, zoo_config
+
+# BertConfig's defaults in transformers 5 (fields a config.json may leave out).
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "intermediate_size": 3072, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+    "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
+    "layer_norm_eps": 1e-12, "pad_token_id": 0, "is_decoder": False, "add_cross_attention": False,
+    "bos_token_id": None, "eos_token_id": None, "mask_token_id": None, "tie_word_embeddings": True,
+    "position_embedding_type": "absolute",
+}
+
+# transformers' layer module -> zoo layer module.
+LAYER_NAMES = {
+    "attention.self.query": "self_attn.q_proj",
+    "attention.self.key": "self_attn.k_proj",
+    "attention.self.value": "self_attn.v_proj",
+    "attention.output.dense": "self_attn.o_proj",
+    "attention.output.LayerNorm": "self_attn_sublayer.norm",
+    "intermediate.dense": "ffn.up_proj",
+    "output.dense": "ffn.down_proj",
+    "output.LayerNorm": "ffn_sublayer.norm",
+}
+HEAD_NAMES = {
+    "cls.predictions.transform.dense": "mlm_head.dense",
+    "cls.predictions.transform.LayerNorm": "mlm_head.norm",
+}
+
+
+@register_converter("bert")
+def convert_bert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
+    """Convert a ``BertForMaskedLM``, ``BertForPreTraining`` or ``BertModel`` checkpoint.
+
+    Raises:
+        ValueError: ``position_embedding_type`` other than ``"absolute"``, a causal (``is_decoder``) or
+            cross-attending BERT, an activation no zoo FFN computes (or, with an MLM head, other than the
+            exact GELU of the zoo's head), task heads the zoo lacks, or weights that do not fit the config.
+    """
+    cfg = HFConfig("bert", hf_config, DEFAULTS)
+    cfg.require("position_embedding_type", ["absolute"], "relative position embeddings in attention")
+    cfg.require("is_decoder", [False], "causal self-attention")
+    cfg.require("add_cross_attention", [False], "cross-attention layers")
+    n_layers = cfg.positive_int("num_hidden_layers")
+    type_vocab_size = cfg["type_vocab_size"]
+    if isinstance(type_vocab_size, bool) or not isinstance(type_vocab_size, int) or type_vocab_size < 0:
+        raise ValueError(f"bert config field type_vocab_size must be an integer >= 0, got {type_vocab_size!r}")
+    config = zoo_config(
+        "bert", EncoderLMConfig,
+        vocab_size=cfg.positive_int("vocab_size"), d_model=cfg.positive_int("hidden_size"),
+        n_heads=cfg.positive_int("num_attention_heads"), d_ff=cfg.positive_int("intermediate_size"),
+        n_layers=n_layers, max_len=cfg.positive_int("max_position_embeddings"),
+        dropout=cfg.probability("hidden_dropout_prob"),
+        attention_dropout=cfg.probability("attention_probs_dropout_prob"),
+        positional="learned", ffn=cfg.activation("hidden_act"), norm="layernorm",
+        norm_eps=float(cfg["layer_norm_eps"]), sublayer="post_norm", bias=True,
+        tie_embeddings=bool(cfg["tie_word_embeddings"]), type_vocab_size=type_vocab_size,
+        pad_token_id=cfg.token_id("pad_token_id"), bos_token_id=cfg.token_id("bos_token_id"),
+        eos_token_id=cfg.token_id("eos_token_id"), mask_token_id=cfg.token_id("mask_token_id"),
+    )
+
+    # The original TF checkpoints name LayerNorm parameters gamma/beta; transformers renames them on load.
+    renamed = {_modern_name(k): v for k, v in state_dict.items()}
+    # embeddings.position_ids / token_type_ids are index buffers some versions saved.
+    ckpt = CheckpointReader("bert", renamed, prefix="bert.", ignore=[r"embeddings\.(position_ids|token_type_ids)"])
+    ckpt.drop(r"pooler\..*", "the pooler (BertModel's [CLS] projection)")
+    ckpt.drop(r"cls\.seq_relationship\..*", "the next-sentence-prediction head")
+    out: dict[str, Tensor] = {
+        "embed_tokens.weight": ckpt.take("embeddings.word_embeddings.weight"),
+        "positional.weight": ckpt.take("embeddings.position_embeddings.weight"),
+        "embed_norm.weight": ckpt.take("embeddings.LayerNorm.weight"),
+        "embed_norm.bias": ckpt.take("embeddings.LayerNorm.bias"),
+    }
+    if type_vocab_size:
+        out["token_type_embed.weight"] = ckpt.take("embeddings.token_type_embeddings.weight")
+    for i in range(n_layers):
+        for hf, zoo in LAYER_NAMES.items():
+            for p in ("weight", "bias"):
+                out[f"layers.{i}.{zoo}.{p}"] = ckpt.take(f"encoder.layer.{i}.{hf}.{p}")
+
+    allow_missing: frozenset[str] = frozenset()
+    if ckpt.has_prefix("cls.predictions."):
+        # The zoo's MLM head applies the exact GELU whatever the encoder's activation.
+        cfg.require("hidden_act", ["gelu", "gelu_python"], "the activation of the MLM head's transform")
+        for hf, zoo in HEAD_NAMES.items():
+            for p in ("weight", "bias"):
+                out[f"{zoo}.{p}"] = ckpt.take(f"{hf}.{p}")
+        if config.tie_embeddings:
+            # transformers ties decoder.weight to the word embeddings and decoder.bias to predictions.bias.
+            ckpt.skip("cls.predictions.decoder.weight")
+            out["mlm_head.decoder.bias"] = ckpt.take_first("cls.predictions.bias", "cls.predictions.decoder.bias")
+        else:
+            # Untied, the head reads decoder.bias; predictions.bias is an unused parameter.
+            out["mlm_head.decoder.weight"] = ckpt.take("cls.predictions.decoder.weight")
+            out["mlm_head.decoder.bias"] = ckpt.take_first("cls.predictions.decoder.bias", "cls.predictions.bias")
+    else:
+        head = [f"{zoo}.{p}" for zoo in (*HEAD_NAMES.values(), "mlm_head.decoder") for p in ("weight", "bias")]
+        if config.tie_embeddings:
+            head.remove("mlm_head.decoder.weight")  # it is the word embedding
+        allow_missing = frozenset(head)
+    ckpt.finish()
+    return Converted(EncoderLM, config, out, allow_missing)
+
+
+def _modern_name(key: str) -> str:
+    if key.endswith("LayerNorm.gamma"):
+        return key[: -len("gamma")] + "weight"
+    if key.endswith("LayerNorm.beta"):
+        return key[: -len("beta")] + "bias"
+    return key

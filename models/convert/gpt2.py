@@ -1,0 +1,96 @@
+"""GPT-2 (``model_type: gpt2``) -> ``DecoderLM``.
+
+GPT-2 stores its projections as ``Conv1D`` modules, whose weight is ``(in, out)`` — the transpose of an
+``nn.Linear`` weight — and fuses the query, key and value projections into one ``c_attn`` of width
+``3 · d_model``; the converter transposes and splits them. Everything else maps one to one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from ..decoder_lm import DecoderLM, DecoderLMConfig
+from . import Converted, register_converter
+from ._checkpoint import CheckpointReader, HFConfig, zoo_config
+
+# GPT2Config's defaults in transformers 5 (fields a config.json may leave out).
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+    "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
+    "layer_norm_epsilon": 1e-5, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+    "add_cross_attention": False, "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256,
+    "pad_token_id": None,
+}
+
+# transformers' Conv1D modules of a block (other than the fused c_attn) -> zoo linear layers.
+CONV1D_NAMES = {"attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "ffn.up_proj", "mlp.c_proj": "ffn.down_proj"}
+
+
+@register_converter("gpt2")
+def convert_gpt2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
+    """Convert a ``GPT2LMHeadModel`` (or ``GPT2Model``) checkpoint.
+
+    ``reorder_and_upcast_attn`` changes only the order of fp32 operations and is accepted; the dropout of
+    the embeddings is approximated by the residual dropout (training only, with a warning if they differ).
+
+    Raises:
+        ValueError: ``scale_attn_weights=False``, ``scale_attn_by_inverse_layer_idx=True``,
+            ``add_cross_attention=True``, an activation no zoo FFN computes, or a checkpoint that does not
+            match its config.
+    """
+    cfg = HFConfig("gpt2", hf_config, DEFAULTS)
+    cfg.require("scale_attn_weights", [True], "attention scores scaled by 1/sqrt(d_head) or not")
+    cfg.require("scale_attn_by_inverse_layer_idx", [False], "attention scores also divided by layer index + 1")
+    cfg.require("add_cross_attention", [False], "cross-attention blocks in a decoder-only model")
+    d_model = cfg.positive_int("n_embd")
+    n_layers = cfg.positive_int("n_layer")
+    d_ff = d_model * 4 if cfg["n_inner"] is None else cfg.positive_int("n_inner")
+    cfg.warn_training_only("embd_pdrop", cfg.probability("resid_pdrop"), "dropout on the embeddings")
+    config = zoo_config(
+        "gpt2", DecoderLMConfig,
+        vocab_size=cfg.positive_int("vocab_size"), d_model=d_model, n_heads=cfg.positive_int("n_head"), d_ff=d_ff,
+        n_layers=n_layers, max_len=cfg.positive_int("n_positions"), dropout=cfg.probability("resid_pdrop"),
+        attention_dropout=cfg.probability("attn_pdrop"), positional="learned",
+        ffn=cfg.activation("activation_function"), norm="layernorm", norm_eps=float(cfg["layer_norm_epsilon"]),
+        sublayer="pre_norm", bias=True, tie_embeddings=bool(cfg["tie_word_embeddings"]),
+        pad_token_id=cfg.token_id("pad_token_id"), bos_token_id=cfg.token_id("bos_token_id"),
+        eos_token_id=cfg.token_id("eos_token_id"),
+    )
+
+    # attn.bias / attn.masked_bias are causal-mask buffers older versions saved.
+    ckpt = CheckpointReader("gpt2", state_dict, prefix="transformer.", ignore=[r"h\.\d+\.attn\.(masked_)?bias"])
+    ckpt.drop(r"multiple_choice_head\..*", "GPT2DoubleHeadsModel's multiple-choice head")
+    out: dict[str, Tensor] = {
+        "embed_tokens.weight": ckpt.take("wte.weight"),
+        "positional.weight": ckpt.take("wpe.weight"),
+        "final_norm.weight": ckpt.take("ln_f.weight"),
+        "final_norm.bias": ckpt.take("ln_f.bias"),
+    }
+    for i in range(n_layers):
+        src, dst = f"h.{i}.", f"layers.{i}."
+        # Conv1D: y = x @ W + b with W (in, out); c_attn's output is [q | k | v].
+        qkv_w, qkv_b = ckpt.take(src + "attn.c_attn.weight"), ckpt.take(src + "attn.c_attn.bias")
+        if qkv_w.dim() != 2 or qkv_w.shape[1] != 3 * d_model:
+            raise ValueError(f"gpt2 {src}attn.c_attn.weight must be (n_embd, 3·n_embd), got {tuple(qkv_w.shape)}")
+        for name, w, b in zip(("q", "k", "v"), qkv_w.split(d_model, dim=1), qkv_b.split(d_model), strict=True):
+            out[f"{dst}self_attn.{name}_proj.weight"] = w.t().contiguous()
+            out[f"{dst}self_attn.{name}_proj.bias"] = b.contiguous()
+        for hf, zoo in CONV1D_NAMES.items():
+            out[f"{dst}{zoo}.weight"] = ckpt.take(f"{src}{hf}.weight").t().contiguous()
+            out[f"{dst}{zoo}.bias"] = ckpt.take(f"{src}{hf}.bias")
+        for hf, zoo in (("ln_1", "self_attn_sublayer.norm"), ("ln_2", "ffn_sublayer.norm")):
+            out[f"{dst}{zoo}.weight"] = ckpt.take(f"{src}{hf}.weight")
+            out[f"{dst}{zoo}.bias"] = ckpt.take(f"{src}{hf}.bias")
+
+    allow_missing: frozenset[str] = frozenset()
+    if config.tie_embeddings:
+        ckpt.skip("lm_head.weight")  # the tied copy some versions save; the model reads wte
+    elif ckpt.has("lm_head.weight"):
+        out["lm_head.weight"] = ckpt.take("lm_head.weight")
+    else:
+        allow_missing = frozenset({"lm_head.weight"})  # a GPT2Model checkpoint with an untied head
+    ckpt.finish()
+    return Converted(DecoderLM, config, out, allow_missing)
