@@ -167,10 +167,11 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, ZooModel):
         token_type_ids: Tensor | None = None,
         labels: Tensor | None = None,
         *,
+        masked_only: bool = False,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> ModelOutput:
-        """Masked-LM logits for every position.
+        """Masked-LM logits for every position (or only the labelled ones).
 
         Args:
             input_ids: ``(B, L)`` token ids.
@@ -178,9 +179,13 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, ZooModel):
             token_type_ids: ``(B, L)`` segment ids in ``[0, type_vocab_size)`` (default 0).
             labels: ``(B, L)`` original ids at the positions to predict, -100 elsewhere; the loss
                 covers only labelled positions.
+            masked_only: with ``labels``, run the MLM head only at labelled positions (about 15% of them
+                in MLM training), which skips most of the vocabulary projection; ``logits`` is then
+                ``(N, vocab_size)`` for the N labelled positions in row-major order.
 
         Returns:
-            ``ModelOutput`` with ``logits (B, L, vocab_size)``, and ``loss`` when labels are given.
+            ``ModelOutput`` with ``logits (B, L, vocab_size)`` (or ``(N, vocab_size)``, see
+            ``masked_only``), and ``loss`` when labels are given.
 
         Raises:
             ValueError: ids outside the vocabulary, masks/labels/segments of the wrong shape, or a
@@ -192,8 +197,15 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, ZooModel):
             input_ids, attention_mask, token_type_ids,
             output_hidden_states=output_hidden_states, output_attentions=output_attentions,
         )
-        logits = self.mlm_head(x)  # (B, L, vocab_size)
-        loss = None if labels is None else lm_loss(logits, labels)
+        if masked_only:
+            if labels is None:
+                raise ValueError("masked_only=True needs labels (it keeps only the labelled positions)")
+            selected = labels != -100
+            logits = self.mlm_head(x[selected])  # (N, vocab_size)
+            loss = lm_loss(logits, labels[selected])
+        else:
+            logits = self.mlm_head(x)  # (B, L, vocab_size)
+            loss = None if labels is None else lm_loss(logits, labels)
         return ModelOutput(
             logits=logits,
             loss=loss,

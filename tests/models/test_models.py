@@ -275,6 +275,26 @@ def test_seq2seq_loss_aligned_with_targets():
     close(model.decode(model.encode(src), tgt), out.logits)
 
 
+def test_encoder_lm_masked_only_gives_the_same_loss_and_gradients():
+    model = EncoderLM(EncoderLMConfig(vocab_size=VOCAB, d_model=16, n_heads=2, d_ff=32)).eval()
+    x = ids(2, 7)
+    labels = torch.full_like(x, -100)
+    labels[0, 1], labels[0, 4], labels[1, 6] = 7, 8, 9
+    full = model(x, labels=labels)
+    full.loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    sparse = model(x, labels=labels, masked_only=True)
+    sparse.loss.backward()
+    assert sparse.logits.shape == (3, VOCAB)
+    close(sparse.logits, full.logits[labels != -100])
+    close(sparse.loss, full.loss)
+    for g, p in zip(grads, model.parameters(), strict=True):
+        close(p.grad, g)
+    with pytest.raises(ValueError, match="masked_only=True needs labels"):
+        model(x, masked_only=True)
+
+
 def test_encoder_lm_segments_change_the_output():
     model = EncoderLM(EncoderLMConfig(vocab_size=VOCAB, d_model=16, n_heads=2, d_ff=32)).eval()
     x = ids(1, 6)
