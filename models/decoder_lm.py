@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 import blocks
@@ -146,7 +147,9 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
 
         loss = None
         if labels is not None:
-            loss = lm_loss(logits[:, :-1], labels[:, 1:])
+            # Shift the labels, not the logits: slicing logits[:, :-1] would copy the largest tensor.
+            shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], dim=1)
+            loss = lm_loss(logits, shifted)
         return ModelOutput(
             logits=logits,
             loss=loss,
