@@ -1,0 +1,90 @@
+"""Special-token roles: which token plays padding, unknown, begin, end and mask.
+
+A standard ``tokenizer.json`` lists its special tokens but not their roles. Roles come, in order of
+precedence, from an explicit mapping, from a Hugging Face ``tokenizer_config.json`` next to the file,
+or from the conventional names below (``[PAD]``, ``<pad>``, ``<|endoftext|>`` ...).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+ROLES = ("pad", "unk", "bos", "eos", "mask")
+
+# Order fixes the ids of a freshly trained tokenizer: [PAD]=0, [UNK]=1, [BOS]=2, [EOS]=3, [MASK]=4, matching
+# the models' config defaults (pad_token_id=0, bos_token_id=2, eos_token_id=3, mask_token_id=4).
+DEFAULT_SPECIAL_TOKENS: dict[str, str] = {
+    "pad": "[PAD]", "unk": "[UNK]", "bos": "[BOS]", "eos": "[EOS]", "mask": "[MASK]",
+}
+
+# Conventional names, most specific first; used only when nothing says which token plays a role.
+CONVENTIONAL_NAMES: dict[str, tuple[str, ...]] = {
+    "pad": ("[PAD]", "<pad>", "<|pad|>", "<|padding|>"),
+    "unk": ("[UNK]", "<unk>", "<|unk|>"),
+    "bos": ("[BOS]", "<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]", "<|endoftext|>"),
+    "eos": ("[EOS]", "</s>", "<eos>", "<|end_of_text|>", "<|endoftext|>", "[SEP]"),
+    "mask": ("[MASK]", "<mask>", "<|mask|>"),
+}
+
+CONFIG_FILE = "tokenizer_config.json"
+
+
+def check_special_tokens(special_tokens: Mapping[str, str | None]) -> dict[str, str | None]:
+    """Validate a role -> token mapping and return it as a plain dict.
+
+    Args:
+        special_tokens: keys among ``ROLES``; values non-empty strings (or None: no token for that role).
+
+    Returns:
+        A dict with the same items.
+
+    Raises:
+        ValueError: an unknown role, an empty or non-string token, or one token given two roles.
+    """
+    if not isinstance(special_tokens, Mapping):
+        raise ValueError(f"special_tokens must be a mapping role -> token, got {type(special_tokens).__name__}")
+    unknown = sorted(set(special_tokens) - set(ROLES))
+    if unknown:
+        raise ValueError(f"unknown special-token role(s) {unknown}; expected roles among {list(ROLES)}")
+    seen: dict[str, str] = {}
+    for role, token in special_tokens.items():
+        if token is None:
+            continue
+        if not isinstance(token, str) or not token:
+            raise ValueError(f"special token for role {role!r} must be a non-empty string or None, got {token!r}")
+        if token in seen:
+            raise ValueError(f"token {token!r} is given two roles, {seen[token]!r} and {role!r}")
+        seen[token] = role
+    return dict(special_tokens)
+
+
+def roles_from_config(tokenizer_file: Path) -> dict[str, str]:
+    """Roles named by a Hugging Face ``tokenizer_config.json`` beside ``tokenizer_file`` (empty if none)."""
+    config_path = tokenizer_file.with_name(CONFIG_FILE)
+    if not config_path.is_file():
+        return {}
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+    roles: dict[str, str] = {}
+    for role in ROLES:
+        value: Any = config.get(f"{role}_token") if isinstance(config, dict) else None
+        # transformers writes either the token string or a serialised AddedToken with a "content" field.
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str) and value:
+            roles[role] = value
+    return roles
+
+
+def write_config(tokenizer_file: Path, roles: Mapping[str, str | None]) -> None:
+    """Write the roles as a ``tokenizer_config.json`` beside ``tokenizer_file`` (the transformers format)."""
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for role in ROLES:
+        if roles.get(role) is not None:
+            config[f"{role}_token"] = roles[role]
+    tokenizer_file.with_name(CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
