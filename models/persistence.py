@@ -1,7 +1,261 @@
-"""Persistence: safetensors checkpoints and the Hugging Face Hub (mixed into the model classes)."""
+"""Persistence: safetensors checkpoints and the Hugging Face Hub (mixed into the model classes).
+
+``model.save_pretrained(dir)`` writes ``config.json`` (architecture, format version, config),
+``model.safetensors`` (tied weights stored once), ``tokenizer.json`` when there is a tokenizer and a
+``README.md`` model card, atomically. ``Model.from_pretrained(path_or_repo_id)`` reads a folder or a Hub repo
+at any revision; ``model.push_to_hub(repo_id)`` uploads the same folder in one commit. All Hub traffic goes
+through ``huggingface_hub``.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCardData
+from huggingface_hub.utils import validate_repo_id
+
+from . import checkpoint_io as io
+from .auto import load_pretrained, register_architecture
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitInfo
+
+M = TypeVar("M", bound="PersistenceMixin")
+
 
 class PersistenceMixin:
-    """``save_pretrained``, ``from_pretrained`` and ``push_to_hub``."""
+    """``save_pretrained``, ``from_pretrained`` and ``push_to_hub``; every subclass registers its
+    architecture name so ``models.auto.from_pretrained`` can find it.
+
+    ``model.tokenizer`` (default ``None``) is set by ``from_pretrained`` when the checkpoint holds a
+    tokenizer, and is saved and pushed along with the weights.
+    """
+
+    tokenizer: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        register_architecture(cls)
+
+    # ------------------------------------------------------------------ local folders
+    def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None) -> Path:
+        """Write the checkpoint folder ``save_directory`` atomically.
+
+        Files: ``config.json``, ``model.safetensors`` (parameters in their current dtype; tied weights once),
+        ``tokenizer.json`` (from ``tokenizer``, else ``self.tokenizer``, if any) and ``README.md``. Everything
+        is written to a temporary folder beside it and then moved into place, so an interrupted save leaves the
+        previous checkpoint loadable; other files already in the folder are left alone.
+
+        Args:
+            save_directory: the folder (created with its parents if needed).
+            tokenizer: anything with ``save(path)`` writing a ``tokenizers`` JSON file (a ``tokenizers.Tokenizer``
+                or ``tokenization.Tokenizer``).
+
+        Returns:
+            The folder's path.
+
+        Raises:
+            TypeError: ``save_directory`` is not a path, or ``tokenizer`` has no ``save`` method.
+            NotADirectoryError: ``save_directory`` exists and is a file.
+        """
+        if not isinstance(save_directory, (str, os.PathLike)):
+            raise TypeError(f"save_directory must be a folder path, got {type(save_directory).__name__}")
+        tokenizer = self._tokenizer_to_save(tokenizer)
+        target = Path(save_directory).expanduser()
+        if target.exists() and not target.is_dir():
+            raise NotADirectoryError(f"cannot save a checkpoint to {target}: it exists and is not a folder")
+        with io.staging_folder(target) as staging:
+            self._write_checkpoint(staging, tokenizer, card_reference=str(save_directory))
+            io.publish(staging, target)
+        return target
+
+    @classmethod
+    def from_pretrained(
+        cls: type[M],
+        path_or_repo_id: str | os.PathLike[str],
+        revision: str | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        attention_backend: str | None = None,
+        *,
+        token: str | bool | None = None,
+        endpoint: str | None = None,
+    ) -> M:
+        """Load a checkpoint of this class from a local folder or a Hub repo (any branch, tag or commit).
+
+        The weights must fit the config exactly: missing, unexpected or mis-shaped tensors are an error.
+        Checkpoints written by ``transformers`` are converted when ``models.convert`` supports them.
+
+        Args:
+            path_or_repo_id: a checkpoint folder, or a Hub repo id ``"namespace/name"``.
+            revision: Hub branch, tag or commit sha (default ``"main"``).
+            device: where to put the weights (default CPU).
+            dtype: cast floating weights to this dtype (default: keep the stored dtype).
+            attention_backend: registered backend to use (a runtime choice, not stored in the weights).
+            token: Hub token (default: ``HF_TOKEN`` or the one saved by ``hf auth login``).
+            endpoint: Hub URL (default: ``HF_ENDPOINT`` or huggingface.co).
+
+        Returns:
+            The model in eval mode; ``model.tokenizer`` holds the checkpoint's tokenizer if it has one.
+
+        Raises:
+            ValueError: a checkpoint of another architecture (both are named), weights that do not fit,
+                corrupted files, a pickle that is not plain tensors, or bad arguments.
+            FileNotFoundError: a local folder without ``config.json`` or weights.
+            huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: from
+                the Hub, with repo and revision in the message.
+        """
+        return load_pretrained(
+            path_or_repo_id, cls, revision=revision, device=device, dtype=dtype,
+            attention_backend=attention_backend, token=token, endpoint=endpoint,
+        )
+
+    # ------------------------------------------------------------------ the Hub
+    def push_to_hub(
+        self,
+        repo_id: str,
+        private: bool = False,
+        commit_message: str | None = None,
+        revision: str | None = None,
+        tokenizer: Any = None,
+        *,
+        token: str | bool | None = None,
+        endpoint: str | None = None,
+    ) -> CommitInfo:
+        """Upload the checkpoint folder to a Hub model repo in one commit, creating repo and branch if needed.
+
+        Args:
+            repo_id: ``"namespace/name"`` (or ``"name"`` in the token owner's namespace).
+            private: create the repo private (ignored when it exists).
+            commit_message: default ``"Upload <Architecture> with transformer-zoo"``.
+            revision: branch to commit to (default ``"main"``); created from ``main`` if missing.
+            tokenizer: also upload this tokenizer (default: ``self.tokenizer`` if set).
+            token: Hub token (default: the usual ``huggingface_hub`` places); never printed.
+            endpoint: Hub URL (default: ``HF_ENDPOINT`` or huggingface.co).
+
+        Returns:
+            ``huggingface_hub.CommitInfo``: ``.commit_url`` and ``.oid`` (the commit sha, usable as ``revision``).
+            When nothing changed since the last push, no commit is made and the current head is returned.
+
+        Raises:
+            ValueError: an invalid ``repo_id`` or ``revision``.
+            TypeError: ``private`` is not a bool, or ``tokenizer`` has no ``save`` method.
+            huggingface_hub.errors.HfHubHTTPError: the Hub refused (e.g. no write access).
+        """
+        validate_repo_id(repo_id)
+        if not isinstance(private, bool):
+            raise TypeError(f"private must be a bool, got {private!r}")
+        if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+            raise ValueError(f"revision must be a non-empty branch name, got {revision!r}")
+        tokenizer = self._tokenizer_to_save(tokenizer)
+        api = HfApi(endpoint=endpoint, token=token, library_name=io.LIBRARY_NAME, library_version=io.library_version())
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision not in (None, "main"):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        message = commit_message or f"Upload {type(self).__name__} with transformer-zoo"
+        with tempfile.TemporaryDirectory(prefix="transformer-zoo-push-") as tmp:
+            folder = Path(tmp)
+            self._write_checkpoint(folder, tokenizer, card_reference=repo_id)
+            operations = [
+                CommitOperationAdd(path_in_repo=p.name, path_or_fileobj=str(p)) for p in sorted(folder.iterdir())
+            ]
+            return api.create_commit(repo_id, operations, commit_message=message, revision=revision)
+
+    # ------------------------------------------------------------------ the model card
+    def model_card(self, reference: str | None = None) -> str:
+        """The ``README.md`` model card: YAML metadata, architecture, parameter count, config table, usage.
+
+        Args:
+            reference: what the usage snippet passes to ``from_pretrained`` (a repo id or a folder).
+        """
+        name = type(self).__name__
+        config = self.config.to_dict()
+        dtype = _dtype_name(self)
+        data = ModelCardData(library_name=io.LIBRARY_NAME, tags=[io.LIBRARY_NAME, name, "safetensors"])
+        summary = (type(self).__doc__ or "").strip().split("\n\n")[0]
+        summary = " ".join(line.strip() for line in summary.splitlines())
+        rows = "\n".join(f"| `{key}` | `{value!r}` |" for key, value in config.items())
+        reference = reference or "path/to/checkpoint"
+        n_params = sum(p.numel() for p in self.parameters())
+        tokenizer_line = "included (`tokenizer.json`)" if self.tokenizer is not None else "not included"
+        body = f"""
+# {name}
+
+{summary}
+
+A `{name}` checkpoint saved with transformer-zoo.
+
+- Parameters: {n_params:,} (tied weights counted once)
+- Weights: `{io.WEIGHTS_NAME}`, {dtype}
+- Tokenizer: {tokenizer_line}
+
+## Usage
+
+```python
+from models import {name}
+
+model = {name}.from_pretrained({json.dumps(reference)})
+```
+
+## Configuration
+
+| field | value |
+|---|---|
+{rows}
+"""
+        return f"---\n{data.to_yaml()}\n---\n{body}"
+
+    # ------------------------------------------------------------------ helpers
+    def _tokenizer_to_save(self, tokenizer: Any) -> Any:
+        tokenizer = tokenizer if tokenizer is not None else self.tokenizer
+        if tokenizer is not None and not callable(getattr(tokenizer, "save", None)):
+            raise TypeError(
+                f"tokenizer must have a save(path) method writing tokenizer.json (a tokenizers.Tokenizer or "
+                f"tokenization.Tokenizer), got {type(tokenizer).__name__}"
+            )
+        return tokenizer
+
+    def _write_checkpoint(self, folder: Path, tokenizer: Any, card_reference: str) -> None:
+        name = type(self).__name__
+        io.save_weights(io.unique_state(self), folder / io.WEIGHTS_NAME, metadata={"architecture": name})
+        if tokenizer is not None:
+            tokenizer.save(str(folder / io.TOKENIZER_NAME))
+        (folder / io.CARD_NAME).write_text(self.model_card(card_reference), encoding="utf-8")
+        io.write_json(
+            {
+                "architecture": name,
+                "format_version": io.FORMAT_VERSION,
+                "config": self.config.to_dict(),
+                "library": io.LIBRARY_NAME,
+                "library_version": io.library_version(),
+                "dtype": _dtype_name(self),
+            },
+            folder / io.CONFIG_NAME,
+        )
+
+
+def load_tokenizer(path: Path) -> Any:
+    """Load ``tokenizer.json`` with the project's ``tokenization.Tokenizer`` (``tokenizers.Tokenizer`` until
+    that package exists).
+
+    Raises:
+        ValueError: the file is not a valid tokenizer (the path is named).
+    """
+    try:
+        from tokenization import Tokenizer
+    except ImportError:
+        from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise ValueError(f"{path} is not a valid tokenizer file: {e}") from e
+
+
+def _dtype_name(model: Any) -> str:
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    return dtypes[0] if len(dtypes) == 1 else "mixed (" + ", ".join(dtypes) + ")"

@@ -1,0 +1,315 @@
+"""The architecture registry and the loader that picks a model class from a checkpoint's ``config.json``.
+
+Every class that mixes in ``PersistenceMixin`` registers itself here under its class name, so
+``models.auto.from_pretrained(path_or_repo_id)`` can rebuild any saved model without being told its class.
+Checkpoints written by ``transformers`` (a ``config.json`` with ``model_type``) are converted on the fly by
+``models.convert.from_transformers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import blocks
+
+from . import checkpoint_io as io
+
+logger = logging.getLogger(__name__)
+
+_ARCHITECTURES: dict[str, type[nn.Module]] = {}
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}
+
+
+def register_architecture(cls: type[nn.Module]) -> type[nn.Module]:
+    """Register ``cls`` under its class name (called by ``PersistenceMixin.__init_subclass__``).
+
+    Re-defining the same class (same module and qualified name, e.g. on reload) replaces the entry.
+
+    Raises:
+        ValueError: another class already holds that name.
+    """
+    name = cls.__name__
+    old = _ARCHITECTURES.get(name)
+    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(
+            f"architecture name {name!r} is already registered by {old.__module__}.{old.__qualname__}; "
+            f"cannot register {cls.__module__}.{cls.__qualname__} under the same name"
+        )
+    _ARCHITECTURES[name] = cls
+    return cls
+
+
+def get_architecture(name: str) -> type[nn.Module]:
+    """The registered model class called ``name``.
+
+    Raises:
+        ValueError: unknown name (the registered names are listed).
+    """
+    if name not in _ARCHITECTURES:
+        raise ValueError(f"unknown architecture {name!r}; registered architectures are {architectures()}")
+    return _ARCHITECTURES[name]
+
+
+def architectures() -> list[str]:
+    """Sorted names of every registered architecture."""
+    return sorted(_ARCHITECTURES)
+
+
+def from_pretrained(
+    path_or_repo_id: str | os.PathLike[str],
+    revision: str | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    attention_backend: str | None = None,
+    *,
+    token: str | bool | None = None,
+    endpoint: str | None = None,
+) -> nn.Module:
+    """Load any saved model, choosing its class from ``config.json``.
+
+    Same arguments and behaviour as ``Model.from_pretrained`` (see ``load_pretrained``), without naming the class.
+
+    Returns:
+        The model (in eval mode), with ``model.tokenizer`` set when the checkpoint holds ``tokenizer.json``.
+    """
+    return load_pretrained(
+        path_or_repo_id, None, revision=revision, device=device, dtype=dtype,
+        attention_backend=attention_backend, token=token, endpoint=endpoint,
+    )
+
+
+def load_pretrained(
+    path_or_repo_id: str | os.PathLike[str],
+    expected_class: type[nn.Module] | None,
+    *,
+    revision: str | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    attention_backend: str | None = None,
+    token: str | bool | None = None,
+    endpoint: str | None = None,
+) -> nn.Module:
+    """Resolve, read, build and strictly load a checkpoint from a local folder or a Hub repo.
+
+    Args:
+        path_or_repo_id: a checkpoint folder, or a Hub repo id (``"namespace/name"``).
+        expected_class: the class the caller asked for (``None``: whatever ``config.json`` names).
+        revision: branch, tag or commit sha on the Hub (default ``"main"``); not allowed for local folders.
+        device: where the weights go (default: CPU).
+        dtype: floating dtype of the weights (``torch.dtype`` or a name like ``"bfloat16"``); default: the
+            dtype stored in the checkpoint, unchanged.
+        attention_backend: a registered ``attention_backend`` to switch every attention module to.
+        token, endpoint: passed to ``huggingface_hub`` (defaults: the usual token places, ``HF_ENDPOINT``).
+
+    Returns:
+        The model in eval mode; ``model.tokenizer`` is set when the checkpoint holds ``tokenizer.json``.
+
+    Raises:
+        ValueError: bad arguments; a config of another architecture than ``expected_class``; weights that
+            do not fit the config (missing, unexpected or mis-shaped tensors, all listed); unreadable or
+            corrupted files; a pickle that is not plain tensors.
+        FileNotFoundError: a local folder without ``config.json`` or weights.
+        huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: the repo,
+            revision or a required file does not exist on the Hub (the message names repo and revision).
+    """
+    device = _parse_device(device)
+    dtype = _parse_dtype(dtype)
+    if attention_backend is not None:
+        blocks.get("attention_backend", attention_backend)  # fail before any download
+
+    files = io.resolve_checkpoint(path_or_repo_id, revision=revision, token=token, endpoint=endpoint)
+    raw = io.read_json(files.config)
+    allow_missing: frozenset[str] = frozenset()
+    if io.is_zoo_config(raw):
+        cls, config = _zoo_class_and_config(raw, expected_class, files.source)
+        state = io.read_weights(files)
+    elif io.is_transformers_config(raw):
+        state = io.read_weights(files)
+        cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, files.source)
+    else:
+        raise ValueError(
+            f"{files.config} is neither a transformer-zoo config (keys 'architecture' and 'format_version') nor a "
+            f"transformers config (key 'model_type'); it has keys {sorted(raw)}"
+        )
+
+    model = cls(config)
+    load_state_into(model, state, allow_missing=allow_missing, dtype=dtype, source=files.source)
+    if attention_backend is not None:
+        model.set_attention_backend(attention_backend)
+    if device is not None:
+        model.to(device)
+    model.eval()
+    if files.tokenizer is not None:
+        from .persistence import load_tokenizer  # persistence imports this module
+
+        model.tokenizer = load_tokenizer(files.tokenizer)
+    return model
+
+
+def load_state_into(
+    model: nn.Module,
+    state: Mapping[str, Tensor],
+    *,
+    allow_missing: frozenset[str] = frozenset(),
+    dtype: torch.dtype | None = None,
+    source: str = "checkpoint",
+) -> None:
+    """Strictly copy ``state`` into ``model``, keeping tied weights tied.
+
+    Tied tensors (one object under several names) need only one of their names in ``state``. With ``dtype``
+    the model is cast to it; without, it takes the checkpoint's floating dtype when that is uniform, and
+    each tensor keeps its own dtype when the checkpoint mixes dtypes.
+
+    Args:
+        model: a freshly built model.
+        state: name -> tensor, in the model's naming.
+        allow_missing: names that may be absent: they keep their initialisation and a warning is logged.
+        dtype: target floating dtype, or ``None``.
+        source: how to name the checkpoint in messages.
+
+    Raises:
+        ValueError: missing, unexpected or mis-shaped tensors (every one listed), or tied names whose
+            tensors in ``state`` differ.
+    """
+    targets = model.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for name, tensor in targets.items():
+        groups.setdefault(id(tensor), []).append(name)
+
+    unexpected = sorted(set(state) - set(targets))
+    missing: list[str] = []
+    mismatched: list[str] = []
+    assignments: list[tuple[Tensor, Tensor]] = []
+    for names in groups.values():
+        present = [n for n in names if n in state]
+        if not present:
+            if any(n in allow_missing for n in names):
+                logger.warning("%s has no weights for %s: keeping the fresh initialisation", source, names[0])
+            else:
+                missing.append(names[0] if len(names) == 1 else f"{names[0]} (tied with {', '.join(names[1:])})")
+            continue
+        loaded = state[present[0]]
+        for other in present[1:]:
+            if not torch.equal(state[other], loaded):
+                raise ValueError(f"{source}: tied weights {present[0]} and {other} hold different values")
+        target = targets[names[0]]
+        if tuple(loaded.shape) != tuple(target.shape):
+            mismatched.append(f"{present[0]}: checkpoint {tuple(loaded.shape)} vs model {tuple(target.shape)}")
+        elif loaded.is_floating_point() != target.is_floating_point():
+            mismatched.append(f"{present[0]}: checkpoint dtype {loaded.dtype} vs model dtype {target.dtype}")
+        else:
+            assignments.append((target, loaded))
+    if missing or unexpected or mismatched:
+        problems = [
+            f"{label} ({len(items)}): {_listing(items)}"
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", mismatched))
+            if items
+        ]
+        raise ValueError(
+            f"the weights in {source} do not fit {type(model).__name__} and its config: " + "; ".join(problems)
+        )
+
+    floating = {t.dtype for t in state.values() if t.is_floating_point()}
+    uniform = dtype if dtype is not None else (next(iter(floating)) if len(floating) == 1 else None)
+    if uniform is not None:
+        model.to(dtype=uniform)  # non-persistent float buffers (sinusoid tables) follow the weights
+    with torch.no_grad():
+        for target, loaded in assignments:
+            if loaded.is_floating_point():
+                loaded = loaded.to(dtype=uniform or loaded.dtype)
+            # Assigning .data keeps the Parameter object, so every module sharing it stays tied.
+            target.data = loaded.to(device=target.device).contiguous()
+
+
+def _zoo_class_and_config(
+    raw: dict[str, Any], expected_class: type[nn.Module] | None, source: str
+) -> tuple[type[nn.Module], Any]:
+    version = raw.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"{source}: config.json has format_version={version!r}; expected a positive integer")
+    if version > io.FORMAT_VERSION:
+        raise ValueError(
+            f"{source}: config.json has format_version={version}, newer than this transformer-zoo reads "
+            f"({io.FORMAT_VERSION}); upgrade transformer-zoo"
+        )
+    name = raw.get("architecture")
+    if not isinstance(name, str):
+        raise ValueError(f"{source}: config.json has architecture={name!r}; expected a class name")
+    if expected_class is not None:
+        if name != expected_class.__name__:
+            raise ValueError(
+                f"{source} holds a {name} checkpoint, not a {expected_class.__name__}; load it with "
+                f"{name}.from_pretrained or models.auto.from_pretrained"
+            )
+        cls = expected_class
+    else:
+        cls = get_architecture(name)
+    config_dict = raw.get("config")
+    if not isinstance(config_dict, dict):
+        raise ValueError(f"{source}: config.json field 'config' must be an object, got {type(config_dict).__name__}")
+    try:
+        config = cls.config_class.from_dict(config_dict)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: config.json does not hold a valid {cls.config_class.__name__}: {e}") from e
+    return cls, config
+
+
+def _convert_transformers(
+    raw: dict[str, Any], state: dict[str, Tensor], expected_class: type[nn.Module] | None, source: str
+) -> tuple[type[nn.Module], Any, dict[str, Tensor], frozenset[str]]:
+    try:
+        from .convert import from_transformers
+    except ImportError as e:
+        raise ImportError(
+            f"{source} is a transformers checkpoint (model_type={raw.get('model_type')!r}); converting it needs "
+            f"models.convert, which could not be imported: {e}"
+        ) from e
+    converted = from_transformers(raw, state)
+    cls = converted.architecture
+    if expected_class is not None and cls is not expected_class:
+        raise ValueError(
+            f"{source} is a transformers {raw.get('model_type')!r} checkpoint, which converts to {cls.__name__}, "
+            f"not {expected_class.__name__}; load it with {cls.__name__}.from_pretrained or models.auto.from_pretrained"
+        )
+    return cls, converted.config, dict(converted.state_dict), frozenset(converted.allow_missing)
+
+
+def _parse_device(device: str | torch.device | None) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a valid torch device (e.g. 'cpu', 'cuda:0')") from e
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was requested but CUDA is not available")
+    return parsed
+
+
+def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not a floating dtype name; expected one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype.removeprefix("torch.")]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} must be a floating torch.dtype (float32, float16, bfloat16) or its name")
+    return dtype
+
+
+def _listing(items: list[str], limit: int = 20) -> str:
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown}, ... ({len(items) - limit} more)"
