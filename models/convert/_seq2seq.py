@@ -1,4 +1,4 @@
-"""What Marian and BART checkpoints share: fairseq-style layer names, config fields and embedding ties.
+"""What Marian and BART share, in both directions: fairseq-style layer names, config fields, embedding ties.
 
 Both families name a layer's parts ``self_attn.{q,k,v,out}_proj``, ``self_attn_layer_norm``,
 ``encoder_attn*`` (decoder only), ``fc1``, ``fc2``, ``final_layer_norm``, use post-norm layers with
@@ -8,10 +8,15 @@ every tied name reads one matrix; without it the encoder, decoder and output mat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
+from ..seq2seq import Seq2SeqConfig
 from ._checkpoint import CheckpointReader, HFConfig
+from .export import activation_name, require, require_plain_attention
 
 # transformers' sublayer module -> zoo sublayer module, per layer.
 ENCODER_LAYER = {
@@ -120,3 +125,67 @@ def convert_embeddings(
         vocab = out.get("tgt_embed.weight", out["src_embed.weight"]).shape[0]
         out["lm_head.bias"] = torch.zeros(vocab, dtype=out["src_embed.weight"].dtype)
     return out, allow_missing
+
+
+def export_fields(config: Seq2SeqConfig) -> dict[str, Any]:
+    """The ``transformers`` config fields both families fill the same way from a zoo config.
+
+    ``forced_eos_token_id`` is written as null: the zoo's generation does not force a final EOS, and the
+    families' defaults would.
+
+    Raises:
+        NotExportable: a pre-norm stack, a norm eps other than ``nn.LayerNorm``'s default, attention or
+            FFN shapes the families lack.
+    """
+    require(config.sublayer == "post_norm", f"sublayer={config.sublayer!r} (only 'post_norm')")
+    require(config.norm_eps == NORM_EPS, f"norm_eps={config.norm_eps} (the family's layer norms use {NORM_EPS})")
+    require_plain_attention(config)
+    return {
+        "vocab_size": config.vocab_size, "d_model": config.d_model, "encoder_layers": config.n_encoder_layers,
+        "decoder_layers": config.n_decoder_layers, "encoder_attention_heads": config.n_heads,
+        "decoder_attention_heads": config.n_heads, "encoder_ffn_dim": config.d_ff, "decoder_ffn_dim": config.d_ff,
+        "max_position_embeddings": config.max_len, "activation_function": activation_name(config),
+        "dropout": config.dropout, "attention_dropout": config.attention_dropout, "activation_dropout": 0.0,
+        "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0, "scale_embedding": config.scale_embeddings,
+        "pad_token_id": config.pad_token_id, "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id, "decoder_start_token_id": config.decoder_start_token_id,
+        "forced_eos_token_id": None, "is_encoder_decoder": True,
+    }
+
+
+def export_layers(zoo: Mapping[str, Tensor], config: Seq2SeqConfig) -> dict[str, Tensor]:
+    """Every layer's weights and the logits bias under ``transformers`` names (``model.`` prefix)."""
+    out: dict[str, Tensor] = {}
+    for stack, n_layers, names in (("encoder", config.n_encoder_layers, ENCODER_LAYER),
+                                   ("decoder", config.n_decoder_layers, DECODER_LAYER)):
+        for i in range(n_layers):
+            for hf, name in names.items():
+                for p in ("weight", "bias"):
+                    out[f"model.{stack}.layers.{i}.{hf}.{p}"] = zoo[f"{stack}_layers.{i}.{name}.{p}"]
+    bias = zoo.get("lm_head.bias")
+    out["final_logits_bias"] = (
+        torch.zeros(1, config.vocab_size, dtype=zoo["src_embed.weight"].dtype) if bias is None else bias[None]
+    )
+    return out
+
+
+def export_embeddings(
+    zoo: Mapping[str, Tensor], config: Seq2SeqConfig, *, has_shared_matrix: bool = True
+) -> tuple[bool, dict[str, Tensor]]:
+    """``(tie_word_embeddings, tensors)`` for the embeddings and the output projection.
+
+    Fully tied zoo models (one matrix for source, target and output) map to ``tie_word_embeddings``;
+    anything else is written untied, every matrix under its own name (``transformers`` 5 ties nothing
+    then), with ``model.shared`` — unused by the forward — filled with the source matrix when
+    ``has_shared_matrix``.
+    """
+    if config.share_embeddings and config.tie_embeddings:
+        return True, {"model.shared.weight": zoo["src_embed.weight"]}
+    out = {
+        "model.encoder.embed_tokens.weight": zoo["src_embed.weight"],
+        "model.decoder.embed_tokens.weight": zoo["tgt_embed.weight"],
+        "lm_head.weight": zoo["lm_head.weight"],
+    }
+    if has_shared_matrix:
+        out["model.shared.weight"] = zoo["src_embed.weight"]
+    return False, out

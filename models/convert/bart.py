@@ -1,4 +1,4 @@
-"""BART (``model_type: bart``) -> ``Seq2SeqTransformer``.
+"""BART (``model_type: bart``) <-> ``Seq2SeqTransformer``.
 
 BART is a post-norm encoder-decoder with learned positions, a layer norm on the embeddings
 (``layernorm_embedding``, the zoo's ``embedding_norm``) and a ``final_logits_bias`` (the zoo's
@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from ..seq2seq import Seq2SeqConfig, Seq2SeqTransformer
 from . import Converted, register_converter
 from ._checkpoint import CheckpointReader, HFConfig, zoo_config
-from ._seq2seq import common_fields, convert_embeddings, convert_layers
+from ._seq2seq import common_fields, convert_embeddings, convert_layers, export_embeddings, export_fields, export_layers
+from .export import register_exporter, require, tensors
 
 # BartConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -74,3 +76,32 @@ def convert_bart(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
         out[f"{stack}_embed_norm.bias"] = ckpt.take(f"{stack}.layernorm_embedding.bias")
     ckpt.finish()
     return Converted(Seq2SeqTransformer, config, out, allow_missing)
+
+
+@register_exporter("bart")
+def export_bart(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A ``BartForConditionalGeneration`` config and state dict for a BART-shaped ``Seq2SeqTransformer``.
+
+    The two offset rows BART's position tables start with are never read; they are written as zeros.
+
+    Raises:
+        NotExportable: not a ``Seq2SeqTransformer``, or one with parts BART lacks (non-learned positions,
+            no embedding norm, pre-norm, GQA, RMSNorm, no biases, a norm eps other than 1e-5).
+    """
+    require(isinstance(model, Seq2SeqTransformer), f"{type(model).__name__} is not a Seq2SeqTransformer")
+    c = model.config
+    require(c.positional == "learned", f"positional={c.positional!r} (only 'learned')")
+    require(c.embedding_norm, "embedding_norm=False (BART normalises the embeddings)")
+    zoo = tensors(model)
+    tie, out = export_embeddings(zoo, c)
+    config = {
+        "model_type": "bart", "architectures": ["BartForConditionalGeneration"], **export_fields(c),
+        "tie_word_embeddings": tie,
+    }
+    for stack in ("encoder", "decoder"):
+        table = zoo[f"{stack}_positional.weight"]
+        out[f"model.{stack}.embed_positions.weight"] = torch.cat([table.new_zeros(OFFSET, c.d_model), table])
+        out[f"model.{stack}.layernorm_embedding.weight"] = zoo[f"{stack}_embed_norm.weight"]
+        out[f"model.{stack}.layernorm_embedding.bias"] = zoo[f"{stack}_embed_norm.bias"]
+    out.update(export_layers(zoo, c))
+    return config, out

@@ -1,4 +1,4 @@
-"""BERT (``model_type: bert``) -> ``EncoderLM``.
+"""BERT (``model_type: bert``) <-> ``EncoderLM``.
 
 A ``BertForMaskedLM`` checkpoint maps one to one (token, position and token-type embeddings, post-norm
 layers, the MLM head). A ``BertModel`` checkpoint has no MLM head: the converter lists the head's keys in
@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from ..encoder_lm import EncoderLM, EncoderLMConfig
 from . import Converted, register_converter
 from ._checkpoint import CheckpointReader, HFConfig, zoo_config
+from .export import activation_name, register_exporter, require, require_plain_attention, tensors
 
 # BertConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -124,3 +126,54 @@ def _modern_name(key: str) -> str:
     if key.endswith("LayerNorm.beta"):
         return key[: -len("beta")] + "bias"
     return key
+
+
+@register_exporter("bert")
+def export_bert(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A ``BertForMaskedLM`` config and state dict for a BERT-shaped ``EncoderLM``.
+
+    A model without segment embeddings (``type_vocab_size=0``) gets one all-zero segment embedding,
+    which adds nothing, because ``BertModel`` always has the table.
+
+    Raises:
+        NotExportable: not an ``EncoderLM``, or one with parts BERT lacks (non-learned positions, a
+            pre-norm stack, an FFN other than exact GELU — BERT's MLM head shares the encoder's activation —
+            GQA, RMSNorm, no biases).
+    """
+    require(isinstance(model, EncoderLM), f"{type(model).__name__} is not an EncoderLM")
+    c = model.config
+    require(c.positional == "learned", f"positional={c.positional!r} (only 'learned')")
+    require(c.sublayer == "post_norm", f"sublayer={c.sublayer!r} (only 'post_norm')")
+    require_plain_attention(c)
+    config = {
+        "model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+        "intermediate_size": c.d_ff, "hidden_act": activation_name(c, ("gelu",)),
+        "hidden_dropout_prob": c.dropout, "attention_probs_dropout_prob": c.attention_dropout,
+        "max_position_embeddings": c.max_len, "type_vocab_size": max(c.type_vocab_size, 1),
+        "layer_norm_eps": c.norm_eps, "pad_token_id": c.pad_token_id, "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id, "mask_token_id": c.mask_token_id, "tie_word_embeddings": c.tie_embeddings,
+    }
+    zoo = tensors(model)
+    segments = zoo.get("token_type_embed.weight")
+    out = {
+        "bert.embeddings.word_embeddings.weight": zoo["embed_tokens.weight"],
+        "bert.embeddings.position_embeddings.weight": zoo["positional.weight"],
+        "bert.embeddings.token_type_embeddings.weight": (
+            torch.zeros(1, c.d_model, dtype=zoo["embed_tokens.weight"].dtype) if segments is None else segments
+        ),
+        "bert.embeddings.LayerNorm.weight": zoo["embed_norm.weight"],
+        "bert.embeddings.LayerNorm.bias": zoo["embed_norm.bias"],
+    }
+    for i in range(c.n_layers):
+        for hf, name in LAYER_NAMES.items():
+            for p in ("weight", "bias"):
+                out[f"bert.encoder.layer.{i}.{hf}.{p}"] = zoo[f"layers.{i}.{name}.{p}"]
+    for hf, name in HEAD_NAMES.items():
+        for p in ("weight", "bias"):
+            out[f"{hf}.{p}"] = zoo[f"{name}.{p}"]
+    out["cls.predictions.bias"] = zoo["mlm_head.decoder.bias"]
+    if not c.tie_embeddings:
+        out["cls.predictions.decoder.weight"] = zoo["mlm_head.decoder.weight"]
+        out["cls.predictions.decoder.bias"] = zoo["mlm_head.decoder.bias"]
+    return config, out

@@ -1,4 +1,4 @@
-"""GPT-2 (``model_type: gpt2``) -> ``DecoderLM``.
+"""GPT-2 (``model_type: gpt2``) <-> ``DecoderLM``.
 
 GPT-2 stores its projections as ``Conv1D`` modules, whose weight is ``(in, out)`` — the transpose of an
 ``nn.Linear`` weight — and fuses the query, key and value projections into one ``c_attn`` of width
@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from ..decoder_lm import DecoderLM, DecoderLMConfig
 from . import Converted, register_converter
 from ._checkpoint import CheckpointReader, HFConfig, zoo_config
+from .export import activation_name, register_exporter, require, require_plain_attention, tensors
 
 # GPT2Config's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -94,3 +96,47 @@ def convert_gpt2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
         allow_missing = frozenset({"lm_head.weight"})  # a GPT2Model checkpoint with an untied head
     ckpt.finish()
     return Converted(DecoderLM, config, out, allow_missing)
+
+
+@register_exporter("gpt2")
+def export_gpt2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A ``GPT2LMHeadModel`` config and state dict for a GPT-2-shaped ``DecoderLM``.
+
+    Raises:
+        NotExportable: not a ``DecoderLM``, or one with parts GPT-2 lacks (non-learned positions, a
+            post-norm stack, GQA, RMSNorm, gated FFNs, no biases).
+    """
+    require(isinstance(model, DecoderLM), f"{type(model).__name__} is not a DecoderLM")
+    c = model.config
+    require(c.positional == "learned", f"positional={c.positional!r} (only 'learned')")
+    require(c.sublayer == "pre_norm", f"sublayer={c.sublayer!r} (only 'pre_norm')")
+    require_plain_attention(c)
+    config = {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": c.vocab_size,
+        "n_positions": c.max_len, "n_embd": c.d_model, "n_layer": c.n_layers, "n_head": c.n_heads,
+        "n_inner": c.d_ff, "activation_function": activation_name(c), "resid_pdrop": c.dropout,
+        "embd_pdrop": c.dropout, "attn_pdrop": c.attention_dropout, "layer_norm_epsilon": c.norm_eps,
+        "tie_word_embeddings": c.tie_embeddings, "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+    }
+    zoo = tensors(model)
+    out = {
+        "transformer.wte.weight": zoo["embed_tokens.weight"],
+        "transformer.wpe.weight": zoo["positional.weight"],
+        "transformer.ln_f.weight": zoo["final_norm.weight"],
+        "transformer.ln_f.bias": zoo["final_norm.bias"],
+    }
+    for i in range(c.n_layers):
+        src, dst = f"layers.{i}.", f"transformer.h.{i}."
+        attn = [src + f"self_attn.{n}_proj" for n in ("q", "k", "v")]
+        out[dst + "attn.c_attn.weight"] = torch.cat([zoo[a + ".weight"] for a in attn]).t()
+        out[dst + "attn.c_attn.bias"] = torch.cat([zoo[a + ".bias"] for a in attn])
+        for hf, name in CONV1D_NAMES.items():
+            out[f"{dst}{hf}.weight"] = zoo[f"{src}{name}.weight"].t()
+            out[f"{dst}{hf}.bias"] = zoo[f"{src}{name}.bias"]
+        for hf, name in (("ln_1", "self_attn_sublayer.norm"), ("ln_2", "ffn_sublayer.norm")):
+            out[f"{dst}{hf}.weight"] = zoo[f"{src}{name}.weight"]
+            out[f"{dst}{hf}.bias"] = zoo[f"{src}{name}.bias"]
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = zoo["lm_head.weight"]
+    return config, out

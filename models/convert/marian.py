@@ -1,4 +1,4 @@
-"""Marian (``model_type: marian``) -> ``Seq2SeqTransformer``.
+"""Marian (``model_type: marian``) <-> ``Seq2SeqTransformer``.
 
 MarianMT is the paper's post-norm encoder-decoder with sinusoids in the ``[sin | cos]`` layout (the
 zoo's ``sinusoidal_concat``), embeddings optionally scaled by sqrt(d_model), no embedding norm, and a
@@ -11,14 +11,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from blocks.positional import sinusoid_table
 
 from ..seq2seq import Seq2SeqConfig, Seq2SeqTransformer
 from . import Converted, register_converter
 from ._checkpoint import CheckpointReader, HFConfig, zoo_config
-from ._seq2seq import common_fields, convert_embeddings, convert_layers
+from ._seq2seq import common_fields, convert_embeddings, convert_layers, export_embeddings, export_fields, export_layers
+from .export import register_exporter, require, tensors
 
 # MarianConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -90,3 +91,26 @@ def _check_sinusoids(table: Tensor, key: str) -> None:
             f"{(table.float() - expected).abs().max().item():.3g}); the zoo recomputes them and cannot load "
             "trained or altered position tables"
         )
+
+
+@register_exporter("marian")
+def export_marian(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A ``MarianMTModel`` config and state dict for a Marian-shaped ``Seq2SeqTransformer``.
+
+    Raises:
+        NotExportable: not a ``Seq2SeqTransformer``, or one with parts Marian lacks (positions other than
+            ``sinusoidal_concat``, an embedding norm, pre-norm, GQA, RMSNorm, no biases, a norm eps
+            other than 1e-5).
+    """
+    require(isinstance(model, Seq2SeqTransformer), f"{type(model).__name__} is not a Seq2SeqTransformer")
+    c = model.config
+    require(c.positional == "sinusoidal_concat", f"positional={c.positional!r} (only 'sinusoidal_concat')")
+    require(not c.embedding_norm, "embedding_norm=True (Marian has no norm on the embeddings)")
+    zoo = tensors(model)
+    tie, out = export_embeddings(zoo, c, has_shared_matrix=False)
+    config = {
+        "model_type": "marian", "architectures": ["MarianMTModel"], **export_fields(c),
+        "decoder_vocab_size": c.vocab_size, "share_encoder_decoder_embeddings": tie, "tie_word_embeddings": tie,
+    }
+    out.update(export_layers(zoo, c))
+    return config, out

@@ -339,3 +339,100 @@ def test_registry_holds_the_four_families_and_rejects_duplicates() -> None:
     assert {"gpt2", "bert", "marian", "bart"} <= set(supported_model_types())
     with pytest.raises(ValueError, match="already registered"):
         register_converter("gpt2")(lambda hf_config, state_dict: None)
+
+
+# ---------------------------------------------------------------------------------------------- export
+def perturbed(model: nn.Module) -> nn.Module:
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model.eval()
+
+
+SMALL = dict(vocab_size=VOCAB, d_model=32, n_heads=4, d_ff=48, max_len=32, bos_token_id=0, eos_token_id=2)
+EXPORTABLE = [
+    ("gpt2", "GPT2LMHeadModel", lambda: models.DecoderLM(models.DecoderLMConfig(**SMALL))),
+    ("gpt2", "GPT2LMHeadModel",
+     lambda: models.DecoderLM(models.DecoderLMConfig(**SMALL, ffn="relu", tie_embeddings=False, norm_eps=1e-6))),
+    ("bert", "BertForMaskedLM", lambda: models.EncoderLM(models.EncoderLMConfig(**SMALL, mask_token_id=4))),
+    ("bert", "BertForMaskedLM",
+     lambda: models.EncoderLM(models.EncoderLMConfig(**SMALL, tie_embeddings=False, type_vocab_size=0))),
+] + [
+    (family, hf_class, lambda positional=positional, share=share, tie=tie: models.Seq2SeqTransformer(
+        models.Seq2SeqConfig(**SMALL, positional=positional, embedding_norm=positional == "learned", output_bias=True,
+                             share_embeddings=share, tie_embeddings=tie, ffn="silu", decoder_start_token_id=1)))
+    for family, hf_class, positional in (("marian", "MarianMTModel", "sinusoidal_concat"),
+                                         ("bart", "BartForConditionalGeneration", "learned"))
+    for share, tie in ((True, True), (False, True), (True, False), (False, False))
+]
+
+
+@pytest.mark.parametrize("model_type, hf_class, make", EXPORTABLE,
+                         ids=[f"{t}-{i}" for i, (t, _, _) in enumerate(EXPORTABLE)])
+def test_export_loads_in_transformers_and_converts_back(tmp_path: Path, model_type: str, hf_class: str, make) -> None:
+    from models.convert.export import save_transformers, to_transformers
+
+    zoo = perturbed(make())
+    save_transformers(zoo, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == model_type
+    hf, info = getattr(transformers, hf_class).from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    hf.eval()
+    ids, mask = inputs()
+    with torch.no_grad():
+        if isinstance(zoo, models.Seq2SeqTransformer):
+            tgt, tgt_mask = ids[:, :5], mask[:, :5]
+            expected = hf(input_ids=ids, attention_mask=mask.long(), decoder_input_ids=tgt,
+                          decoder_attention_mask=tgt_mask.long()).logits
+            actual, mask = zoo(ids, tgt, src_mask=mask, tgt_mask=tgt_mask).logits, tgt_mask
+        else:
+            expected, actual = hf(ids, attention_mask=mask.long()).logits, zoo(ids, attention_mask=mask).logits
+    assert_close_on(mask, expected, actual)
+
+    # Converting the export back gives the same weights and config, up to what the export had to spell out:
+    # an all-zero segment table for a model without one, and separate matrices for partly tied embeddings.
+    back = from_transformers(*to_transformers(zoo))
+    assert back.architecture is type(zoo)
+    original = zoo.state_dict()
+    added = set(back.state_dict) - set(original)
+    assert added <= {"token_type_embed.weight"} and all(not back.state_dict[k].any() for k in added)
+    assert all(torch.equal(back.state_dict[k], original[k]) for k in original)
+    changes: dict[str, Any] = {}
+    if isinstance(zoo, models.EncoderLM) and zoo.config.type_vocab_size == 0:
+        changes["type_vocab_size"] = 1
+    if isinstance(zoo, models.Seq2SeqTransformer) and not (zoo.config.share_embeddings and zoo.config.tie_embeddings):
+        changes.update(share_embeddings=False, tie_embeddings=False)
+    assert back.config == zoo.config.replace(**changes)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: models.DecoderLM(models.DecoderLMConfig(**SMALL, positional="rotary")), "gpt2: positional='rotary'"),
+        (lambda: models.DecoderLM(models.DecoderLMConfig(**SMALL, n_kv_heads=2)), "gpt2: n_kv_heads=2"),
+        (lambda: models.EncoderLM(models.EncoderLMConfig(**SMALL, ffn="relu")), "bert: ffn='relu'"),
+        (lambda: models.Seq2SeqTransformer(models.Seq2SeqConfig(**SMALL, sublayer="pre_norm")),
+         "bart: positional='sinusoidal'.*marian: positional='sinusoidal'"),
+        (lambda: models.Seq2SeqTransformer(models.Seq2SeqConfig(**SMALL, positional="learned", norm="rmsnorm",
+                                                                embedding_norm=True)), "bart: norm='rmsnorm'"),
+    ],
+    ids=["rotary", "gqa", "bert-relu", "paper-seq2seq", "rmsnorm"],
+)
+def test_export_of_unrepresentable_models_raises(tmp_path: Path, make, match: str) -> None:
+    from models.convert.export import save_transformers
+
+    with pytest.raises(ValueError, match=match):
+        save_transformers(make(), tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_export_to_a_named_family(tmp_path: Path) -> None:
+    from models.convert.export import to_transformers
+
+    zoo = models.DecoderLM(models.DecoderLMConfig(**SMALL))
+    assert to_transformers(zoo, "gpt2")[0]["model_type"] == "gpt2"
+    with pytest.raises(ValueError, match="as 'bert': DecoderLM is not an EncoderLM"):
+        to_transformers(zoo, "bert")
+    with pytest.raises(ValueError, match="unknown hf_exporter 'llama'"):
+        to_transformers(zoo, "llama")

@@ -1,0 +1,129 @@
+"""Write zoo models in ``transformers`` format: the inverse of ``from_transformers``.
+
+``to_transformers(model)`` returns a ``config.json`` dict and a state dict under ``transformers`` names;
+``save_transformers(model, directory)`` writes them so that ``transformers``' ``from_pretrained`` loads
+the folder. Exporters register by ``model_type`` with ``@register_exporter("gpt2")`` (kind ``hf_exporter``
+of the ``blocks`` registry), next to the converter of the same family. A model that a family cannot
+represent exactly raises ``NotExportable`` (a ``ValueError``) naming the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+import blocks
+
+EXPORTER_KIND = "hf_exporter"
+
+Exporter = Callable[[nn.Module], tuple[dict[str, Any], dict[str, Tensor]]]
+
+# zoo FFN registry name -> transformers activation name.
+ACTIVATION_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+
+
+class NotExportable(ValueError):
+    """A zoo model that a ``transformers`` family cannot represent exactly."""
+
+
+def register_exporter(model_type: str) -> Callable[[Exporter], Exporter]:
+    """Decorator registering an exporter to ``transformers``' ``model_type``.
+
+    Raises:
+        ValueError: if ``model_type`` already has an exporter.
+    """
+    return blocks.register(EXPORTER_KIND, model_type)
+
+
+def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A ``transformers`` config dict and state dict that compute what ``model`` computes.
+
+    Args:
+        model: a zoo model.
+        model_type: the ``transformers`` family to write (default: the first registered family that can
+            represent the model exactly).
+
+    Returns:
+        ``(config dict with "model_type" and "architectures", state dict)``; tensors are detached,
+        contiguous and never share memory, and tied copies are left out as ``transformers`` saves them.
+
+    Raises:
+        ValueError: an unknown ``model_type``, or a model no (or not the named) family represents exactly;
+            the message gives each family's reason.
+    """
+    if model_type is not None:
+        exporter = blocks.get(EXPORTER_KIND, model_type)
+        try:
+            return _unshared(exporter(model))
+        except NotExportable as err:
+            raise NotExportable(f"this {type(model).__name__} cannot be written as {model_type!r}: {err}") from err
+    reasons = []
+    for name in blocks.names(EXPORTER_KIND):
+        try:
+            return _unshared(blocks.get(EXPORTER_KIND, name)(model))
+        except NotExportable as err:
+            reasons.append(f"{name}: {err}")
+    raise ValueError(f"no transformers family represents this {type(model).__name__} exactly ({'; '.join(reasons)})")
+
+
+def save_transformers(model: nn.Module, directory: str | os.PathLike[str], model_type: str | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads as ``model``'s equivalent.
+
+    Raises:
+        ValueError: as ``to_transformers``; nothing is written then.
+    """
+    config, state_dict = to_transformers(model, model_type)
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state_dict, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def require(condition: bool, reason: str) -> None:
+    """Raise ``NotExportable(reason)`` unless ``condition``."""
+    if not condition:
+        raise NotExportable(reason)
+
+
+def require_plain_attention(config: Any) -> None:
+    """Multi-head attention with ``n_heads · d_head = d_model`` and as many key/value heads as query heads."""
+    require(config.attention == "mha", f"attention={config.attention!r} (only 'mha')")
+    require(config.n_kv_heads == config.n_heads, f"n_kv_heads={config.n_kv_heads} != n_heads={config.n_heads}")
+    require(
+        config.d_head * config.n_heads == config.d_model and config.d_value == config.d_head,
+        f"d_head={config.d_head}, d_value={config.d_value} (must be d_model / n_heads = "
+        f"{config.d_model / config.n_heads:g})",
+    )
+    require(config.bias, "bias=False (the family has biases on every projection)")
+    require(config.norm == "layernorm", f"norm={config.norm!r} (only 'layernorm')")
+
+
+def activation_name(config: Any, allowed: tuple[str, ...] = tuple(ACTIVATION_NAMES)) -> str:
+    """The ``transformers`` activation name of the zoo config's FFN."""
+    require(config.ffn in allowed, f"ffn={config.ffn!r} (one of {list(allowed)})")
+    return ACTIVATION_NAMES[config.ffn]
+
+
+def tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The model's state dict, detached."""
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _unshared(result: tuple[dict[str, Any], dict[str, Tensor]]) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    config, state_dict = result
+    out: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for key, t in state_dict.items():
+        t = t.detach().contiguous()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()  # safetensors refuses tensors that share memory
+        seen.add(t.untyped_storage().data_ptr())
+        out[key] = t
+    return config, out
