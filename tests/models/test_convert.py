@@ -1,10 +1,10 @@
-"""Loading ``transformers`` checkpoints (GPT-2, BERT, Marian, BART) into zoo models.
+"""Loading ``transformers`` checkpoints (GPT-2, BERT, Marian, BART) into zoo models, and exporting them back.
 
 Every checkpoint is a randomly initialised ``transformers`` model with a tiny config, its weights perturbed
 (so that no parameter keeps a symmetric initial value such as LayerNorm's ones or a zero bias), saved with
-``save_pretrained`` and read back from the files. Padded inputs are right-padded: ``transformers`` numbers
-positions 0..L-1 whatever the mask, the zoo counts real tokens, and the two agree on every real token of
-a right-padded row, which is where logits are compared.
+``save_pretrained`` and loaded by ``models.auto.from_pretrained`` (or read back and converted directly).
+Padded inputs are right-padded: ``transformers`` numbers positions 0..L-1 whatever the mask, the zoo counts
+real tokens, and the two agree on every real token of a right-padded row, which is where logits are compared.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 import models
+import models.auto
 from models.convert import Converted, from_transformers, register_converter, supported_model_types
 
 transformers = pytest.importorskip("transformers")
@@ -61,8 +62,8 @@ def build_hf(model_type: str, model_class: str | None = None, **overrides: Any) 
     return model.eval()
 
 
-def save(model: nn.Module, path: Path, safe: bool = True) -> Path:
-    model.save_pretrained(path, safe_serialization=safe)
+def save(model: nn.Module, path: Path) -> Path:
+    model.save_pretrained(path)
     return path
 
 
@@ -80,7 +81,8 @@ def instantiate(converted: Converted) -> nn.Module:
 
 
 def load_zoo(path: Path) -> nn.Module:
-    return instantiate(from_transformers(*read_checkpoint(path)))
+    """The checkpoint folder through the zoo's loader (``config.json`` with ``model_type`` -> conversion)."""
+    return models.auto.from_pretrained(path)
 
 
 def inputs(length: int = 7, pad: int = 2, seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -216,6 +218,68 @@ def test_untied_base_checkpoint_allows_the_missing_head(tmp_path: Path) -> None:
     converted = from_transformers(*read_checkpoint(save(hf, tmp_path)))
     assert converted.allow_missing == {"lm_head.weight"}
     assert "lm_head.weight" not in converted.state_dict
+
+
+# ---------------------------------------------------------------------------------------------- the loader
+def test_bert_model_checkpoint_through_the_loader_warns_about_the_head(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    hf = build_hf("bert", model_class="BertModel")
+    with pytest.warns(UserWarning, match="pooler"), caplog.at_level("WARNING"):
+        zoo = load_zoo(save(hf, tmp_path))
+    assert "mlm_head" in caplog.text and "initialisation" in caplog.text
+    ids, mask = inputs()
+    with torch.no_grad():
+        expected = hf(ids, attention_mask=mask.long()).last_hidden_state
+        actual = zoo(ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    assert_close_on(mask, expected, actual)
+
+
+def test_pytorch_bin_checkpoint_loads_through_weights_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers 5 writes safetensors only; older versions wrote the whole state dict (the tied lm_head
+    # copy included) with torch.save, as here.
+    hf = build_hf("gpt2")
+    save(hf, tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    calls: list[dict[str, Any]] = []
+    real_load = torch.load
+
+    def recording_load(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    zoo = load_zoo(tmp_path)
+    assert calls and all(c.get("weights_only") is True for c in calls)
+    ids, mask = inputs()
+    with torch.no_grad():
+        assert_close_on(mask, hf(ids, attention_mask=mask.long()).logits, zoo(ids, attention_mask=mask).logits)
+
+
+def test_tokenizer_json_loads_with_the_model(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+
+    tokenizer = Tokenizer(tokenizer_models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    save(build_hf("marian"), tmp_path)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    zoo = load_zoo(tmp_path)
+    assert zoo.tokenizer is not None and zoo.tokenizer.token_to_id("world") == 2
+
+
+def test_class_from_pretrained_checks_the_converted_architecture(tmp_path: Path) -> None:
+    save(build_hf("gpt2"), tmp_path)
+    assert isinstance(models.DecoderLM.from_pretrained(tmp_path), models.DecoderLM)
+    with pytest.raises(ValueError, match="converts to DecoderLM, not EncoderLM"):
+        models.EncoderLM.from_pretrained(tmp_path)
+
+
+def test_loader_reports_unsupported_features(tmp_path: Path) -> None:
+    save(build_hf("gpt2", scale_attn_by_inverse_layer_idx=True), tmp_path)
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx=True"):
+        load_zoo(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------- state-dict variants
