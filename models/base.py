@@ -67,7 +67,8 @@ class ZooModel(nn.Module):
             raise ValueError(f"{name} must be a (B, L) tensor of token ids, got {shape}")
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
             raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-        if ids.numel():
+        # Value checks read tensor data; under torch.compile they would break the graph, so they are skipped.
+        if ids.numel() and not torch.compiler.is_compiling():
             lo, hi = int(ids.min()), int(ids.max())
             vocab = self.config.vocab_size
             if lo < 0 or hi >= vocab:
@@ -83,7 +84,9 @@ class ZooModel(nn.Module):
             got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
             raise ValueError(f"{name} must have shape {tuple(shape)} (B, L) matching the ids, got {got}")
         if mask.dtype != torch.bool:
-            if mask.dtype.is_floating_point or not bool(((mask == 0) | (mask == 1)).all()):
+            if mask.dtype.is_floating_point or (
+                not torch.compiler.is_compiling() and not bool(((mask == 0) | (mask == 1)).all())
+            ):
                 raise ValueError(f"{name} must be bool or 0/1 integers (1 = real token), got dtype {mask.dtype}")
             mask = mask.bool()
         return mask

@@ -34,7 +34,11 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Ten
     for name, t in (("mask", mask), ("bias", bias)):
         if t is None:
             continue
-        if t.dim() > 4 or torch.broadcast_shapes(t.shape, full) != full:
+        try:
+            broadcasts = t.dim() <= 4 and torch.broadcast_shapes(t.shape, full) == full
+        except RuntimeError:
+            broadcasts = False
+        if not broadcasts:
             raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to (B, H, Lq, Lk)={full}")
     if mask is not None and mask.dtype != torch.bool:
         raise ValueError(f"mask must be bool (True = may attend), got dtype {mask.dtype}")
@@ -45,25 +49,28 @@ def default_scale(q: Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
-def combined_mask(mask: Tensor | None, is_causal: bool, lq: int, lk: int, device: torch.device) -> Tensor | None:
-    """``mask & causal`` (either may be absent); None when nothing is masked."""
+def allowed_keys(
+    mask: Tensor | None, is_causal: bool, lq: int, lk: int, device: torch.device
+) -> tuple[Tensor | None, Tensor | None]:
+    """Combine ``mask`` with the causal mask and guard query rows that have no allowed key.
+
+    A softmax over a row of ``-inf`` is NaN. Rows with no allowed key are opened up here, which keeps every
+    backend (and its gradient) finite, and ``has_key`` (``(..., Lq, 1)`` bool) lets the caller zero those
+    rows afterwards. The guard is unconditional tensor algebra (no data-dependent branch), so it traces
+    under ``torch.compile(fullgraph=True)``.
+
+    Returns:
+        ``(allowed, has_key)``: ``allowed`` is None when nothing is masked; ``has_key`` is None when no
+        row can be empty (no mask, or only a causal mask with ``Lq <= Lk``).
+    """
     if is_causal:
         causal = causal_mask(lq, lk, device=device)
-        return causal if mask is None else mask & causal
-    return mask
-
-
-def guard_empty_rows(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-    """Return ``(safe_mask, has_key)`` where rows with no allowed key are opened up.
-
-    A softmax over a row of ``-inf`` is NaN; opening such rows keeps every backend (and its gradient)
-    finite, and ``has_key`` (``(..., Lq, 1)`` bool) lets the caller zero those rows afterwards.
-    """
+        if mask is None and lq <= lk:
+            return causal, None
+        mask = causal if mask is None else mask & causal
     if mask is None:
         return None, None
     has_key = mask.any(dim=-1, keepdim=True)
-    if bool(has_key.all()):
-        return mask, None
     return mask | ~has_key, has_key
 
 

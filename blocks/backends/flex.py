@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from ..registry import register
-from .common import check_inputs, combined_mask, guard_empty_rows, zero_empty_rows
+from .common import allowed_keys, check_inputs, zero_empty_rows
 
 
 @functools.cache
@@ -49,7 +49,7 @@ def flex_attention_backend(
         )
     b, h, lq, _ = q.shape
     lk = k.shape[2]
-    allowed, has_key = guard_empty_rows(combined_mask(mask, is_causal, lq, lk, q.device))
+    allowed, has_key = allowed_keys(mask, is_causal, lq, lk, q.device)
 
     block_mask = None
     if allowed is not None:
@@ -69,9 +69,13 @@ def flex_attention_backend(
         def score_mod(score, bi, hi, qi, ki):
             return score + full_bias[bi, hi, qi, ki]
 
+    gqa = h != k.shape[1]
+    if torch.compiler.is_compiling():  # already inside a compiled graph: flex is fused there
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return zero_empty_rows(out, has_key)
     fn = _compiled_flex() if q.is_cuda else flex_attention
     with warnings.catch_warnings():
         # Eager (uncompiled) flex on CPU is intended here: compiling pays off only on GPU.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=h != k.shape[1])
+        out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     return zero_empty_rows(out, has_key)

@@ -8,15 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..registry import register
-from .common import (
-    additive_mask,
-    check_inputs,
-    combined_mask,
-    default_scale,
-    guard_empty_rows,
-    repeat_kv,
-    zero_empty_rows,
-)
+from .common import additive_mask, allowed_keys, check_inputs, default_scale, repeat_kv, zero_empty_rows
 
 
 @register("attention_backend", "math")
@@ -55,7 +47,7 @@ def math_attention(
     scores = (q @ k.transpose(-2, -1)) * default_scale(q, scale)  # (B, H, Lq, Lk)
     if bias is not None:
         scores = scores + bias
-    allowed, has_key = guard_empty_rows(combined_mask(mask, is_causal, q.shape[2], k.shape[2], q.device))
+    allowed, has_key = allowed_keys(mask, is_causal, q.shape[2], k.shape[2], q.device)
     if allowed is not None:
         scores = scores + additive_mask(allowed, scores.dtype)
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)

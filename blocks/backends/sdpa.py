@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..registry import register
-from .common import additive_mask, check_inputs, combined_mask, guard_empty_rows, zero_empty_rows
+from .common import additive_mask, allowed_keys, check_inputs, zero_empty_rows
 
 
 @register("attention_backend", "sdpa")
@@ -36,7 +36,7 @@ def sdpa_attention(
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
         )
-    allowed, has_key = guard_empty_rows(combined_mask(mask, is_causal, lq, lk, q.device))
+    allowed, has_key = allowed_keys(mask, is_causal, lq, lk, q.device)
     attn_mask: Tensor | None = allowed
     if bias is not None:
         attn_mask = bias.to(q.dtype) if allowed is None else bias.to(q.dtype) + additive_mask(allowed, q.dtype)

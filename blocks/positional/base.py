@@ -12,6 +12,7 @@ needs of it. ``positions`` are integer tensors ``(B, L)`` or ``(1, L)``.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 
@@ -37,7 +38,9 @@ class PositionalEncoding(nn.Module):
 
     def check_positions(self, positions: Tensor) -> None:
         """Raise ``ValueError`` if a position is beyond what this encoding represents."""
-        if self.max_positions is not None and positions.numel() and int(positions.max()) >= self.max_positions:
+        if self.max_positions is None or not positions.numel() or torch.compiler.is_compiling():
+            return  # (reading tensor data would break a compiled graph)
+        if int(positions.max()) >= self.max_positions:
             raise ValueError(
                 f"position {int(positions.max())} is out of range for {type(self).__name__} with "
                 f"max_len={self.max_positions}; inputs may be at most {self.max_positions} tokens"

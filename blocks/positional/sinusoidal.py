@@ -65,7 +65,9 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
         return self.table
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        table = self._table(int(positions.max()) + 1 if positions.numel() else 0)
+        # Extending the table reads positions; a compiled graph uses the precomputed max_len rows.
+        needed = 0 if torch.compiler.is_compiling() or not positions.numel() else int(positions.max()) + 1
+        table = self._table(needed)
         return x + table[positions].to(x.dtype)  # (B, L, d_model)
 
 
