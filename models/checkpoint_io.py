@@ -97,9 +97,13 @@ def unique_state(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def save_weights(state: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write ``state`` to a safetensors file (``format: pt`` metadata, as ``transformers`` expects)."""
-    save_file(state, str(path), metadata={"format": "pt", **(metadata or {})})
+def save_weights(state: dict[str, Tensor], path: Path) -> None:
+    """Write ``state`` to a safetensors file with ``format: pt`` metadata (as ``transformers`` expects).
+
+    Only one metadata key, because safetensors writes metadata in hash-map order: with more, saving the same
+    weights twice could give different bytes, and an unchanged model would make a new Hub commit.
+    """
+    save_file(state, str(path), metadata={"format": "pt"})
 
 
 def write_json(obj: dict[str, Any], path: Path) -> None:

@@ -222,7 +222,7 @@ model = {name}.from_pretrained({json.dumps(reference)})
 
     def _write_checkpoint(self, folder: Path, tokenizer: Any, card_reference: str) -> None:
         name = type(self).__name__
-        io.save_weights(io.unique_state(self), folder / io.WEIGHTS_NAME, metadata={"architecture": name})
+        io.save_weights(io.unique_state(self), folder / io.WEIGHTS_NAME)
         if tokenizer is not None:
             tokenizer.save(str(folder / io.TOKENIZER_NAME))
         (folder / io.CARD_NAME).write_text(self.model_card(card_reference), encoding="utf-8")

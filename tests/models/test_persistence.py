@@ -111,6 +111,15 @@ def test_folder_layout_and_config_json(tmp_path: Path) -> None:
         assert f.metadata()["format"] == "pt"
 
 
+def test_saving_is_deterministic(tmp_path: Path) -> None:
+    model = tiny("Seq2SeqTransformer")
+    model.save_pretrained(tmp_path, tokenizer=tiny_tokenizer())
+    first = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for _ in range(3):  # an unchanged model must give unchanged files, or every push would be a new commit
+        model.save_pretrained(tmp_path, tokenizer=tiny_tokenizer())
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == first
+
+
 @pytest.mark.parametrize(
     ("name", "stored", "aliases"),
     [
