@@ -1,0 +1,161 @@
+"""Choosing the next token from logits: repetition penalty, temperature, top-k, nucleus (top-p), greedy or sampled.
+
+The processors run in the order ``transformers`` uses (repetition penalty, temperature, top-k, top-p), so
+settings carry over between the two libraries. Every function works on a whole batch at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019, §4.1): logits of tokens already in the sequence are
+    divided by ``penalty`` when positive and multiplied by it when negative, so ``penalty > 1`` always
+    makes a repeat less likely.
+
+    Args:
+        logits: next-token logits.
+        seen: bool, True where the token already occurs in the row.
+        penalty: the factor (> 0; 1 changes nothing).
+
+    Returns:
+        The penalised logits (a new tensor).
+
+    Shapes: logits ``(B, V)``, seen ``(B, V)`` -> ``(B, V)``.
+    """
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep the ``k`` largest logits of each row and set the rest to ``-inf`` (Fan et al. 2018).
+
+    Tokens tied with the k-th largest logit are kept too. ``k >= V`` keeps everything.
+
+    Shapes: ``(B, V)`` -> ``(B, V)``.
+    """
+    if k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(k, dim=-1).values[..., -1:]  # (B, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filtering (Holtzman et al. 2020): keep the smallest set of most likely tokens whose total
+    probability reaches ``p`` and set the rest to ``-inf``. The most likely token is always kept.
+
+    Shapes: ``(B, V)`` -> ``(B, V)``.
+    """
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # A token is dropped when the tokens ranked above it already hold at least p of the mass.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_before >= p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from the logits; validated on construction.
+
+    Args:
+        do_sample: draw from the (processed) distribution; False picks the arg-max (greedy).
+        temperature: divides the logits before sampling (> 0; used only when sampling).
+        top_k: keep only the k most likely tokens when sampling (>= 1, or None for all).
+        top_p: nucleus mass in (0, 1] kept when sampling (None or 1 for all).
+        repetition_penalty: CTRL's penalty (> 0) on tokens already in the sequence, applied in greedy
+            decoding as well; None or 1 disables it.
+
+    Raises:
+        ValueError: ``temperature <= 0`` with sampling, ``top_k < 1``, ``top_p`` outside (0, 1],
+            ``repetition_penalty <= 0``, or values of the wrong type.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.do_sample and self.temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0 when sampling, got {self.temperature!r}; "
+                "use do_sample=False for greedy decoding"
+            )
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 1
+        ):
+            raise ValueError(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
+        if self.top_p is not None and (not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be None or a number in (0, 1], got {self.top_p!r}")
+        if self.repetition_penalty is not None and (
+            not _is_real(self.repetition_penalty)
+            or not math.isfinite(self.repetition_penalty)
+            or self.repetition_penalty <= 0
+        ):
+            raise ValueError(f"repetition_penalty must be None or a number > 0, got {self.repetition_penalty!r}")
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether choosing a token needs to know which tokens the row already holds."""
+        return self.repetition_penalty is not None and self.repetition_penalty != 1.0
+
+    def next_tokens(
+        self, logits: Tensor, seen: Tensor | None = None, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """Choose one token per row.
+
+        Args:
+            logits: next-token logits.
+            seen: bool, True where a token already occurs in the row (needed if ``uses_history``).
+            generator: the random generator for sampling (default: torch's global one).
+
+        Returns:
+            Token ids, long.
+
+        Shapes: logits ``(B, V)``, seen ``(B, V)`` -> ``(B,)``.
+        """
+        scores = logits.float()
+        if self.uses_history:
+            if seen is None:
+                raise ValueError("repetition_penalty needs the tokens already seen (seen=None given)")
+            scores = apply_repetition_penalty(scores, seen, self.repetition_penalty)
+        if not self.do_sample:
+            return scores.argmax(dim=-1)
+        if self.temperature != 1.0:
+            scores = scores / self.temperature
+        if self.top_k is not None:
+            scores = top_k_filter(scores, self.top_k)
+        if self.top_p is not None:
+            scores = top_p_filter(scores, self.top_p)
+        probs = scores.softmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def seen_tokens(ids: Tensor, mask: Tensor | None, vocab_size: int) -> Tensor:
+    """Which vocabulary entries occur among the real tokens of each row.
+
+    Shapes: ids ``(B, L)``, mask ``(B, L)`` bool (True = real token) -> ``(B, V)`` bool.
+    """
+    counts = torch.zeros(ids.shape[0], vocab_size, dtype=torch.long, device=ids.device)
+    weights = torch.ones_like(ids) if mask is None else mask.long()
+    # scatter_add, not scatter: a padded position may share its id with a real token of the same row.
+    return counts.scatter_add_(1, ids, weights) > 0
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
