@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-all lint clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
 
 lint: $(STAMP)
