@@ -58,7 +58,7 @@ def build_hf(model_type: str, model_class: str | None = None, **overrides: Any) 
             if p.requires_grad:  # Marian's sinusoid table is a frozen parameter and must stay as it is
                 p.add_(torch.randn(p.shape, generator=gen) * 0.2)
         if hasattr(model, "final_logits_bias"):
-            model.final_logits_bias.normal_(generator=gen)
+            model.final_logits_bias.normal_(std=0.2, generator=gen)
     return model.eval()
 
 
@@ -85,11 +85,11 @@ def load_zoo(path: Path) -> nn.Module:
     return models.auto.from_pretrained(path)
 
 
-def inputs(length: int = 7, pad: int = 2, seed: int = 0) -> tuple[Tensor, Tensor]:
-    """``(ids (2, length), mask)``; row 1 is right-padded by ``pad`` positions."""
+def inputs(length: int = 7, pad: int = 2, seed: int = 0, batch: int = 2) -> tuple[Tensor, Tensor]:
+    """``(ids (batch, length), mask)``; row 1 is right-padded by ``pad`` positions."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB - 1, (2, length), generator=gen)
-    mask = torch.ones(2, length, dtype=torch.bool)
+    ids = torch.randint(3, VOCAB - 1, (batch, length), generator=gen)
+    mask = torch.ones(batch, length, dtype=torch.bool)
     mask[1, length - pad:] = False
     return ids, mask
 
@@ -173,6 +173,49 @@ def test_bart_logits_match_transformers(tmp_path: Path, overrides: dict[str, Any
     assert isinstance(zoo, models.Seq2SeqTransformer)
     assert zoo.config.embedding_norm and zoo.config.output_bias and zoo.config.max_len == 32
     assert_close_on(*seq2seq_logits(hf, zoo))
+
+
+# ---------------------------------------------------------------------------------------------- greedy generation
+def stop_token(first: Tensor, start: int) -> int:
+    """An EOS id that makes the rows of a greedy run stop at different steps: the first token (in row-major
+    order) that some rows generate and others do not. ``first`` is the run without it, generated from ``start``."""
+    rows = [set(row) for row in first[:, start:].tolist()]
+    for token in first[:, start:].flatten().tolist():
+        if not all(token in row for row in rows):
+            return token
+    raise AssertionError(f"the greedy outputs {first.tolist()} offer no token that stops only some rows")
+
+
+def assert_rows_stop_at_different_steps(output: Tensor, start: int, eos: int) -> None:
+    stopped = (output[:, start:] == eos).any(dim=1)
+    assert stopped.any() and not stopped.all()
+
+
+def test_gpt2_greedy_generation_matches_transformers(tmp_path: Path) -> None:
+    hf = build_hf("gpt2")
+    zoo = load_zoo(save(hf, tmp_path))
+    ids, mask = inputs(6, pad=0)
+    ids[1, :2], mask[1, :2] = 0, False  # decoder-only generation pads on the left
+    settings = dict(attention_mask=mask.long(), max_new_tokens=10, do_sample=False, num_beams=1, pad_token_id=0)
+    eos = stop_token(hf.generate(ids, **settings), ids.shape[1])
+    expected = hf.generate(ids, **settings, eos_token_id=eos)
+    actual = zoo.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(actual, expected)
+    assert_rows_stop_at_different_steps(expected, ids.shape[1], eos)
+
+
+@pytest.mark.parametrize("model_type", ["marian", "bart"])
+def test_seq2seq_greedy_generation_matches_transformers(tmp_path: Path, model_type: str) -> None:
+    hf = build_hf(model_type)
+    hf.generation_config.forced_eos_token_id = None  # the zoo does not force a final EOS
+    zoo = load_zoo(save(hf, tmp_path))
+    src, mask = inputs(7, pad=2, batch=4)
+    settings = dict(attention_mask=mask.long(), max_new_tokens=10, do_sample=False, num_beams=1)
+    eos = stop_token(hf.generate(src, **settings), 1)
+    expected = hf.generate(src, **settings, eos_token_id=eos)
+    actual = zoo.generate(src, src_mask=mask, max_new_tokens=10, num_beams=1, eos_token_id=eos)
+    assert torch.equal(actual, expected)
+    assert_rows_stop_at_different_steps(expected, 1, eos)
 
 
 # ---------------------------------------------------------------------------------------------- base-model checkpoints
