@@ -129,19 +129,22 @@ def load_pretrained(
     if attention_backend is not None:
         blocks.get("attention_backend", attention_backend)  # fail before any download
 
-    files = io.resolve_checkpoint(path_or_repo_id, revision=revision, token=token, endpoint=endpoint)
-    raw = io.read_json(files.config)
+    location = io.locate(path_or_repo_id, revision=revision, token=token, endpoint=endpoint)
+    raw = io.read_json(location.config)
     allow_missing: frozenset[str] = frozenset()
     if io.is_zoo_config(raw):
-        cls, config = _zoo_class_and_config(raw, expected_class, files.source)
+        # Config first: a checkpoint of the wrong class is refused before its weights are downloaded.
+        cls, config = _zoo_class_and_config(raw, expected_class, location.source)
+        files = io.checkpoint_files(location)
         state = io.read_weights(files)
     elif io.is_transformers_config(raw):
+        files = io.checkpoint_files(location)
         state = io.read_weights(files)
-        cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, files.source)
+        cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, location.source)
     else:
         raise ValueError(
-            f"{files.config} is neither a transformer-zoo config (keys 'architecture' and 'format_version') nor a "
-            f"transformers config (key 'model_type'); it has keys {sorted(raw)}"
+            f"{location.config} is neither a transformer-zoo config (keys 'architecture' and 'format_version') "
+            f"nor a transformers config (key 'model_type'); it has keys {sorted(raw)}"
         )
 
     model = cls(config)
@@ -225,12 +228,19 @@ def load_state_into(
     uniform = dtype if dtype is not None else (next(iter(floating)) if len(floating) == 1 else None)
     if uniform is not None:
         model.to(dtype=uniform)  # non-persistent float buffers (sinusoid tables) follow the weights
+    used_storages: set[int] = set()
     with torch.no_grad():
         for target, loaded in assignments:
             if loaded.is_floating_point():
                 loaded = loaded.to(dtype=uniform or loaded.dtype)
+            loaded = loaded.to(device=target.device).contiguous()
+            if loaded.untyped_storage().data_ptr() in used_storages:
+                # One tensor given for two untied parameters (a converter may do this): copy it, or training
+                # one parameter would silently change the other.
+                loaded = loaded.clone()
+            used_storages.add(loaded.untyped_storage().data_ptr())
             # Assigning .data keeps the Parameter object, so every module sharing it stays tied.
-            target.data = loaded.to(device=target.device).contiguous()
+            target.data = loaded
 
 
 def _zoo_class_and_config(

@@ -8,12 +8,13 @@ that is not plain tensors. Hub files are fetched and cached by ``huggingface_hub
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
@@ -278,17 +279,45 @@ def _read_pickle(path: Path) -> dict[str, Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------- finding
-def resolve_checkpoint(
+@dataclass(frozen=True)
+class Location:
+    """A checkpoint whose ``config.json`` has been found: a local ``folder``, or Hub ``repo_id`` at ``commit``.
+
+    Finding the config first lets a loader refuse a wrong checkpoint before downloading its weights.
+    """
+
+    source: str
+    config: Path
+    folder: Path | None = None
+    repo_id: str | None = None
+    revision: str | None = None
+    commit: str | None = None
+    token: str | bool | None = None
+    endpoint: str | None = None
+
+    def fetch(self, filename: str) -> Path:
+        """Download ``filename`` of the located commit into the ``huggingface_hub`` cache (Hub only)."""
+        assert self.repo_id is not None and self.commit is not None
+        return Path(hf_hub_download(
+            self.repo_id, filename, revision=self.commit, token=self.token, endpoint=self.endpoint,
+            library_name=LIBRARY_NAME, library_version=library_version(),
+        ))
+
+    def fetch_optional(self, filename: str) -> Path | None:
+        try:
+            return self.fetch(filename)
+        except EntryNotFoundError:
+            return None
+
+
+def locate(
     path_or_repo_id: str | os.PathLike[str],
     *,
     revision: str | None = None,
     token: str | bool | None = None,
     endpoint: str | None = None,
-) -> CheckpointFiles:
-    """Find a checkpoint's files in a local folder, or download them from a Hub repo into the cache.
-
-    Weights are looked for as ``model.safetensors``, then ``model.safetensors.index.json`` with its shards,
-    then ``pytorch_model.bin``; ``tokenizer.json`` is optional.
+) -> Location:
+    """Find a checkpoint's ``config.json`` in a local folder, or download it from a Hub repo.
 
     Args:
         path_or_repo_id: an existing folder, or a Hub repo id.
@@ -296,9 +325,9 @@ def resolve_checkpoint(
         token, endpoint: passed to ``huggingface_hub``.
 
     Raises:
+        TypeError: arguments of the wrong type.
         ValueError: ``revision`` given with a local folder, or a path that is a file, not a folder.
-        FileNotFoundError: a local folder without ``config.json`` or weights, or a path-like string that
-            does not exist.
+        FileNotFoundError: a local folder without ``config.json``, or a path-like string that does not exist.
         huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: from the
             Hub, with the repo and revision added to the message.
     """
@@ -312,20 +341,61 @@ def resolve_checkpoint(
             raise ValueError(f"revision={revision!r} only applies to Hub repos, but {path} is a local folder")
         if not path.is_dir():
             raise ValueError(f"{path} is a file; expected a checkpoint folder (holding {CONFIG_NAME} and weights)")
-        return _resolve_local(path)
+        if not (path / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{path} has no {CONFIG_NAME}; it holds {sorted(p.name for p in path.iterdir())}")
+        return Location(source=str(path), config=path / CONFIG_NAME, folder=path)
     text = os.fspath(path_or_repo_id)
     if isinstance(path_or_repo_id, os.PathLike) or text.startswith((".", "~", "/")) or text.count("/") > 1:
         raise FileNotFoundError(f"no checkpoint folder at {text}")
-    return _resolve_hub(text, revision, token, endpoint)
+    wanted = revision or "main"
+    hub = Location(source=f"{text}@{wanted}", config=Path(), repo_id=text, revision=wanted, commit=wanted,
+                   token=token, endpoint=endpoint)
+    with _hub_context(hub):
+        config = hub.fetch(CONFIG_NAME)
+    # The cache keeps files under snapshots/<commit>/: every later file comes from that very commit, so a push
+    # landing between two downloads cannot mix two checkpoints.
+    commit = config.parent.name if _is_commit_sha(config.parent.name) else wanted
+    return dataclasses.replace(hub, config=config, commit=commit)
 
 
-def _resolve_local(folder: Path) -> CheckpointFiles:
-    present = sorted(p.name for p in folder.iterdir())
-    config = folder / CONFIG_NAME
-    if not config.is_file():
-        raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; it holds {present}")
+def checkpoint_files(location: Location) -> CheckpointFiles:
+    """The weights (``model.safetensors``, else the shards of ``model.safetensors.index.json``, else
+    ``pytorch_model.bin``) and the optional ``tokenizer.json`` of a located checkpoint, downloaded if on the Hub.
+
+    Raises:
+        FileNotFoundError: a local folder without weights, or without a shard its index names.
+        ValueError: a malformed shard index.
+        huggingface_hub.errors.EntryNotFoundError: a Hub repo without weights (repo and revision named).
+    """
+    if location.folder is not None:
+        return _local_files(location)
+    with _hub_context(location):
+        weights, weights_format, index = _fetch_weights(location)
+        tokenizer = location.fetch_optional(TOKENIZER_NAME)
+        if tokenizer is not None:
+            location.fetch_optional(TOKENIZER_CONFIG_NAME)  # lands beside tokenizer.json in the snapshot
+    return CheckpointFiles(
+        source=location.source, config=location.config, weights=weights, weights_format=weights_format,
+        index=index, tokenizer=tokenizer, commit=location.commit,
+    )
+
+
+def resolve_checkpoint(
+    path_or_repo_id: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    endpoint: str | None = None,
+) -> CheckpointFiles:
+    """``locate`` then ``checkpoint_files``: every file of a checkpoint, local or downloaded."""
+    return checkpoint_files(locate(path_or_repo_id, revision=revision, token=token, endpoint=endpoint))
+
+
+def _local_files(location: Location) -> CheckpointFiles:
+    folder = location.folder
+    assert folder is not None
     tokenizer = folder / TOKENIZER_NAME
-    common = dict(source=str(folder), config=config, tokenizer=tokenizer if tokenizer.is_file() else None)
+    common = dict(source=location.source, config=location.config, tokenizer=tokenizer if tokenizer.is_file() else None)
     if (folder / WEIGHTS_NAME).is_file():
         return CheckpointFiles(weights=(folder / WEIGHTS_NAME,), weights_format="safetensors", **common)
     index = folder / WEIGHTS_INDEX_NAME
@@ -339,64 +409,36 @@ def _resolve_local(folder: Path) -> CheckpointFiles:
         return CheckpointFiles(weights=(folder / PICKLE_WEIGHTS_NAME,), weights_format="pickle", **common)
     raise FileNotFoundError(
         f"{folder} has no weights: expected {WEIGHTS_NAME}, {WEIGHTS_INDEX_NAME} or {PICKLE_WEIGHTS_NAME} "
-        f"(other pickles such as .pt/.ckpt are never loaded); it holds {present}"
+        f"(other pickles such as .pt/.ckpt are never loaded); it holds {sorted(p.name for p in folder.iterdir())}"
     )
 
 
-def _resolve_hub(repo_id: str, revision: str | None, token: str | bool | None, endpoint: str | None) -> CheckpointFiles:
-    wanted = revision or "main"
-    context = f"\n[transformer-zoo: loading Hub repo {repo_id!r} at revision {wanted!r}]"
-
-    def fetch(filename: str, at: str) -> Path:
-        return Path(hf_hub_download(
-            repo_id, filename, revision=at, token=token, endpoint=endpoint,
-            library_name=LIBRARY_NAME, library_version=library_version(),
-        ))
-
+def _fetch_weights(location: Location) -> tuple[tuple[Path, ...], WeightsFormat, Path | None]:
+    single = location.fetch_optional(WEIGHTS_NAME)
+    if single is not None:
+        return (single,), "safetensors", None
+    index = location.fetch_optional(WEIGHTS_INDEX_NAME)
+    if index is not None:
+        return tuple(location.fetch(name) for name in shard_names(index)), "sharded", index
     try:
-        config = fetch(CONFIG_NAME, wanted)
-        # The cache keeps files under snapshots/<commit>/: read everything else from that very commit,
-        # so a push landing between two downloads cannot mix two checkpoints.
-        commit = config.parent.name if _is_commit_sha(config.parent.name) else wanted
-        weights, weights_format, index = _fetch_weights(fetch, commit)
-        tokenizer = _fetch_optional(fetch, TOKENIZER_NAME, commit)
-        if tokenizer is not None:
-            _fetch_optional(fetch, TOKENIZER_CONFIG_NAME, commit)  # lands beside tokenizer.json in the snapshot
-    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
-        _append_to_message(e, context)
-        raise
-    return CheckpointFiles(
-        source=f"{repo_id}@{wanted}", config=config, weights=weights, weights_format=weights_format,
-        index=index, tokenizer=tokenizer, commit=commit,
-    )
-
-
-def _fetch_weights(
-    fetch: Callable[[str, str], Path], commit: str
-) -> tuple[tuple[Path, ...], WeightsFormat, Path | None]:
-    try:
-        return (fetch(WEIGHTS_NAME, commit),), "safetensors", None
-    except EntryNotFoundError:
-        pass
-    try:
-        index = fetch(WEIGHTS_INDEX_NAME, commit)
-    except EntryNotFoundError:
-        pass
-    else:
-        return tuple(fetch(name, commit) for name in shard_names(index)), "sharded", index
-    try:
-        return (fetch(PICKLE_WEIGHTS_NAME, commit),), "pickle", None
+        return (location.fetch(PICKLE_WEIGHTS_NAME),), "pickle", None
     except EntryNotFoundError as e:
-        _append_to_message(e, f"\nno weights found: looked for {WEIGHTS_NAME}, {WEIGHTS_INDEX_NAME} and "
-                              f"{PICKLE_WEIGHTS_NAME}")
+        _append_to_message(
+            e, f"\nno weights found: looked for {WEIGHTS_NAME}, {WEIGHTS_INDEX_NAME} and {PICKLE_WEIGHTS_NAME}"
+        )
         raise
 
 
-def _fetch_optional(fetch: Callable[[str, str], Path], filename: str, commit: str) -> Path | None:
+@contextmanager
+def _hub_context(location: Location) -> Iterator[None]:
+    """Name the repo and the requested revision in the Hub's not-found errors."""
     try:
-        return fetch(filename, commit)
-    except EntryNotFoundError:
-        return None
+        yield
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
+        _append_to_message(
+            e, f"\n[transformer-zoo: loading Hub repo {location.repo_id!r} at revision {location.revision!r}]"
+        )
+        raise
 
 
 def _is_commit_sha(text: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -167,11 +168,12 @@ class PersistenceMixin:
             return api.create_commit(repo_id, operations, commit_message=message, revision=revision)
 
     # ------------------------------------------------------------------ the model card
-    def model_card(self, reference: str | None = None) -> str:
+    def model_card(self, reference: str | None = None, tokenizer: Any = None) -> str:
         """The ``README.md`` model card: YAML metadata, architecture, parameter count, config table, usage.
 
         Args:
             reference: what the usage snippet passes to ``from_pretrained`` (a repo id or a folder).
+            tokenizer: the tokenizer saved along (default: ``self.tokenizer``); the card says whether there is one.
         """
         name = type(self).__name__
         config = self.config.to_dict()
@@ -182,7 +184,12 @@ class PersistenceMixin:
         rows = "\n".join(f"| `{key}` | `{value!r}` |" for key, value in config.items())
         reference = reference or "path/to/checkpoint"
         n_params = sum(p.numel() for p in self.parameters())
-        tokenizer_line = "included (`tokenizer.json`)" if self.tokenizer is not None else "not included"
+        has_tokenizer = (tokenizer if tokenizer is not None else self.tokenizer) is not None
+        tokenizer_line = "included (`tokenizer.json`)" if has_tokenizer else "not included"
+        # Import from the package when it re-exports the class (``from models import DecoderLM``).
+        package = type(self).__module__.split(".")[0]
+        exported = getattr(sys.modules.get(package), name, None) is type(self)
+        module = package if exported else type(self).__module__
         body = f"""
 # {name}
 
@@ -197,7 +204,7 @@ A `{name}` checkpoint saved with transformer-zoo.
 ## Usage
 
 ```python
-from models import {name}
+from {module} import {name}
 
 model = {name}.from_pretrained({json.dumps(reference)})
 ```
@@ -225,7 +232,7 @@ model = {name}.from_pretrained({json.dumps(reference)})
         io.save_weights(io.unique_state(self), folder / io.WEIGHTS_NAME)
         if tokenizer is not None:
             tokenizer.save(str(folder / io.TOKENIZER_NAME))
-        (folder / io.CARD_NAME).write_text(self.model_card(card_reference), encoding="utf-8")
+        (folder / io.CARD_NAME).write_text(self.model_card(card_reference, tokenizer), encoding="utf-8")
         io.write_json(
             {
                 "architecture": name,
@@ -240,20 +247,15 @@ model = {name}.from_pretrained({json.dumps(reference)})
 
 
 def load_tokenizer(path: Path) -> Any:
-    """Load ``tokenizer.json`` with the project's ``tokenization.Tokenizer`` (``tokenizers.Tokenizer`` until
-    that package exists).
+    """Load a checkpoint's ``tokenizer.json`` as a ``tokenization.Tokenizer`` (special-token roles come from a
+    ``tokenizer_config.json`` beside it, when present).
 
     Raises:
         ValueError: the file is not a valid tokenizer (the path is named).
     """
-    try:
-        from tokenization import Tokenizer
-    except ImportError:
-        from tokenizers import Tokenizer
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-        raise ValueError(f"{path} is not a valid tokenizer file: {e}") from e
+    from tokenization import Tokenizer  # imported here: models must not need tokenization to import
+
+    return Tokenizer.from_file(path)
 
 
 def _dtype_name(model: Any) -> str:

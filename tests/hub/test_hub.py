@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, hf_hub_download
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, constants, hf_hub_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
@@ -147,6 +147,19 @@ def test_other_architecture_from_the_hub(hub: HubServer) -> None:
     tiny("Seq2SeqTransformer").push_to_hub("tester/s2s")
     with pytest.raises(ValueError, match="tester/s2s@main holds a Seq2SeqTransformer checkpoint, not a DecoderLM"):
         DecoderLM.from_pretrained("tester/s2s")
+    assert hub.count("GET", "model.safetensors") == 0  # refused from config.json, before downloading weights
+
+
+def test_cached_checkpoint_loads_offline(hub: HubServer, monkeypatch) -> None:
+    model = tiny("DecoderLM")
+    model.push_to_hub("tester/cached", tokenizer=tiny_tokenizer())
+    DecoderLM.from_pretrained("tester/cached")
+    seen = len(hub.requests)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    pulled = DecoderLM.from_pretrained("tester/cached")
+    assert len(hub.requests) == seen  # served from the huggingface_hub cache alone
+    assert torch.equal(logits(model), logits(pulled))
+    assert pulled.tokenizer.encode("hello zoo") == [2, 3]
 
 
 # ------------------------------------------------------------------------------------------ errors

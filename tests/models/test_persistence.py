@@ -311,6 +311,17 @@ def test_tied_names_with_different_values_are_refused(tmp_path: Path) -> None:
         DecoderLM.from_pretrained(tmp_path)
 
 
+def test_one_tensor_for_two_untied_parameters_is_copied() -> None:
+    model = tiny("DecoderLM", tie_embeddings=False)
+    state = checkpoint_io.unique_state(tiny("DecoderLM", tie_embeddings=False))
+    state["lm_head.weight"] = state["embed_tokens.weight"]  # the same tensor object under both names
+    auto.load_state_into(model, state)
+    assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    assert not torch.equal(model.lm_head.weight, model.embed_tokens.weight)  # still untied
+
+
 def test_tied_names_stored_twice_with_equal_values_load(tmp_path: Path) -> None:
     model = tiny("DecoderLM")
     model.save_pretrained(tmp_path)
@@ -559,6 +570,7 @@ def test_tokenizer_is_saved_and_attached(tmp_path: Path) -> None:
     raw = tiny_tokenizer()
     tiny("DecoderLM").save_pretrained(tmp_path / "a", tokenizer=raw)
     assert (tmp_path / "a" / "tokenizer.json").is_file()
+    assert "Tokenizer: included" in (tmp_path / "a" / "README.md").read_text()
     loaded = DecoderLM.from_pretrained(tmp_path / "a")
     assert isinstance(loaded.tokenizer, tokenization.Tokenizer)
     assert loaded.tokenizer.encode("hello zoo world") == raw.encode("hello zoo world").ids == [2, 4, 3]
@@ -586,7 +598,7 @@ def test_tokenizer_without_save_is_refused(tmp_path: Path) -> None:
 def test_corrupted_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
     tiny("DecoderLM").save_pretrained(tmp_path, tokenizer=tiny_tokenizer())
     (tmp_path / "tokenizer.json").write_text("{}")
-    with pytest.raises(ValueError, match="tokenizer.json is not a valid tokenizer file"):
+    with pytest.raises(ValueError, match="tokenizer.json' is not a valid tokenizer.json"):
         DecoderLM.from_pretrained(tmp_path)
 
 
@@ -594,6 +606,8 @@ def test_model_card(tmp_path: Path) -> None:
     model = tiny("EncoderLM")
     model.save_pretrained(tmp_path / "ckpt")
     card = ModelCard.load(tmp_path / "ckpt" / "README.md")
+    assert "Tokenizer: not included" in card.text
+    assert "from models import EncoderLM" in card.text
     assert card.data.library_name == "transformer-zoo"
     assert "EncoderLM" in card.data.tags
     assert f"{model.num_parameters():,}" in card.text
