@@ -41,11 +41,22 @@ class HFConfig:
         model_type: the family (for messages).
         data: the config.json dict.
         defaults: the family's defaults in the installed ``transformers`` version, for every field read.
+        aliases: field -> the generic name ``transformers`` also accepts for it (the config class's
+            ``attribute_map``, e.g. GPT-2's ``hidden_size`` for ``n_embd``); the field's own name wins.
     """
 
-    def __init__(self, model_type: str, data: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        model_type: str,
+        data: Mapping[str, Any],
+        defaults: Mapping[str, Any],
+        aliases: Mapping[str, str] | None = None,
+    ) -> None:
         self.model_type = model_type
-        self.data = data
+        self.data = dict(data)
+        for field, alias in (aliases or {}).items():
+            if field not in self.data and alias in self.data:
+                self.data[field] = self.data[alias]
         self.defaults = defaults
 
     def __getitem__(self, key: str) -> Any:

@@ -38,6 +38,10 @@ DECODER_LAYER = {
     "encoder_attn_layer_norm": "cross_attn_sublayer.norm",
 }
 
+# MarianConfig/BartConfig.attribute_map: generic names transformers accepts for their fields.
+ALIASES = {"encoder_attention_heads": "num_attention_heads", "d_model": "hidden_size",
+           "encoder_layers": "num_hidden_layers"}
+
 # nn.LayerNorm's default, which both families use without a config field.
 NORM_EPS = 1e-5
 

@@ -17,7 +17,15 @@ from torch import Tensor, nn
 from ..seq2seq import Seq2SeqConfig, Seq2SeqTransformer
 from . import Converted, register_converter
 from ._checkpoint import CheckpointReader, HFConfig, zoo_config
-from ._seq2seq import common_fields, convert_embeddings, convert_layers, export_embeddings, export_fields, export_layers
+from ._seq2seq import (
+    ALIASES,
+    common_fields,
+    convert_embeddings,
+    convert_layers,
+    export_embeddings,
+    export_fields,
+    export_layers,
+)
 from .export import register_exporter, require, tensors
 
 # BartConfig's defaults in transformers 5 (fields a config.json may leave out).
@@ -54,7 +62,7 @@ def convert_bart(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
             activation no zoo FFN computes, position tables without the two offset rows, or weights that
             do not fit the config.
     """
-    cfg = HFConfig("bart", hf_config, DEFAULTS)
+    cfg = HFConfig("bart", hf_config, DEFAULTS, ALIASES)
     for key, (value, feature) in LEGACY.items():
         cfg.require_legacy(key, [value], feature)
     fields = common_fields(cfg, share_embeddings=True)

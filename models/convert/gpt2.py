@@ -26,6 +26,9 @@ DEFAULTS: dict[str, Any] = {
     "add_cross_attention": False, "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256,
     "pad_token_id": None,
 }
+# GPT2Config.attribute_map: generic names transformers accepts for GPT-2's own.
+ALIASES = {"n_embd": "hidden_size", "n_positions": "max_position_embeddings", "n_head": "num_attention_heads",
+           "n_layer": "num_hidden_layers"}
 
 # transformers' Conv1D modules of a block (other than the fused c_attn) -> zoo linear layers.
 CONV1D_NAMES = {"attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "ffn.up_proj", "mlp.c_proj": "ffn.down_proj"}
@@ -43,7 +46,7 @@ def convert_gpt2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
             ``add_cross_attention=True``, an activation no zoo FFN computes, or a checkpoint that does not
             match its config.
     """
-    cfg = HFConfig("gpt2", hf_config, DEFAULTS)
+    cfg = HFConfig("gpt2", hf_config, DEFAULTS, ALIASES)
     cfg.require("scale_attn_weights", [True], "attention scores scaled by 1/sqrt(d_head) or not")
     cfg.require("scale_attn_by_inverse_layer_idx", [False], "attention scores also divided by layer index + 1")
     cfg.require("add_cross_attention", [False], "cross-attention blocks in a decoder-only model")

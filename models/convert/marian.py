@@ -18,7 +18,15 @@ from blocks.positional import sinusoid_table
 from ..seq2seq import Seq2SeqConfig, Seq2SeqTransformer
 from . import Converted, register_converter
 from ._checkpoint import CheckpointReader, HFConfig, zoo_config
-from ._seq2seq import common_fields, convert_embeddings, convert_layers, export_embeddings, export_fields, export_layers
+from ._seq2seq import (
+    ALIASES,
+    common_fields,
+    convert_embeddings,
+    convert_layers,
+    export_embeddings,
+    export_fields,
+    export_layers,
+)
 from .export import register_exporter, require, tensors
 
 # MarianConfig's defaults in transformers 5 (fields a config.json may leave out).
@@ -56,7 +64,7 @@ def convert_marian(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor
             different shapes, legacy options the zoo lacks, an activation no zoo FFN computes, stored
             position tables that are not the sinusoids, or weights that do not fit the config.
     """
-    cfg = HFConfig("marian", hf_config, DEFAULTS)
+    cfg = HFConfig("marian", hf_config, DEFAULTS, ALIASES)
     for key, (value, feature) in LEGACY.items():
         cfg.require_legacy(key, [value], feature)
     if cfg["decoder_vocab_size"] is not None and cfg["decoder_vocab_size"] != cfg["vocab_size"]:

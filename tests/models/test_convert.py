@@ -402,6 +402,13 @@ def test_unknown_model_type_lists_the_supported_ones(checkpoints: dict) -> None:
         from_transformers({**config, "model_type": "llama"}, state_dict)
 
 
+def test_generic_field_names_are_read_like_transformers(checkpoints: dict) -> None:
+    config, state_dict = checkpoints["gpt2"]
+    generic = {k: v for k, v in config.items() if k not in ("n_embd", "n_layer", "n_head", "n_positions")}
+    generic.update(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32)
+    assert from_transformers(generic, state_dict).config == from_transformers(config, state_dict).config
+
+
 # ---------------------------------------------------------------------------------------------- unsupported features
 UNSUPPORTED = [
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
@@ -543,3 +550,4 @@ def test_export_to_a_named_family(tmp_path: Path) -> None:
         to_transformers(zoo, "bert")
     with pytest.raises(ValueError, match="unknown hf_exporter 'llama'"):
         to_transformers(zoo, "llama")
+
