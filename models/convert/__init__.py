@@ -8,6 +8,10 @@ registry); every module of this package is imported below, so a new file ``model
 
 A converter never returns a model that computes something different from the checkpoint's: a config
 value or a tensor the zoo cannot represent raises ``ValueError`` naming it.
+
+The other direction: ``to_transformers(model)`` gives a ``transformers`` config dict and state dict, and
+``save_transformers(model, directory)`` writes a folder ``transformers``' ``from_pretrained`` loads
+(see ``models.convert.export``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import blocks
 
 from ..base import ZooModel
 from ..config import ConfigBase
+from .export import NotExportable, register_exporter, save_transformers, to_transformers
 
 CONVERTER_KIND = "hf_converter"
 
@@ -151,5 +156,15 @@ def check_converted(converted: Converted) -> Converted:
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["CONVERTER_KIND", "Converted", "check_converted", "from_transformers", "register_converter",
-           "supported_model_types"]
+__all__ = [
+    "CONVERTER_KIND",
+    "Converted",
+    "NotExportable",
+    "check_converted",
+    "from_transformers",
+    "register_converter",
+    "register_exporter",
+    "save_transformers",
+    "supported_model_types",
+    "to_transformers",
+]

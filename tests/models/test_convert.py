@@ -21,7 +21,14 @@ from torch import Tensor, nn
 
 import models
 import models.auto
-from models.convert import Converted, from_transformers, register_converter, supported_model_types
+from models.convert import (
+    Converted,
+    from_transformers,
+    register_converter,
+    save_transformers,
+    supported_model_types,
+    to_transformers,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -485,8 +492,6 @@ EXPORTABLE = [
 @pytest.mark.parametrize("model_type, hf_class, make", EXPORTABLE,
                          ids=[f"{t}-{i}" for i, (t, _, _) in enumerate(EXPORTABLE)])
 def test_export_loads_in_transformers_and_converts_back(tmp_path: Path, model_type: str, hf_class: str, make) -> None:
-    from models.convert.export import save_transformers, to_transformers
-
     zoo = perturbed(make())
     save_transformers(zoo, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == model_type
@@ -534,16 +539,12 @@ def test_export_loads_in_transformers_and_converts_back(tmp_path: Path, model_ty
     ids=["rotary", "gqa", "bert-relu", "paper-seq2seq", "rmsnorm"],
 )
 def test_export_of_unrepresentable_models_raises(tmp_path: Path, make, match: str) -> None:
-    from models.convert.export import save_transformers
-
     with pytest.raises(ValueError, match=match):
         save_transformers(make(), tmp_path)
     assert not (tmp_path / "config.json").exists()
 
 
 def test_export_to_a_named_family(tmp_path: Path) -> None:
-    from models.convert.export import to_transformers
-
     zoo = models.DecoderLM(models.DecoderLMConfig(**SMALL))
     assert to_transformers(zoo, "gpt2")[0]["model_type"] == "gpt2"
     with pytest.raises(ValueError, match="as 'bert': DecoderLM is not an EncoderLM"):
