@@ -1,5 +1,6 @@
 """transformer-zoo models: ``from models import Seq2SeqTransformer, EncoderLM, DecoderLM``."""
 
+from .auto import from_pretrained
 from .base import ZooModel
 from .config import ConfigBase, TransformerConfig
 from .decoder_lm import DecoderLM, DecoderLMConfig
@@ -19,4 +20,5 @@ __all__ = [
     "Seq2SeqTransformer",
     "TransformerConfig",
     "ZooModel",
+    "from_pretrained",
 ]
