@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, constants, hf_hub_download
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import tokenization
@@ -305,3 +305,38 @@ def test_transformers_checkpoint_from_the_hub(name: str, hub: HubServer, tmp_pat
     other = EncoderLM if name == "DecoderLM" else DecoderLM
     with pytest.raises(ValueError, match=f"converts to {name}, not {other.__name__}"):
         other.from_pretrained("tester/hf-format")
+
+
+def test_sharded_checkpoint_from_the_hub(hub: HubServer, tmp_path: Path) -> None:
+    model = tiny("Seq2SeqTransformer")
+    model.save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    operations = [CommitOperationAdd("config.json", str(tmp_path / "config.json"))]
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(tmp_path / shard), metadata={"format": "pt"})
+        operations.append(CommitOperationAdd(shard, str(tmp_path / shard)))
+        weight_map.update(dict.fromkeys(keys, shard))
+    index = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+    operations.append(CommitOperationAdd("model.safetensors.index.json", index))
+    api = HfApi()
+    api.create_repo("tester/sharded")
+    api.create_commit("tester/sharded", operations, commit_message="sharded weights")
+    pulled = Seq2SeqTransformer.from_pretrained("tester/sharded")
+    assert torch.equal(logits(model), logits(pulled))
+    assert all(hub.count("GET", f"/{shard}") == 1 for shard in shards)
+
+
+def test_server_lists_trees_and_serves_snapshots(hub: HubServer) -> None:
+    """The server also answers what snapshot_download and list_repo_tree ask (other code may use them)."""
+    tiny("DecoderLM").push_to_hub("tester/tree", tokenizer=tokenization.Tokenizer(tiny_tokenizer()))
+    api = HfApi()
+    paths = sorted(f.path for f in api.list_repo_tree("tester/tree"))
+    assert paths == [
+        ".gitattributes", "README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
+    ]
+    folder = Path(snapshot_download("tester/tree"))
+    assert sorted(p.name for p in folder.iterdir()) == paths
+    assert DecoderLM.from_pretrained(folder).tokenizer.encode("zoo") == [3]
