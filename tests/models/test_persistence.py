@@ -90,7 +90,7 @@ def test_round_trip_is_bit_identical(name: str, tmp_path: Path) -> None:
 def test_auto_loader_picks_the_class(name: str, tmp_path: Path) -> None:
     model = tiny(name)
     model.save_pretrained(str(tmp_path / "ckpt"))
-    loaded = auto.from_pretrained(str(tmp_path / "ckpt"))
+    loaded = zoo.from_pretrained(str(tmp_path / "ckpt"))  # models.from_pretrained, the top-level loader
     assert type(loaded) is type(model)
     assert torch.equal(logits(model), logits(loaded))
 
