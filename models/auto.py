@@ -147,6 +147,15 @@ def load_pretrained(
             f"nor a transformers config (key 'model_type'); it has keys {sorted(raw)}"
         )
 
+    tokenizer = None
+    if files.tokenizer is not None:
+        from .persistence import load_tokenizer  # persistence imports this module
+
+        tokenizer = load_tokenizer(files.tokenizer)
+        # transformers' BERT config.json does not store the [MASK] id; the checkpoint's tokenizer knows it.
+        if getattr(config, "mask_token_id", 0) is None and getattr(tokenizer, "mask_token_id", None) is not None:
+            config = config.replace(mask_token_id=tokenizer.mask_token_id)
+
     model = cls(config)
     load_state_into(model, state, allow_missing=allow_missing, dtype=dtype, source=files.source)
     if attention_backend is not None:
@@ -154,10 +163,8 @@ def load_pretrained(
     if device is not None:
         model.to(device)
     model.eval()
-    if files.tokenizer is not None:
-        from .persistence import load_tokenizer  # persistence imports this module
-
-        model.tokenizer = load_tokenizer(files.tokenizer)
+    if tokenizer is not None:
+        model.tokenizer = tokenizer
     return model
 
 

@@ -319,6 +319,20 @@ def test_tokenizer_json_loads_with_the_model(tmp_path: Path) -> None:
     assert zoo.tokenizer is not None and zoo.tokenizer.token_to_id("world") == 2
 
 
+def test_bert_mask_token_comes_from_the_checkpoints_tokenizer(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "hello": 2, "[MASK]": 7}
+    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["[PAD]", "[UNK]", "[MASK]"])
+    save(build_hf("bert"), tmp_path)
+    assert load_zoo(tmp_path).config.mask_token_id is None  # BERT's config.json does not store it
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert load_zoo(tmp_path).config.mask_token_id == 7
+
+
 def test_class_from_pretrained_checks_the_converted_architecture(tmp_path: Path) -> None:
     save(build_hf("gpt2"), tmp_path)
     assert isinstance(models.DecoderLM.from_pretrained(tmp_path), models.DecoderLM)
