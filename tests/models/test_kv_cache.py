@@ -24,10 +24,14 @@ SLOW_ON_CPU = {"flex"}
 # ------------------------------------------------------------------------------------------------- strategies
 @st.composite
 def decoder_configs(
-    draw: st.DrawFn, positional: str | None = None, backend: str | None = None, vocab_size: int = VOCAB
+    draw: st.DrawFn,
+    positional: str | None = None,
+    backend: str | None = None,
+    vocab_size: int = VOCAB,
+    fast_on_cpu: bool = False,
 ) -> DecoderLMConfig:
     """A tiny ``DecoderLMConfig`` with its blocks drawn from the registries (``positional``/``backend`` fixed
-    when given)."""
+    when given; ``fast_on_cpu`` leaves out the backends in ``SLOW_ON_CPU``)."""
     return DecoderLMConfig(
         vocab_size=vocab_size,
         n_layers=draw(st.integers(1, 2)),
@@ -35,7 +39,7 @@ def decoder_configs(
         max_len=32,
         dropout=0.0,
         positional=positional or draw(registry_names("positional")),
-        attention_backend=backend or draw(registry_names("attention_backend")),
+        attention_backend=backend or draw(backends(fast_on_cpu)),
         ffn=draw(registry_names("ffn")),
         norm=draw(registry_names("norm")),
         sublayer=draw(registry_names("sublayer")),
@@ -45,7 +49,11 @@ def decoder_configs(
 
 @st.composite
 def seq2seq_configs(
-    draw: st.DrawFn, positional: str | None = None, backend: str | None = None, vocab_size: int = VOCAB
+    draw: st.DrawFn,
+    positional: str | None = None,
+    backend: str | None = None,
+    vocab_size: int = VOCAB,
+    fast_on_cpu: bool = False,
 ) -> Seq2SeqConfig:
     """A tiny ``Seq2SeqConfig`` with its blocks drawn from the registries."""
     return Seq2SeqConfig(
@@ -56,7 +64,7 @@ def seq2seq_configs(
         max_len=32,
         dropout=0.0,
         positional=positional or draw(registry_names("positional")),
-        attention_backend=backend or draw(registry_names("attention_backend")),
+        attention_backend=backend or draw(backends(fast_on_cpu)),
         ffn=draw(registry_names("ffn")),
         norm=draw(registry_names("norm")),
         sublayer=draw(registry_names("sublayer")),
@@ -65,6 +73,13 @@ def seq2seq_configs(
         output_bias=draw(st.booleans()),
         **draw(model_dims(max_heads=4, max_d_head=8)),
     )
+
+
+def backends(fast_on_cpu: bool = False) -> st.SearchStrategy[str]:
+    """Any registered attention backend (``fast_on_cpu``: except those in ``SLOW_ON_CPU``)."""
+    if not fast_on_cpu:
+        return registry_names("attention_backend")
+    return st.sampled_from([name for name in blocks.names("attention_backend") if name not in SLOW_ON_CPU])
 
 
 def examples(backend: str) -> int:
