@@ -131,17 +131,6 @@ def broadcastable_shapes(draw: st.DrawFn, full: Sequence[int], *, min_dims: int 
     return tuple(dims[drop:])
 
 
-@st.composite
-def non_broadcastable_shapes(draw: st.DrawFn, full: Sequence[int]) -> tuple[int, ...]:
-    """A shape that does not broadcast to ``full`` (one axis neither 1 nor the full size, or too many axes)."""
-    if draw(st.booleans()):
-        return (2, *full)  # 5-D
-    axis = draw(st.integers(0, len(full) - 1))
-    shape = list(full)
-    shape[axis] = full[axis] + draw(st.integers(1, 3))
-    return tuple(shape)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Masks (bool, True = may attend, broadcastable to (B, H, Lq, Lk))
 # ----------------------------------------------------------------------------------------------------------
