@@ -176,13 +176,18 @@ def test_decoder_generate_preallocates_and_feeds_each_position_once(monkeypatch:
 
     monkeypatch.setattr(models.generation, "new_caches", recording_new_caches)
     counts: list[int] = []
-    handle = _count_rows(model.layers[0].self_attn.k_proj, counts)
+    projected: list[int] = []
+    handles = [_count_rows(model.layers[0].self_attn.k_proj, counts), _count_rows(model.lm_head, projected)]
     prompt = torch.randint(4, VOCAB, (2, 5))
     out = model.generate(prompt, max_new_tokens=6, eos_token_id=None)
-    handle.remove()
+    for handle in handles:
+        handle.remove()
     assert out.shape == (2, 11)
     # The prompt once, then one new position per step; the last token is never fed back.
     assert counts == [5, 1, 1, 1, 1, 1]
+    # Only the last prompt position goes through the vocabulary projection.
+    assert projected == [1] * 6
+    assert not model.final_norm._forward_hooks  # the prefill's hook is gone
     (cache,) = made
     assert len(cache) == config.n_layers
     assert all(c.self_attn.max_len == 5 + 6 for c in cache)
