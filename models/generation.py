@@ -160,8 +160,8 @@ class DecoderLMGenerationMixin:
     ) -> Iterator[Tensor]:
         """Like ``generate``, but yield each step's tokens as soon as they are chosen.
 
-        The arguments are checked when ``stream`` is called; the model stays in eval mode until the iterator
-        is exhausted or closed.
+        The arguments are checked when ``stream`` is called; the model is in eval mode from the first token
+        until the iterator is exhausted or closed.
 
         Returns:
             An iterator of ``(B,)`` long tensors, one per generated position (``pad_token_id`` for rows that
