@@ -42,8 +42,15 @@ class KVCache:
         return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
     def reorder(self, index: Tensor) -> None:
-        """Select batch rows ``index`` (beam search), in place of the old cache."""
-        if self.k is not None:
+        """Select batch rows ``index`` (beam search); only the filled positions are moved, in place when
+        the batch size is unchanged."""
+        if self.k is None:
+            return
+        filled = slice(0, self.length)
+        if index.numel() == self.k.shape[0]:
+            self.k[:, :, filled] = self.k[:, :, filled].index_select(0, index)
+            self.v[:, :, filled] = self.v[:, :, filled].index_select(0, index)
+        else:
             self.k = self.k.index_select(0, index)
             self.v = self.v.index_select(0, index)
 

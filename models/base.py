@@ -69,10 +69,10 @@ class ZooModel(nn.Module):
             raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
         # Value checks read tensor data; under torch.compile they would break the graph, so they are skipped.
         if ids.numel() and not torch.compiler.is_compiling():
-            lo, hi = int(ids.min()), int(ids.max())
             vocab = self.config.vocab_size
-            if lo < 0 or hi >= vocab:
-                bad = lo if lo < 0 else hi
+            outside = (ids < 0) | (ids >= vocab)
+            if bool(outside.any()):  # one host sync per call; the offending id is looked up only on error
+                bad = int(ids[outside][0])
                 raise ValueError(f"{name} contains id {bad}, outside the vocabulary [0, vocab_size={vocab})")
 
     @staticmethod

@@ -97,6 +97,7 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
         labels: Tensor | None = None,
         *,
         cache: list[LayerCache] | None = None,
+        logits_to_keep: int = 0,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> ModelOutput:
@@ -109,6 +110,8 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
             labels: ``(B, L)`` ids; the loss predicts ``labels[:, t + 1]`` from position ``t``
                 (the shift happens inside, as in ``transformers``); -100 is ignored.
             cache: per-layer KV caches for incremental decoding (see ``models.base.new_caches``).
+            logits_to_keep: if > 0, project only the last ``logits_to_keep`` positions to the vocabulary
+                (a prompt's prefill needs only the last one); 0 keeps all.
 
         Returns:
             ``ModelOutput`` with ``logits (B, L, vocab_size)`` and ``loss`` when labels are given.
@@ -143,7 +146,11 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
             attentions.append(weights)
         x = self.final_norm(x)
         hidden_states[-1] = x
-        logits = self.lm_head(x)  # (B, L, vocab_size)
+        if logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
+        if logits_to_keep and labels is not None:
+            raise ValueError("logits_to_keep cannot be combined with labels (the loss needs every position)")
+        logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)  # (B, L or kept, vocab_size)
 
         loss = None
         if labels is not None:

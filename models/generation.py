@@ -237,8 +237,7 @@ class DecoderLMGenerationMixin:
                 # The mask of every step is a prefix of one buffer: generated tokens are always real.
                 mask_buffer = torch.ones((b, length + request.max_new_tokens), dtype=torch.bool, device=mask.device)
                 mask_buffer[:, :length] = mask
-            with _last_position_only(getattr(self, "final_norm", None)):
-                logits = self(prompt, attention_mask=mask, cache=cache).logits[:, -1]
+            logits = self(prompt, attention_mask=mask, cache=cache, logits_to_keep=1).logits[:, -1]
             filled = length
 
             def step(tokens: Tensor) -> Tensor:
@@ -592,22 +591,6 @@ def _eval_mode(module: nn.Module) -> Iterator[None]:
     finally:
         for m, training in modes:
             m.training = training
-
-
-@contextlib.contextmanager
-def _last_position_only(module: nn.Module | None) -> Iterator[None]:
-    """While active, ``module`` (the norm before the vocabulary projection) passes on its last position only,
-    so the prompt's prefill projects one position to the vocabulary instead of all of them (for a 32-token
-    GPT-2 prompt that projection costs as much as 32 decoding steps' worth). ``None``: no change.
-    """
-    if module is None:
-        yield
-        return
-    handle = module.register_forward_hook(lambda _module, _args, out: out[:, -1:])
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def _resolve_token(value: Any, default: int | None, name: str, vocab_size: int) -> int | None:

@@ -63,7 +63,7 @@ def allowed_keys(
         ``(allowed, has_key)``: ``allowed`` is None when nothing is masked; ``has_key`` is None when no
         row can be empty (no mask, or only a causal mask with ``Lq <= Lk``).
     """
-    if is_causal:
+    if is_causal and lq > 1:  # (a single query sees every key under the bottom-right causal mask)
         causal = causal_mask(lq, lk, device=device)
         if mask is None and lq <= lk:
             return causal, None

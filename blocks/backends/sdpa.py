@@ -31,6 +31,8 @@ def sdpa_attention(
     """
     check_inputs(q, k, v, mask, bias)
     lq, lk = q.shape[2], k.shape[2]
+    # One query (a decoding step) sees every key under the bottom-right causal mask: nothing to mask.
+    is_causal = is_causal and lq > 1
     gqa = q.shape[1] != k.shape[1]
     if mask is None and bias is None and (not is_causal or lq == lk):
         return F.scaled_dot_product_attention(

@@ -257,6 +257,17 @@ def test_decoder_lm_loss_is_next_token_prediction():
     close(out.loss, torch.nn.functional.cross_entropy(logits[keep], target[keep]))
 
 
+def test_decoder_lm_logits_to_keep_projects_only_the_last_positions():
+    model = DecoderLM(DecoderLMConfig(vocab_size=VOCAB, d_model=16, n_heads=2, d_ff=32)).eval()
+    x = ids(2, 7)
+    full = model(x).logits
+    close(model(x, logits_to_keep=2).logits, full[:, -2:])
+    with pytest.raises(ValueError, match="logits_to_keep must be >= 0"):
+        model(x, logits_to_keep=-1)
+    with pytest.raises(ValueError, match="cannot be combined with labels"):
+        model(x, labels=x, logits_to_keep=1)
+
+
 def test_encoder_lm_loss_covers_only_labelled_positions():
     model = EncoderLM(EncoderLMConfig(vocab_size=VOCAB, d_model=16, n_heads=2, d_ff=32)).eval()
     x = ids(2, 7)
