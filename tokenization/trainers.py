@@ -159,7 +159,7 @@ def _special_list(
     tokens = [roles[r] for r in ROLES if roles[r] is not None] + list(extra)
     duplicates = sorted({t for t in tokens if tokens.count(t) > 1})
     if duplicates:
-        raise ValueError(f"special tokens {duplicates} are listed twice")
+        raise ValueError(f"special tokens {duplicates} are listed twice; each needs its own id when training")
     needed = len(tokens) + reserved + 1
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < needed:
         raise ValueError(

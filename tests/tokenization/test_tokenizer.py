@@ -218,6 +218,22 @@ def test_hugging_face_tokenizer_files_load_as_is(tmp_path) -> None:
     assert back.pad_token_id == ours.pad_token_id and back.mask_token_id == ours.mask_token_id
 
 
+def test_one_token_may_play_several_roles_when_loaded(tmp_path) -> None:
+    # GPT-2's files name <|endoftext|> as bos, eos and unk token.
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    backend.train_from_iterator(CORPUS, tokenizers.trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|endoftext|>", "eos_token": {"content": "<|endoftext|>"}, "unk_token": "<|endoftext|>"}))
+    tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    assert tok.bos_token_id == tok.eos_token_id == tok.unk_token_id == 0
+    assert tok.pad_token_id is None and tok.mask_token_id is None
+    assert tok(["fox", "the lazy dog"], padding=False, return_tensors=None)["input_ids"][0] == tok.encode("fox")
+
+
 def test_backend_padding_and_truncation_settings_survive_calls(trained: dict[str, Tokenizer]) -> None:
     tok = Tokenizer.from_str(trained["bpe"].to_str())
     tok.backend.enable_truncation(7)
@@ -248,7 +264,7 @@ def test_bad_input_is_rejected_before_training(tmp_path, trained: dict[str, Toke
         train_byte_level_bpe(CORPUS, vocab_size=100)
     with pytest.raises(ValueError, match="unknown special-token role"):
         train_bpe(CORPUS, special_tokens={"cls": "[CLS]"})
-    with pytest.raises(ValueError, match="two roles"):
+    with pytest.raises(ValueError, match="listed twice"):
         train_bpe(CORPUS, special_tokens={"bos": "[X]", "eos": "[X]"})
     with pytest.raises(ValueError, match="unknown template family"):
         train_bpe(CORPUS, template="gpt")
