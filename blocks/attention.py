@@ -71,7 +71,6 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_context, n_kv_heads * d_head, bias=bias)
         self.v_proj = nn.Linear(d_context, n_kv_heads * d_value, bias=bias)
         self.o_proj = nn.Linear(n_heads * d_value, d_model, bias=bias)
-        self._fused_cache: dict[int, tuple] = {}
         self.set_backend(backend)
 
     def set_backend(self, name: str) -> None:
@@ -86,27 +85,25 @@ class MultiHeadAttention(nn.Module):
         )
 
     def _project(self, x: Tensor, projections: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
-        """Apply several projections of the same input as one matmul on their concatenated weights.
+        """Apply several projections of the same input, as one matmul on their concatenated weights in training.
 
-        One large matmul runs faster than three small ones (fewer kernel launches, better blocking); the
-        parameters stay separate (``q_proj``, ``k_proj``, ``v_proj``) so checkpoints keep common names.
-        Without autograd (inference) the concatenated weights are cached until a parameter changes.
-        Projections that are not plain ``nn.Linear`` modules, or that carry hooks, are called one by one.
+        One large matmul runs faster than three small ones over many tokens (better blocking, one backward
+        kernel instead of three); the parameters stay separate (``q_proj``, ``k_proj``, ``v_proj``) so
+        checkpoints keep common names. Without autograd (inference, decoding one token at a time) the
+        projections run one by one: concatenating the weights would read and write them all once more per
+        call, which costs more than it saves when the work is bound by reading weights. Projections that are
+        not plain ``nn.Linear`` modules, or that carry hooks, are always called one by one.
         """
-        if not all(_plain_linear(proj) for proj in projections) or len({p.bias is None for p in projections}) > 1:
-            # A replaced projection (an adapter, a quantised layer) or a hook must see its own call.
+        if (
+            not torch.is_grad_enabled()
+            or not all(_plain_linear(proj) for proj in projections)
+            or len({proj.bias is None for proj in projections}) > 1
+        ):
             return tuple(proj(x) for proj in projections)
-        params = [p for proj in projections for p in (proj.weight, proj.bias) if p is not None]
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        fused = self._fused_cache.get(len(projections))
-        if fused is None or fused[0] != key or torch.is_grad_enabled():
-            weight = torch.cat([proj.weight for proj in projections])
-            bias = None if projections[0].bias is None else torch.cat([proj.bias for proj in projections])
-            fused = (key, weight, bias)
-            if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                self._fused_cache[len(projections)] = fused
+        weight = torch.cat([proj.weight for proj in projections])
+        bias = None if projections[0].bias is None else torch.cat([proj.bias for proj in projections])
         sizes = [proj.out_features for proj in projections]
-        return F.linear(x, fused[1], fused[2]).split(sizes, dim=-1)
+        return F.linear(x, weight, bias).split(sizes, dim=-1)
 
     def _split(self, x: Tensor, n_heads: int) -> Tensor:
         b, length, _ = x.shape

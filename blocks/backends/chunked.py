@@ -62,7 +62,7 @@ def chunked_attention(
         scores = q @ k[:, :, start:end].transpose(-2, -1)  # (B, H, Lq, blk)
         block_bias = _key_slice(bias, start, end)
         if block_bias is not None:
-            scores = scores + block_bias
+            scores = scores + block_bias.to(scores.dtype)  # (an fp32 ALiBi bias must not upcast bf16 scores)
         allowed = _key_slice(mask, start, end)
         if is_causal:
             causal = torch.arange(start, end, device=q.device)[None, :] <= query_pos  # (Lq, blk)

@@ -70,6 +70,9 @@ def flex_attention_backend(
             return score + full_bias[bi, hi, qi, ki]
 
     gqa = h != k.shape[1]
+    # Fresh views keep q, k and v distinct objects: with aliased inputs (q is k is v) torch 2.13's flex
+    # recompiles and fails while formatting the guard of an earlier call's mask closure (a TypeError).
+    k, v = k.view_as(k), v.view_as(v)
     if torch.compiler.is_compiling():  # already inside a compiled graph: flex is fused there
         out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
         return zero_empty_rows(out, has_key)

@@ -209,16 +209,7 @@ def test_chunked_rejects_bad_block_size() -> None:
         backend("chunked")(q, q, q, block_size=0)
 
 
-MIXED_DTYPE_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="blocks/backends/chunked.py:65 `scores = scores + block_bias` promotes bf16/fp16 scores to the fp32 "
-    "bias dtype (ALiBi biases are always fp32), then line 81 `p @ v[...]` multiplies fp32 by bf16: "
-    "RuntimeError 'expected scalar type Float but found BFloat16'; math/sdpa/flex cast and succeed",
-)
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=MIXED_DTYPE_BUG) if n == "chunked" else n for n in BACKENDS])
+@pytest.mark.parametrize("name", BACKENDS)
 def test_low_precision_inputs_with_an_fp32_alibi_bias(name: str) -> None:
     dtype = torch.bfloat16
     q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 6)
@@ -355,13 +346,6 @@ def test_backends_without_dropout_say_so(name: str) -> None:
     torch.testing.assert_close(backend(name)(q, k, v, dropout_p=0.0), math_attention(q, k, v), **TOL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="torch 2.13 dynamo bug surfaced by blocks/backends/flex.py: after a masked call (mask_mod closes over "
-    "a tensor), a call with aliased inputs (q is k is v) and no mask fails while dynamo formats the "
-    "recompilation reason: `L['args'][4][16].__closure__[0]` on a closure-less mask_mod -> TypeError",
-)
 def test_flex_accepts_aliased_inputs_after_a_masked_call() -> None:
     torch._dynamo.reset()  # the failure needs a fresh recompilation, independent of earlier tests
     q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
