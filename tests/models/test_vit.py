@@ -19,6 +19,8 @@ import models.auto
 from blocks.patch_embedding import ConvPatchEmbedding
 from models.convert import from_transformers, save_transformers, to_transformers
 from models.vit import VisionTransformer, VisionTransformerConfig, interpolate_position_embeddings
+from tests.hub.conftest import hub  # noqa: F401  (the in-process Hub server fixture)
+from tests.hub.hub_server import HubServer
 from tests.strategies import SEEDS, randn
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vit_digits.py"
@@ -264,6 +266,16 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
         assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
         images = torch.randn(2, 3, 8, 8)
         torch.testing.assert_close(loaded(images).logits, model(images).logits)
+
+
+def test_push_to_hub_and_pull(hub: HubServer) -> None:  # noqa: F811
+    model = perturbed(VisionTransformer(tiny_config()))
+    info = model.push_to_hub("tester/vit-tiny")
+    assert hub.repo("tester/vit-tiny").branches["main"] == info.oid
+    pulled = VisionTransformer.from_pretrained("tester/vit-tiny")
+    assert pulled.config == model.config
+    images = torch.randn(2, 3, 8, 8)
+    assert torch.equal(pulled(images).logits, model(images).logits)
 
 
 # ------------------------------------------------------------------------------------------ transformers
