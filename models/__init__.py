@@ -7,6 +7,7 @@ from .decoder_lm import DecoderLM, DecoderLMConfig
 from .encoder_lm import EncoderLM, EncoderLMConfig
 from .outputs import ModelOutput, Seq2SeqOutput
 from .seq2seq import Seq2SeqConfig, Seq2SeqTransformer
+from .vit import VisionTransformer, VisionTransformerConfig
 
 __all__ = [
     "ConfigBase",
@@ -19,6 +20,8 @@ __all__ = [
     "Seq2SeqOutput",
     "Seq2SeqTransformer",
     "TransformerConfig",
+    "VisionTransformer",
+    "VisionTransformerConfig",
     "ZooModel",
     "from_pretrained",
 ]

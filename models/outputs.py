@@ -12,7 +12,7 @@ class ModelOutput:
     """What a model's ``forward`` returns.
 
     Attributes:
-        logits: ``(B, L, vocab_size)``.
+        logits: ``(B, L, vocab_size)`` for language models, ``(B, num_labels)`` for classifiers.
         loss: scalar, when ``labels`` were given (positions labelled -100 are ignored).
         hidden_states: with ``output_hidden_states=True``: the embeddings' output then every layer's
             output, each ``(B, L, d_model)`` (the last one after the final norm, if the model has one).
