@@ -120,7 +120,19 @@ def peak_rss_growth(spec: dict) -> float:
 
 
 def _maxrss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """Peak resident set size of this process in bytes.
+
+    Read from ``/proc/self/status`` (VmHWM), which starts afresh at ``exec``; ``getrusage``'s ``ru_maxrss`` is
+    inherited across ``execve`` on Linux, so a probe started from a large parent would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 # ----------------------------------------------------------------------------------------------- models
@@ -190,7 +202,8 @@ BUILDERS = {"zoo_decoder": zoo_decoder, "hf_gpt2": hf_gpt2, "x_decoder": x_decod
 
 
 def n_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Trainable parameters (Marian's fixed sinusoid tables are stored as frozen parameters)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 # ----------------------------------------------------------------------------------------------- steps
@@ -266,7 +279,10 @@ def training_flops_per_token(model: torch.nn.Module, n_layers: int, d_model: int
 
 
 def row_training(title: str, names: list[str], s: Shapes, tokens: int, seq: int, peak: float,
-                 n_attn_layers: int, memory: bool) -> Table:
+                 n_attn_layers: int, memory: bool, flop_tokens: int | None = None) -> Table:
+    """Training throughput; ``flop_tokens`` is how many tokens pass through every parameter (for an
+    encoder-decoder, one side's tokens: the encoder sees the source, the decoder the target)."""
+    flop_tokens = tokens if flop_tokens is None else flop_tokens
     torch.manual_seed(0)
     models = {n: BUILDERS[n](s) for n in names}
     steps = {n: train_step(n, m, s) for n, m in models.items()}
@@ -275,7 +291,7 @@ def row_training(title: str, names: list[str], s: Shapes, tokens: int, seq: int,
     table = Table(title, ["model", "params", "tokens/s", "ratio zoo/this", "MFU", "peak memory growth"])
     for n in names:
         embed = s.vocab * s.d_model
-        flops = training_flops_per_token(models[n], n_attn_layers, s.d_model, seq, embed) * tokens / secs[n]
+        flops = training_flops_per_token(models[n], n_attn_layers, s.d_model, seq, embed) * flop_tokens / secs[n]
         mem = f"{peak_rss_growth({'kind': 'train', 'name': n, 'shapes': s.__dict__}) / 2**20:.0f} MiB" \
             if memory else "-"
         table.rows.append([n, f"{n_params(models[n]) / 1e6:.2f}M", f"{tokens / secs[n]:.0f}",
@@ -395,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
         print(row_training(f"3a. Seq2Seq training: Seq2SeqTransformer vs MarianMTModel "
                            f"({s.n_layers}+{s.n_layers} layers, batch {s.batch}×({s.s2s_seq}+{s.s2s_seq}))",
                            ["zoo_seq2seq", "hf_marian"], s, s.batch * s.s2s_seq * 2, s.s2s_seq, peak,
-                           3 * s.n_layers // 2, memory).render(), "\n", flush=True)
+                           3 * s.n_layers, memory, flop_tokens=s.batch * s.s2s_seq).render(), "\n", flush=True)
         print(row_seq2seq_decoding(s).render(), "\n", flush=True)
     if 4 in args.rows:
         print(row_decoding(s, bandwidth).render(), "\n", flush=True)
