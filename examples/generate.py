@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="text (.txt: one document per paragraph) or .jsonl files; default: the built-in corpus")
     parser.add_argument("--text-field", default="text", help="the JSONL field holding the text")
     parser.add_argument("--out", default="runs/generate", help="folder for the model, tokenizer and checkpoints")
-    parser.add_argument("--steps", type=int, default=500, help="optimiser steps")
+    parser.add_argument("--steps", type=int, default=800, help="optimiser steps")
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per packed training row")
     parser.add_argument("--batch-size", type=int, default=16, help="rows per step (per process)")
@@ -82,7 +82,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train_docs, val_docs = split_corpus(docs, val_fraction=0.05)
     say(f"corpus: {len(docs):,} documents, {sum(map(len, docs)) / 1e6:.1f} MB "
         f"({len(train_docs):,} for training, {len(val_docs):,} held out)")
-    tokenizer = train_byte_level_bpe(train_docs, vocab_size=args.vocab_size)
+    tokenizer_file = out / "checkpoints" / "tokenizer.json"
+    if args.resume and tokenizer_file.is_file():
+        tokenizer = Tokenizer.from_file(tokenizer_file)  # the checkpoints' ids mean these tokens
+    else:
+        tokenizer = train_byte_level_bpe(train_docs, vocab_size=args.vocab_size)
+        if args.checkpoint_every and context.is_main:
+            tokenizer_file.parent.mkdir(parents=True, exist_ok=True)
+            tokenizer.save(tokenizer_file)
     train_rows = packed_examples(_encode(tokenizer, train_docs), args.seq_len)
     val_rows = packed_examples(_encode(tokenizer, val_docs), args.seq_len)
     say(f"tokenizer: byte-level BPE, {tokenizer.vocab_size} ids; {len(train_rows):,} training rows and "

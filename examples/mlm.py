@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import blocks
 from models import EncoderLM
 from tokenization import Tokenizer, train_wordpiece
 from training import (
@@ -49,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="text (.txt: one document per paragraph) or .jsonl files; default: the built-in corpus")
     parser.add_argument("--text-field", default="text", help="the JSONL field holding the text")
     parser.add_argument("--out", default="runs/mlm", help="folder for the model and tokenizer")
-    parser.add_argument("--steps", type=int, default=600, help="optimiser steps")
+    parser.add_argument("--steps", type=int, default=1200, help="optimiser steps")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per window, [BOS] and [EOS] included")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -57,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--sublayer", choices=["post_norm", "pre_norm"], default="post_norm",
+                        help="BERT's post-norm, or pre-norm (often easier to train)")
+    parser.add_argument("--positional", choices=blocks.names("positional"), default="rotary",
+                        help="position encoding (BERT: learned; rotary learns word order much sooner at this size)")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=60)
     parser.add_argument("--whole-word-mask", action="store_true", help="mask whole words instead of tokens")
@@ -115,7 +120,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     model = EncoderLM.from_preset(
         "tiny", vocab_size=tokenizer.vocab_size, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-        d_ff=4 * args.d_model, max_len=args.seq_len, dropout=args.dropout, pad_token_id=tokenizer.pad_token_id,
+        d_ff=4 * args.d_model, max_len=args.seq_len, dropout=args.dropout, sublayer=args.sublayer,
+        positional=args.positional,
+        pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         mask_token_id=tokenizer.mask_token_id,
     )

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--task", choices=TASKS, default="reverse")
     parser.add_argument("--out", default="runs/translate", help="folder for the trained model")
-    parser.add_argument("--steps", type=int, default=1500, help="optimiser steps")
+    parser.add_argument("--steps", type=int, default=2500, help="optimiser steps")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--train-size", type=int, default=100_000, help="distinct training examples")
     parser.add_argument("--test-size", type=int, default=500, help="held-out examples to decode")
