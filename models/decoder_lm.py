@@ -96,6 +96,7 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
         *,
+        document_ids: Tensor | None = None,
         cache: list[LayerCache] | None = None,
         logits_to_keep: int = 0,
         output_hidden_states: bool = False,
@@ -109,6 +110,9 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
                 Positions count real tokens only, so left padding is invisible to the model.
             labels: ``(B, L)`` ids; the loss predicts ``labels[:, t + 1]`` from position ``t``
                 (the shift happens inside, as in ``transformers``); -100 is ignored.
+            document_ids: ``(B, L)`` ids of the packed document each token belongs to (as
+                ``training.CausalLMCollator(document_ids=True)`` returns): attention stays inside each
+                document and positions restart at every document start. Not with a ``cache``.
             cache: per-layer KV caches for incremental decoding (see ``models.base.new_caches``).
             logits_to_keep: if > 0, project only the last ``logits_to_keep`` positions to the vocabulary
                 (a prompt's prefill needs only the last one); 0 keeps all.
@@ -129,11 +133,25 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, the model has {len(self.layers)}")
 
+        if document_ids is not None:
+            if cache is not None:
+                raise ValueError("document_ids cannot be combined with a cache")
+            if tuple(document_ids.shape) != (b, length):
+                raise ValueError(f"document_ids must have shape {(b, length)}, got {tuple(document_ids.shape)}")
         positions, key_positions = positions_from_mask(attention_mask, past, length, input_ids.device)
+        if document_ids is not None:
+            # Packed documents: every document starts again at position 0.
+            index = torch.arange(length, device=input_ids.device).expand(b, length)
+            starts = torch.ones_like(document_ids, dtype=torch.bool)
+            starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+            positions = key_positions = index - torch.where(starts, index, 0).cummax(-1).values
         self.positional.check_positions(positions)
         x = self.dropout(self.positional(self.embed_tokens(input_ids), positions))  # (B, L, d_model)
         bias = self.positional.attention_bias(positions, key_positions)
         mask = None if attention_mask is None else blocks.padding_mask(attention_mask)  # (B, 1, 1, past + L)
+        if document_ids is not None:
+            same_document = blocks.document_mask(document_ids)  # (B, 1, L, L); the layers add the causal mask
+            mask = same_document if mask is None else mask & same_document
         rotary = self.positional if self.positional.rotates else None
 
         hidden_states, attentions = [x], []

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from ..registry import register
 from .common import additive_mask, allowed_keys, check_inputs, zero_empty_rows
+from .math import math_attention
 
 
 @register("attention_backend", "sdpa")
@@ -33,6 +34,10 @@ def sdpa_attention(
     lq, lk = q.shape[2], k.shape[2]
     # One query (a decoding step) sees every key under the bottom-right causal mask: nothing to mask.
     is_causal = is_causal and lq > 1
+    if lq == 1 and not q.is_cuda:
+        # PyTorch's CPU flash kernel spends milliseconds of setup on a single query (measured: ~8 ms against
+        # ~0.1 ms for the explicit product at 8 heads × 64 keys), so decoding steps use the formula directly.
+        return math_attention(q, k, v, mask=mask, bias=bias, dropout_p=dropout_p, scale=scale)
     gqa = q.shape[1] != k.shape[1]
     if mask is None and bias is None and (not is_causal or lq == lk):
         return F.scaled_dot_product_attention(

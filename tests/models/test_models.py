@@ -257,6 +257,21 @@ def test_decoder_lm_loss_is_next_token_prediction():
     close(out.loss, torch.nn.functional.cross_entropy(logits[keep], target[keep]))
 
 
+@pytest.mark.parametrize("positional", POSITIONALS)
+def test_decoder_lm_packed_documents_equal_each_document_alone(positional):
+    model = DecoderLM(DecoderLMConfig(vocab_size=VOCAB, d_model=16, n_heads=2, d_ff=32, dropout=0.0,
+                                      positional=positional)).eval()
+    docs = [ids(1, 3), ids(1, 5), ids(1, 2)]
+    packed = torch.cat(docs, dim=1)
+    document_ids = torch.tensor([[0] * 3 + [1] * 5 + [2] * 2])
+    with torch.no_grad():
+        out = model(packed, document_ids=document_ids).logits
+        alone = torch.cat([model(d).logits for d in docs], dim=1)
+    close(out, alone)
+    with pytest.raises(ValueError, match="document_ids must have shape"):
+        model(packed, document_ids=document_ids[:, :4])
+
+
 def test_decoder_lm_logits_to_keep_projects_only_the_last_positions():
     model = DecoderLM(DecoderLMConfig(vocab_size=VOCAB, d_model=16, n_heads=2, d_ff=32)).eval()
     x = ids(2, 7)
