@@ -69,28 +69,8 @@ class TransformerConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_len"):
-            _check_positive_int(self, name)
-        for name in ("n_kv_heads", "d_head", "d_value"):
-            if getattr(self, name) is not None:
-                _check_positive_int(self, name)
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
-        if self.d_head is None:
-            if self.d_model % self.n_heads:
-                raise ValueError(
-                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set d_head explicitly"
-                )
-            object.__setattr__(self, "d_head", self.d_model // self.n_heads)
-        if self.d_value is None:
-            object.__setattr__(self, "d_value", self.d_head)
-        for name in ("dropout", "attention_dropout"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
-        if not isinstance(self.norm_eps, (int, float)) or self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
+            check_positive_int(self, name)
+        check_attention_shape(self)
         for field, kind in (
             ("positional", "positional"),
             ("ffn", "ffn"),
@@ -108,7 +88,41 @@ class TransformerConfig(ConfigBase):
                 raise ValueError(f"{name}={value!r} must be None or an id in [0, vocab_size={self.vocab_size})")
 
 
-def _check_positive_int(config: Any, name: str) -> None:
+def check_attention_shape(config: Any) -> None:
+    """Validate and fill the attention fields every config shares.
+
+    ``n_kv_heads``, ``d_head`` and ``d_value`` default to ``n_heads``, ``d_model // n_heads`` and ``d_head``
+    (filled in on the frozen instance); dropouts must lie in [0, 1) and ``norm_eps`` be positive.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    for name in ("n_kv_heads", "d_head", "d_value"):
+        if getattr(config, name) is not None:
+            check_positive_int(config, name)
+    if config.n_kv_heads is None:
+        object.__setattr__(config, "n_kv_heads", config.n_heads)
+    if config.n_heads % config.n_kv_heads:
+        raise ValueError(f"n_heads={config.n_heads} must be divisible by n_kv_heads={config.n_kv_heads}")
+    if config.d_head is None:
+        if config.d_model % config.n_heads:
+            raise ValueError(
+                f"d_model={config.d_model} is not divisible by n_heads={config.n_heads}; set d_head explicitly"
+            )
+        object.__setattr__(config, "d_head", config.d_model // config.n_heads)
+    if config.d_value is None:
+        object.__setattr__(config, "d_value", config.d_head)
+    for name in ("dropout", "attention_dropout"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+    eps = config.norm_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+        raise ValueError(f"norm_eps must be > 0, got {eps!r}")
+
+
+def check_positive_int(config: Any, name: str) -> None:
+    """Raise ``ValueError`` unless ``config.<name>`` is a positive integer."""
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -18,7 +18,7 @@ from blocks.patch_embedding import PatchEmbedding
 from blocks.positional import LearnedPositionalEmbedding
 
 from .base import ZooModel, lm_loss
-from .config import ConfigBase, _check_positive_int
+from .config import ConfigBase, check_attention_shape, check_positive_int
 from .outputs import ModelOutput
 from .persistence import PersistenceMixin
 
@@ -69,32 +69,12 @@ class VisionTransformerConfig(ConfigBase):
     def __post_init__(self) -> None:
         for name in ("image_size", "patch_size", "num_channels", "d_model", "n_layers", "n_heads", "d_ff",
                      "num_labels"):
-            _check_positive_int(self, name)
-        for name in ("n_kv_heads", "d_head", "d_value"):
-            if getattr(self, name) is not None:
-                _check_positive_int(self, name)
+            check_positive_int(self, name)
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size={self.image_size} must be a multiple of patch_size={self.patch_size}"
             )
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
-        if self.d_head is None:
-            if self.d_model % self.n_heads:
-                raise ValueError(
-                    f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; set d_head explicitly"
-                )
-            object.__setattr__(self, "d_head", self.d_model // self.n_heads)
-        if self.d_value is None:
-            object.__setattr__(self, "d_value", self.d_head)
-        for name in ("dropout", "attention_dropout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
-        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
+        check_attention_shape(self)
         if not isinstance(self.bias, bool):
             raise ValueError(f"bias must be a bool, got {self.bias!r}")
         if self.pooling not in POOLINGS:
