@@ -92,6 +92,25 @@ class ZooModel(nn.Module):
         return mask
 
 
+def layer_kwargs(config: Any) -> dict[str, Any]:
+    """The keyword arguments of the registered ``encoder``/``decoder`` layer builders, taken from a config."""
+    c = config
+    return dict(
+        d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, n_kv_heads=c.n_kv_heads, d_head=c.d_head,
+        d_value=c.d_value, dropout=c.dropout, attention_dropout=c.attention_dropout, ffn=c.ffn, norm=c.norm,
+        norm_eps=c.norm_eps, sublayer=c.sublayer, attention=c.attention, attention_backend=c.attention_backend,
+        bias=c.bias,
+    )
+
+
+def final_norm(config: Any) -> nn.Module:
+    """A norm after the last layer for pre-norm stacks (they leave the residual stream unnormalised),
+    the identity for post-norm ones."""
+    if config.sublayer == "pre_norm":
+        return blocks.build("norm", config.norm, d_model=config.d_model, eps=config.norm_eps)
+    return nn.Identity()
+
+
 def positions_from_mask(mask: Tensor | None, past: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Positions of the new queries and of all keys.
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 import blocks
 from blocks.kv_cache import LayerCache
 
-from .base import ZooModel, cached_length, lm_loss, positions_from_mask
+from .base import ZooModel, cached_length, final_norm, layer_kwargs, lm_loss, positions_from_mask
 from .config import TransformerConfig
 from .generation import DecoderLMGenerationMixin
 from .outputs import ModelOutput
@@ -61,19 +61,10 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
         )
         self.dropout = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(
-            blocks.build(
-                "layer", "decoder", d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, n_kv_heads=c.n_kv_heads,
-                d_head=c.d_head, d_value=c.d_value, dropout=c.dropout, attention_dropout=c.attention_dropout,
-                ffn=c.ffn, norm=c.norm, norm_eps=c.norm_eps, sublayer=c.sublayer, attention=c.attention,
-                attention_backend=c.attention_backend, bias=c.bias, cross_attention=False,
-            )
-            for _ in range(c.n_layers)
+            blocks.build("layer", "decoder", **layer_kwargs(c), cross_attention=False) for _ in range(c.n_layers)
         )
-        # Pre-norm stacks leave the residual stream unnormalised: normalise once at the end (GPT-2 ln_f).
-        self.final_norm = (
-            blocks.build("norm", c.norm, d_model=c.d_model, eps=c.norm_eps) if c.sublayer == "pre_norm"
-            else nn.Identity()
-        )
+        # GPT-2 ln_f (pre-norm stacks end with a norm).
+        self.final_norm = final_norm(c)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.reset_parameters()
         if c.tie_embeddings:

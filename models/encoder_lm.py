@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 import blocks
 
-from .base import ZooModel, lm_loss, positions_from_mask
+from .base import ZooModel, final_norm, layer_kwargs, lm_loss, positions_from_mask
 from .config import TransformerConfig
 from .generation import EncoderLMFillMaskMixin
 from .outputs import ModelOutput
@@ -86,18 +86,9 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, ZooModel):
         self.embed_norm = blocks.build("norm", c.norm, d_model=c.d_model, eps=c.norm_eps)
         self.dropout = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(
-            blocks.build(
-                "layer", "encoder", d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, n_kv_heads=c.n_kv_heads,
-                d_head=c.d_head, d_value=c.d_value, dropout=c.dropout, attention_dropout=c.attention_dropout,
-                ffn=c.ffn, norm=c.norm, norm_eps=c.norm_eps, sublayer=c.sublayer, attention=c.attention,
-                attention_backend=c.attention_backend, bias=c.bias,
-            )
-            for _ in range(c.n_layers)
+            blocks.build("layer", "encoder", **layer_kwargs(c)) for _ in range(c.n_layers)
         )
-        self.final_norm = (
-            blocks.build("norm", c.norm, d_model=c.d_model, eps=c.norm_eps) if c.sublayer == "pre_norm"
-            else nn.Identity()
-        )
+        self.final_norm = final_norm(c)
         head_norm = blocks.build("norm", c.norm, d_model=c.d_model, eps=c.norm_eps)
         self.mlm_head = MLMHead(c.d_model, c.vocab_size, head_norm)
         self.reset_parameters()

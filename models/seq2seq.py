@@ -11,7 +11,7 @@ from torch import Tensor, nn
 import blocks
 from blocks.kv_cache import LayerCache
 
-from .base import ZooModel, cached_length, lm_loss, positions_from_mask
+from .base import ZooModel, cached_length, final_norm, layer_kwargs, lm_loss, positions_from_mask
 from .config import TransformerConfig
 from .generation import Seq2SeqGenerationMixin
 from .outputs import Seq2SeqOutput
@@ -92,21 +92,15 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, ZooModel):
         self.encoder_embed_norm = self._norm() if c.embedding_norm else nn.Identity()
         self.decoder_embed_norm = self._norm() if c.embedding_norm else nn.Identity()
         self.dropout = nn.Dropout(c.dropout)
-        layer_cfg = dict(
-            d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, n_kv_heads=c.n_kv_heads, d_head=c.d_head,
-            d_value=c.d_value, dropout=c.dropout, attention_dropout=c.attention_dropout, ffn=c.ffn, norm=c.norm,
-            norm_eps=c.norm_eps, sublayer=c.sublayer, attention=c.attention, attention_backend=c.attention_backend,
-            bias=c.bias,
-        )
+        layer_cfg = layer_kwargs(c)
         self.encoder_layers = nn.ModuleList(
             blocks.build("layer", "encoder", **layer_cfg) for _ in range(c.n_encoder_layers)
         )
         self.decoder_layers = nn.ModuleList(
             blocks.build("layer", "decoder", **layer_cfg, cross_attention=True) for _ in range(c.n_decoder_layers)
         )
-        pre_norm = c.sublayer == "pre_norm"
-        self.encoder_final_norm = self._norm() if pre_norm else nn.Identity()
-        self.decoder_final_norm = self._norm() if pre_norm else nn.Identity()
+        self.encoder_final_norm = final_norm(c)
+        self.decoder_final_norm = final_norm(c)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=c.output_bias)
         self.reset_parameters()
         if c.tie_embeddings:

@@ -17,7 +17,7 @@ import blocks
 from blocks.patch_embedding import PatchEmbedding
 from blocks.positional import LearnedPositionalEmbedding
 
-from .base import ZooModel, lm_loss
+from .base import ZooModel, final_norm, layer_kwargs, lm_loss
 from .config import ConfigBase, check_attention_shape, check_positive_int
 from .outputs import ModelOutput
 from .persistence import PersistenceMixin
@@ -172,19 +172,10 @@ class VisionTransformer(PersistenceMixin, ZooModel):
         )
         self.dropout = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(
-            blocks.build(
-                "layer", "encoder", d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, n_kv_heads=c.n_kv_heads,
-                d_head=c.d_head, d_value=c.d_value, dropout=c.dropout, attention_dropout=c.attention_dropout,
-                ffn=c.ffn, norm=c.norm, norm_eps=c.norm_eps, sublayer=c.sublayer, attention=c.attention,
-                attention_backend=c.attention_backend, bias=c.bias,
-            )
-            for _ in range(c.n_layers)
+            blocks.build("layer", "encoder", **layer_kwargs(c)) for _ in range(c.n_layers)
         )
-        # Eq. 4: pre-norm stacks leave the residual stream unnormalised, so normalise once at the end.
-        self.final_norm = (
-            blocks.build("norm", c.norm, d_model=c.d_model, eps=c.norm_eps) if c.sublayer == "pre_norm"
-            else nn.Identity()
-        )
+        # Eq. 4: the final LayerNorm.
+        self.final_norm = final_norm(c)
         self.classifier = nn.Linear(c.d_model, c.num_labels, bias=c.bias)
         self.reset_parameters()
 
