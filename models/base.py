@@ -10,10 +10,11 @@ from torch import Tensor, nn
 import blocks
 from blocks.kv_cache import LayerCache
 
+from .adapters import AdapterMixin
 from .config import ConfigBase
 
 
-class ZooModel(nn.Module):
+class ZooModel(AdapterMixin, nn.Module):
     """Base class of the zoo's models.
 
     Subclasses set ``config_class`` and ``presets`` (name -> config overrides) and build themselves
