@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .backends.common import check_softcap
 from .kv_cache import KVCache, StaticKVCache
 from .positional.base import PositionalEncoding
-from .registry import get, register
+from .registry import build, get, register
 
 
 @register("attention", "mha")
@@ -30,6 +31,15 @@ class MultiHeadAttention(nn.Module):
         backend: registry name of the attention backend.
         d_context: width of the key/value input for cross-attention (default ``d_model``).
 
+    Options (``options={"attention": {...}}`` in a model config, per layer through ``layer_options``):
+        qkv_bias: biases on q/k/v but not on the output projection (Qwen2), overriding ``bias`` for q/k/v.
+        scale: the score scale (default ``1/sqrt(d_head)``; T5 uses 1, Gemma 2 ``query_pre_attn_scalar^-1/2``).
+        softcap: attention-logit soft-capping ``softcap · tanh(score / softcap)`` (Gemma 2).
+        qk_norm: a registered norm applied to each head of q and k before rotary (Qwen3, OLMo 2), with
+            ``qk_norm_eps``; parameters ``q_norm``/``k_norm`` of width ``d_head``.
+        window: sliding-window attention: a query attends only to keys less than ``window`` positions away
+            (Mistral, Gemma 2's local layers, ModernBERT's local layers); positions count real tokens.
+
     Shapes: x ``(B, Lq, d_model)``, context ``(B, Lk, d_context)`` -> ``(B, Lq, d_model)``.
     """
 
@@ -44,6 +54,12 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0,
         backend: str = "sdpa",
         d_context: int | None = None,
+        qkv_bias: bool | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        qk_norm: str | None = None,
+        qk_norm_eps: float = 1e-6,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -64,13 +80,24 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"d_head and d_value must be >= 1, got {d_head}, {d_value}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+            raise ValueError(f"scale must be None or a number > 0, got {scale!r}")
+        check_softcap(softcap)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be None or a positive integer, got {window!r}")
         d_context = d_model if d_context is None else d_context
         self.n_heads, self.n_kv_heads, self.d_head, self.d_value = n_heads, n_kv_heads, d_head, d_value
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, n_heads * d_head, bias=bias)
-        self.k_proj = nn.Linear(d_context, n_kv_heads * d_head, bias=bias)
-        self.v_proj = nn.Linear(d_context, n_kv_heads * d_value, bias=bias)
+        self.scale, self.softcap, self.window = scale, softcap, window
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.q_proj = nn.Linear(d_model, n_heads * d_head, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_context, n_kv_heads * d_head, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_context, n_kv_heads * d_value, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * d_value, d_model, bias=bias)
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            self.q_norm = build("norm", qk_norm, d_model=d_head, eps=qk_norm_eps)
+            self.k_norm = build("norm", qk_norm, d_model=d_head, eps=qk_norm_eps)
         self.set_backend(backend)
 
     def set_backend(self, name: str) -> None:
@@ -79,9 +106,13 @@ class MultiHeadAttention(nn.Module):
         self.backend = name
 
     def extra_repr(self) -> str:
+        extra = "".join(
+            f", {name}={getattr(self, name)}" for name in ("scale", "softcap", "window")
+            if getattr(self, name) is not None
+        )
         return (
             f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, d_head={self.d_head}, "
-            f"backend={self.backend!r}"
+            f"backend={self.backend!r}{extra}"
         )
 
     def _project(self, x: Tensor, projections: tuple[nn.Linear, ...]) -> tuple[Tensor, ...]:
@@ -119,6 +150,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         rotary: PositionalEncoding | None = None,
         positions: Tensor | None = None,
+        key_positions: Tensor | None = None,
         cache: KVCache | StaticKVCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
@@ -132,7 +164,9 @@ class MultiHeadAttention(nn.Module):
             bias: additive attention bias broadcastable to ``(B, H, Lq, Lk)``.
             is_causal: bottom-right aligned causal masking (in the backend).
             rotary: a positional encoding whose ``rotate`` is applied to q and k (self-attention).
-            positions: ``(B, Lq)`` positions of the queries (and of the new keys), for ``rotary``.
+            positions: ``(B, Lq)`` positions of the queries (and of the new keys), for ``rotary`` and ``window``.
+            key_positions: ``(B, Lk)`` positions of all keys, cached ones included (default ``positions``), for
+                ``window``.
             cache: ``KVCache`` (self-attention: new keys appended) or ``StaticKVCache`` (cross-attention:
                 keys/values computed once).
             need_weights: also return the attention weights, computed by the ``math`` backend.
@@ -142,6 +176,8 @@ class MultiHeadAttention(nn.Module):
         """
         if isinstance(cache, StaticKVCache) and cache.filled:
             q = self._split(self.q_proj(x), self.n_heads)  # (B, H, Lq, Dk)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
             k, v = cache.k, cache.v
         else:
             if context is None:  # self-attention: one fused matmul for q, k and v
@@ -152,6 +188,8 @@ class MultiHeadAttention(nn.Module):
             q = self._split(q, self.n_heads)  # (B, H, Lq, Dk)
             k = self._split(k, self.n_kv_heads)  # (B, Hkv, Lk, Dk)
             v = self._split(v, self.n_kv_heads)  # (B, Hkv, Lk, Dv)
+            if self.q_norm is not None:  # per-head norms (Qwen3), before the rotation
+                q, k = self.q_norm(q), self.k_norm(k)
             if rotary is not None and context is None:
                 if positions is None:
                     raise ValueError("rotary attention needs the query positions")
@@ -162,17 +200,33 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.update(k, v)
         if rotary is not None and context is None:
             q = rotary.rotate(q, positions)
+        if self.window is not None:
+            mask = self._window_mask(mask, positions, key_positions)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         if need_weights:
             out, weights = get("attention_backend", "math")(
-                q, k, v, mask=mask, bias=bias, is_causal=is_causal, dropout_p=dropout_p, return_weights=True
+                q, k, v, mask=mask, bias=bias, is_causal=is_causal, dropout_p=dropout_p, scale=self.scale,
+                softcap=self.softcap, return_weights=True,
             )
         else:
-            out = self._backend(q, k, v, mask=mask, bias=bias, is_causal=is_causal, dropout_p=dropout_p)
+            out = self._backend(
+                q, k, v, mask=mask, bias=bias, is_causal=is_causal, dropout_p=dropout_p, scale=self.scale,
+                softcap=self.softcap,
+            )
         b, _, lq, _ = out.shape
         out = out.transpose(1, 2).reshape(b, lq, self.n_heads * self.d_value)  # (B, Lq, H*Dv)
         return self.o_proj(out), weights
+
+
+    def _window_mask(self, mask: Tensor | None, positions: Tensor | None, key_positions: Tensor | None) -> Tensor:
+        """``mask`` restricted to keys less than ``window`` positions from each query."""
+        if positions is None:
+            raise ValueError("sliding-window attention needs the query positions")
+        key_positions = positions if key_positions is None else key_positions
+        distance = positions[:, None, :, None] - key_positions[:, None, None, :]  # (B, 1, Lq, Lk)
+        near = distance.abs() < self.window
+        return near if mask is None else mask & near
 
 
 def _plain_linear(module: nn.Module) -> bool:

@@ -97,3 +97,11 @@ class GeGLUFFN(GatedFeedForward):
 
     def activation(self, x: Tensor) -> Tensor:
         return F.gelu(x)
+
+
+@register("ffn", "geglu_tanh")
+class GeGLUTanhFFN(GatedFeedForward):
+    """GELU(tanh approximation)-gated linear unit (Gemma, T5 v1.1 "gated-gelu")."""
+
+    def activation(self, x: Tensor) -> Tensor:
+        return F.gelu(x, approximate="tanh")

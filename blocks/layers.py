@@ -1,16 +1,34 @@
-"""Encoder and decoder layers, composed from injected blocks (paper §3.1, Figure 1).
+"""Encoder, decoder and parallel-residual layers, composed from injected blocks (paper §3.1, Figure 1).
 
-A layer is built from the modules passed in; the builder functions ``encoder_layer`` and
-``decoder_layer`` (registered under kind ``layer``) look the blocks up by registry name.
+A layer is built from the modules passed in; the builder functions ``encoder_layer``, ``decoder_layer`` and
+``parallel_layer`` (registered under kind ``layer``) look the blocks up by registry name and pass each block
+its options (``options={"attention": {...}, "ffn": {...}, "norm": {...}, "sublayer": {...}}``).
+
+Each sublayer reads the same way: ``h = sublayer.normalize(x)``, ``h = attention(h)``, ``x = sublayer.residual(x, h)``
+(see ``blocks.sublayer``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from torch import Tensor, nn
 
 from .kv_cache import LayerCache
 from .positional.base import PositionalEncoding
 from .registry import build, register
+
+#: The block options a layer builder passes on, by the kind of block they configure.
+LAYER_OPTION_KINDS = ("attention", "ffn", "norm", "sublayer")
+
+#: Keys of each block that the layer builder sets itself (an option may not override them).
+SUPPLIED: dict[str, tuple[str, ...]] = {
+    "attention": ("d_model", "n_heads", "n_kv_heads", "d_head", "d_value", "dropout", "backend", "d_context"),
+    "ffn": ("d_model", "d_ff"),
+    "norm": ("d_model", "eps"),
+    "sublayer": ("norm", "dropout"),
+}
 
 
 class EncoderLayer(nn.Module):
@@ -40,18 +58,14 @@ class EncoderLayer(nn.Module):
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Returns ``(x, self-attention weights or None)``."""
-        weights: list[Tensor | None] = [None]
-
-        def attend(h: Tensor) -> Tensor:
-            out, weights[0] = self.self_attn(
-                h, mask=mask, bias=bias, is_causal=is_causal, rotary=rotary, positions=positions,
-                need_weights=need_weights,
-            )
-            return out
-
-        x = self.self_attn_sublayer(x, attend)
-        x = self.ffn_sublayer(x, self.ffn)
-        return x, weights[0]
+        h = self.self_attn_sublayer.normalize(x)
+        h, weights = self.self_attn(
+            h, mask=mask, bias=bias, is_causal=is_causal, rotary=rotary, positions=positions, need_weights=need_weights
+        )
+        x = self.self_attn_sublayer.residual(x, h)
+        h = self.ffn(self.ffn_sublayer.normalize(x))
+        x = self.ffn_sublayer.residual(x, h)
+        return x, weights
 
 
 class DecoderLayer(nn.Module):
@@ -90,46 +104,110 @@ class DecoderLayer(nn.Module):
         bias: Tensor | None = None,
         rotary: PositionalEncoding | None = None,
         positions: Tensor | None = None,
+        key_positions: Tensor | None = None,
         cache: LayerCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Causal self-attention (``mask`` is combined with the bottom-right causal mask).
 
+        ``key_positions`` are the positions of every key, cached ones included (for sliding windows).
         Returns ``(x, self-attention weights, cross-attention weights)`` (weights None unless asked).
         """
-        weights: list[Tensor | None] = [None, None]
-
-        def self_attend(h: Tensor) -> Tensor:
-            out, weights[0] = self.self_attn(
-                h, mask=mask, bias=bias, is_causal=True, rotary=rotary, positions=positions,
-                cache=None if cache is None else cache.self_attn, need_weights=need_weights,
-            )
-            return out
-
-        def cross_attend(h: Tensor) -> Tensor:
-            out, weights[1] = self.cross_attn(
-                h, memory, mask=memory_mask,
-                cache=None if cache is None else cache.cross_attn, need_weights=need_weights,
-            )
-            return out
-
-        x = self.self_attn_sublayer(x, self_attend)
+        h = self.self_attn_sublayer.normalize(x)
+        h, self_weights = self.self_attn(
+            h, mask=mask, bias=bias, is_causal=True, rotary=rotary, positions=positions, key_positions=key_positions,
+            cache=None if cache is None else cache.self_attn, need_weights=need_weights,
+        )
+        x = self.self_attn_sublayer.residual(x, h)
+        cross_weights = None
         if self.cross_attn is not None:
-            x = self.cross_attn_sublayer(x, cross_attend)
-        x = self.ffn_sublayer(x, self.ffn)
-        return x, weights[0], weights[1]
+            h = self.cross_attn_sublayer.normalize(x)
+            h, cross_weights = self.cross_attn(
+                h, memory, mask=memory_mask, cache=None if cache is None else cache.cross_attn,
+                need_weights=need_weights,
+            )
+            x = self.cross_attn_sublayer.residual(x, h)
+        h = self.ffn(self.ffn_sublayer.normalize(x))
+        x = self.ffn_sublayer.residual(x, h)
+        return x, self_weights, cross_weights
 
 
-def _attention(attention: str, d_model: int, n_heads: int, n_kv_heads: int | None, d_head: int | None,
-               d_value: int | None, bias: bool, attention_dropout: float, attention_backend: str) -> nn.Module:
-    return build(
-        "attention", attention, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head,
-        d_value=d_value, bias=bias, dropout=attention_dropout, backend=attention_backend,
-    )
+class ParallelDecoderLayer(DecoderLayer):
+    """Attention and feed-forward network side by side on the same input, one residual sum (GPT-J, GPT-NeoX,
+    PaLM): ``x + Attention(Norm1(x)) + FFN(Norm2(x))``. Needs pre-norm sublayers (their ``normalize`` gives each
+    branch its input, their ``residual`` adds its output). No cross-attention.
+
+    Shapes: ``(B, L, d_model)`` -> ``(B, L, d_model)``.
+    """
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        bias: Tensor | None = None,
+        rotary: PositionalEncoding | None = None,
+        positions: Tensor | None = None,
+        key_positions: Tensor | None = None,
+        cache: LayerCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None, None]:
+        """Returns ``(x, self-attention weights or None, None)``."""
+        attn_out, weights = self.self_attn(
+            self.self_attn_sublayer.normalize(x), mask=mask, bias=bias, is_causal=True, rotary=rotary,
+            positions=positions, key_positions=key_positions, cache=None if cache is None else cache.self_attn,
+            need_weights=need_weights,
+        )
+        ffn_out = self.ffn(self.ffn_sublayer.normalize(x))
+        x = self.ffn_sublayer.residual(self.self_attn_sublayer.residual(x, attn_out), ffn_out)
+        return x, weights, None
 
 
-def _sublayer(sublayer: str, norm: str, d_model: int, norm_eps: float, dropout: float) -> nn.Module:
-    return build("sublayer", sublayer, norm=build("norm", norm, d_model=d_model, eps=norm_eps), dropout=dropout)
+class _Builder:
+    """Builds the blocks of one layer from registry names, the layer's shape and the blocks' options."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, n_kv_heads: int | None, d_head: int | None,
+                 d_value: int | None, dropout: float, attention_dropout: float, ffn: str, norm: str,
+                 norm_eps: float, sublayer: str, attention: str, attention_backend: str, bias: bool,
+                 options: Mapping[str, Mapping[str, Any]] | None) -> None:
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(LAYER_OPTION_KINDS))
+        if unknown:
+            raise ValueError(
+                f"layer options name unknown block kinds {unknown}; expected some of {list(LAYER_OPTION_KINDS)}"
+            )
+        self.options = {kind: dict(options.get(kind) or {}) for kind in LAYER_OPTION_KINDS}
+        self.d_model, self.norm_name, self.norm_eps, self.dropout = d_model, norm, norm_eps, dropout
+        self.sublayer_name = sublayer
+        self.attention_kwargs = dict(
+            d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_head=d_head, d_value=d_value,
+            dropout=attention_dropout, backend=attention_backend,
+        )
+        self.attention_name, self.ffn_name, self.d_ff, self.bias = attention, ffn, d_ff, bias
+
+    def _build(self, kind: str, name: str, **supplied: Any) -> nn.Module:
+        # Options may override the config's defaults (e.g. bias) but never the keys the builder owns.
+        options = self.options[kind]
+        taken = sorted(set(options) & set(SUPPLIED[kind]))
+        if taken:
+            raise ValueError(f"{kind} option(s) {taken} are set by the model itself, not by options")
+        return build(kind, name, **{**supplied, **options})
+
+    def attention(self) -> nn.Module:
+        return self._build("attention", self.attention_name, **self.attention_kwargs, bias=self.bias)
+
+    def ffn(self) -> nn.Module:
+        return self._build("ffn", self.ffn_name, d_model=self.d_model, d_ff=self.d_ff, bias=self.bias)
+
+    def sublayer(self, norm: str | None = None) -> nn.Module:
+        # An overriding norm (``attention_norm``) is another kind: the norm options do not apply to it.
+        if norm is None:
+            norm_module = self._build("norm", self.norm_name, d_model=self.d_model, eps=self.norm_eps)
+        else:
+            norm_module = build("norm", norm, d_model=self.d_model, eps=self.norm_eps)
+        return self._build("sublayer", self.sublayer_name, norm=norm_module, dropout=self.dropout)
 
 
 @register("layer", "encoder")
@@ -149,14 +227,18 @@ def encoder_layer(
     attention: str = "mha",
     attention_backend: str = "sdpa",
     bias: bool = True,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    attention_norm: str | None = None,
 ) -> EncoderLayer:
-    """Build an ``EncoderLayer`` from registry names (defaults: the paper's base layer)."""
+    """Build an ``EncoderLayer`` from registry names (defaults: the paper's base layer).
+
+    ``options`` maps a block kind (``attention``, ``ffn``, ``norm``, ``sublayer``) to that block's keyword options;
+    ``attention_norm`` names another registered norm for the attention sublayer (ModernBERT's first layer has none).
+    """
+    b = _Builder(d_model, n_heads, d_ff, n_kv_heads, d_head, d_value, dropout, attention_dropout, ffn, norm,
+                 norm_eps, sublayer, attention, attention_backend, bias, options)
     return EncoderLayer(
-        self_attn=_attention(attention, d_model, n_heads, n_kv_heads, d_head, d_value, bias,
-                             attention_dropout, attention_backend),
-        ffn=build("ffn", ffn, d_model=d_model, d_ff=d_ff, bias=bias),
-        self_attn_sublayer=_sublayer(sublayer, norm, d_model, norm_eps, dropout),
-        ffn_sublayer=_sublayer(sublayer, norm, d_model, norm_eps, dropout),
+        self_attn=b.attention(), ffn=b.ffn(), self_attn_sublayer=b.sublayer(attention_norm), ffn_sublayer=b.sublayer()
     )
 
 
@@ -178,16 +260,60 @@ def decoder_layer(
     attention_backend: str = "sdpa",
     bias: bool = True,
     cross_attention: bool = True,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    attention_norm: str | None = None,
 ) -> DecoderLayer:
-    """Build a ``DecoderLayer`` from registry names; ``cross_attention=False`` gives a decoder-only block."""
-    cross = cross_attention or None
+    """Build a ``DecoderLayer`` from registry names; ``cross_attention=False`` gives a decoder-only block.
+
+    ``options`` and ``attention_norm`` as for ``encoder_layer``. Cross-attention takes the attention options
+    except ``window`` (it attends to the whole source).
+    """
+    b = _Builder(d_model, n_heads, d_ff, n_kv_heads, d_head, d_value, dropout, attention_dropout, ffn, norm,
+                 norm_eps, sublayer, attention, attention_backend, bias, options)
+    cross_attn = cross_sublayer = None
+    if cross_attention:
+        window = b.options["attention"].pop("window", None)
+        cross_attn, cross_sublayer = b.attention(), b.sublayer()
+        if window is not None:
+            b.options["attention"]["window"] = window
     return DecoderLayer(
-        self_attn=_attention(attention, d_model, n_heads, n_kv_heads, d_head, d_value, bias,
-                             attention_dropout, attention_backend),
-        cross_attn=cross and _attention(attention, d_model, n_heads, n_kv_heads, d_head, d_value, bias,
-                                        attention_dropout, attention_backend),
-        cross_attn_sublayer=cross and _sublayer(sublayer, norm, d_model, norm_eps, dropout),
-        ffn=build("ffn", ffn, d_model=d_model, d_ff=d_ff, bias=bias),
-        self_attn_sublayer=_sublayer(sublayer, norm, d_model, norm_eps, dropout),
-        ffn_sublayer=_sublayer(sublayer, norm, d_model, norm_eps, dropout),
+        self_attn=b.attention(), cross_attn=cross_attn, cross_attn_sublayer=cross_sublayer, ffn=b.ffn(),
+        self_attn_sublayer=b.sublayer(attention_norm), ffn_sublayer=b.sublayer(),
+    )
+
+
+@register("layer", "parallel")
+def parallel_layer(
+    d_model: int,
+    n_heads: int,
+    d_ff: int,
+    n_kv_heads: int | None = None,
+    d_head: int | None = None,
+    d_value: int | None = None,
+    dropout: float = 0.0,
+    attention_dropout: float = 0.0,
+    ffn: str = "gelu",
+    norm: str = "layernorm",
+    norm_eps: float = 1e-5,
+    sublayer: str = "pre_norm",
+    attention: str = "mha",
+    attention_backend: str = "sdpa",
+    bias: bool = True,
+    cross_attention: bool = False,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    attention_norm: str | None = None,
+) -> ParallelDecoderLayer:
+    """Build a ``ParallelDecoderLayer`` (GPT-NeoX's ``use_parallel_residual``); decoder-only, pre-norm.
+
+    Raises:
+        ValueError: ``cross_attention=True`` or a sublayer other than ``pre_norm``.
+    """
+    if cross_attention:
+        raise ValueError("the parallel layer has no cross-attention (cross_attention=True given)")
+    if sublayer != "pre_norm":
+        raise ValueError(f"the parallel layer needs sublayer='pre_norm' (both branches read x), got {sublayer!r}")
+    b = _Builder(d_model, n_heads, d_ff, n_kv_heads, d_head, d_value, dropout, attention_dropout, ffn, norm,
+                 norm_eps, sublayer, attention, attention_backend, bias, options)
+    return ParallelDecoderLayer(
+        self_attn=b.attention(), ffn=b.ffn(), self_attn_sublayer=b.sublayer(attention_norm), ffn_sublayer=b.sublayer()
     )

@@ -12,7 +12,7 @@ checked set of keyword arguments, ``names`` and ``kinds`` list what exists.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -79,8 +79,15 @@ def build(kind: str, name: str, **cfg: Any) -> Any:
     return obj(**cfg)
 
 
-def check_kwargs(obj: Callable[..., Any], cfg: dict[str, Any], *, what: str) -> None:
-    """Raise ``ValueError`` if ``cfg`` has keys ``obj`` does not accept or lacks required ones."""
+def check_kwargs(
+    obj: Callable[..., Any], cfg: Mapping[str, Any], *, what: str, supplied: Iterable[str] = ()
+) -> None:
+    """Raise ``ValueError`` if ``cfg`` has keys ``obj`` does not accept or lacks required ones.
+
+    ``supplied`` names keys the caller passes itself (a block's shape, given by the model): ``cfg`` may not
+    set them, and they do not count as missing. This is how block options in a model config are checked.
+    """
+    supplied = set(supplied)
     params = inspect.signature(obj).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
@@ -88,12 +95,16 @@ def check_kwargs(obj: Callable[..., Any], cfg: dict[str, Any], *, what: str) -> 
         n for n, p in params.items()
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     ]
+    taken = sorted(set(cfg) & supplied)
+    if taken:
+        raise ValueError(f"config key(s) {taken} of {what} are set by the model itself, not by options")
+    options = [n for n in accepted if n not in supplied]
     unknown = sorted(set(cfg) - set(accepted))
     if unknown:
-        raise ValueError(f"unknown config key(s) {unknown} for {what}; accepted keys are {accepted}")
+        raise ValueError(f"unknown config key(s) {unknown} for {what}; accepted keys are {options}")
     missing = [
         n for n in accepted
-        if params[n].default is inspect.Parameter.empty and n not in cfg
+        if params[n].default is inspect.Parameter.empty and n not in cfg and n not in supplied
     ]
     if missing:
         raise ValueError(f"missing required config key(s) {missing} for {what}")

@@ -1,8 +1,15 @@
-"""The residual connection around each sublayer (paper §3.1, §5.4), post-norm or pre-norm."""
+"""The residual connection around each sublayer (paper §3.1, §5.4): post-norm, pre-norm or sandwich-norm.
+
+A layer uses a sublayer connection in two steps around the sublayer (attention or FFN)::
+
+    h = connection.normalize(x)      # the sublayer's input
+    h = attention(h)
+    x = connection.residual(x, h)    # dropout, residual sum (and the norms that come after)
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
 
 from torch import Tensor, nn
 
@@ -10,7 +17,7 @@ from .registry import register
 
 
 class SublayerConnection(nn.Module):
-    """Wraps a sublayer function with dropout, a residual connection and a normalisation.
+    """Dropout, a residual connection and a normalisation around one sublayer.
 
     Args:
         norm: the normalisation module (owned by this connection, named ``norm`` in checkpoints).
@@ -22,7 +29,12 @@ class SublayerConnection(nn.Module):
         self.norm = norm
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+    def normalize(self, x: Tensor) -> Tensor:
+        """The sublayer's input, from the residual stream ``x`` ``(B, L, d_model)``."""
+        raise NotImplementedError
+
+    def residual(self, x: Tensor, out: Tensor) -> Tensor:
+        """The new residual stream from the old one ``x`` and the sublayer's output ``out``."""
         raise NotImplementedError
 
 
@@ -30,8 +42,11 @@ class SublayerConnection(nn.Module):
 class PostNorm(SublayerConnection):
     """``LayerNorm(x + Dropout(Sublayer(x)))`` — the paper's arrangement."""
 
-    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
-        return self.norm(x + self.dropout(sublayer(x)))
+    def normalize(self, x: Tensor) -> Tensor:
+        return x
+
+    def residual(self, x: Tensor, out: Tensor) -> Tensor:
+        return self.norm(x + self.dropout(out))
 
 
 @register("sublayer", "pre_norm")
@@ -39,5 +54,21 @@ class PreNorm(SublayerConnection):
     """``x + Dropout(Sublayer(Norm(x)))`` — trains deep stacks without warm-up (Xiong et al. 2020);
     a model built from it needs a final norm after the last layer."""
 
-    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
-        return x + self.dropout(sublayer(self.norm(x)))
+    def normalize(self, x: Tensor) -> Tensor:
+        return self.norm(x)
+
+    def residual(self, x: Tensor, out: Tensor) -> Tensor:
+        return x + self.dropout(out)
+
+
+@register("sublayer", "sandwich_norm")
+class SandwichNorm(PreNorm):
+    """``x + Dropout(PostNorm(Sublayer(Norm(x))))`` — a norm on both sides of the sublayer (Gemma 2; Ding et al.
+    2021, CogView). ``post_norm`` is a second norm of the same kind, with its own weights."""
+
+    def __init__(self, norm: nn.Module, dropout: float = 0.0) -> None:
+        super().__init__(norm, dropout)
+        self.post_norm = copy.deepcopy(norm)
+
+    def residual(self, x: Tensor, out: Tensor) -> Tensor:
+        return x + self.dropout(self.post_norm(out))

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 import blocks
+import blocks.layers
 from blocks.kv_cache import LayerCache
+from blocks.positional import PositionalEncoding
 
 from .adapters import AdapterMixin
 from .config import ConfigBase
@@ -104,12 +107,80 @@ def layer_kwargs(config: Any) -> dict[str, Any]:
     )
 
 
+def build_norm(config: Any) -> nn.Module:
+    """A norm of the config's kind, width ``d_model``, with the config's norm options."""
+    options = config.block_options("norm") if hasattr(config, "block_options") else {}
+    return blocks.build("norm", config.norm, d_model=config.d_model, eps=config.norm_eps, **options)
+
+
 def final_norm(config: Any) -> nn.Module:
     """A norm after the last layer for pre-norm stacks (they leave the residual stream unnormalised),
     the identity for post-norm ones."""
-    if config.sublayer == "pre_norm":
-        return blocks.build("norm", config.norm, d_model=config.d_model, eps=config.norm_eps)
+    if config.sublayer in ("pre_norm", "sandwich_norm"):
+        return build_norm(config)
     return nn.Identity()
+
+
+def build_layers(config: Any, builder: str, indices: range, **extra: Any) -> nn.ModuleList:
+    """The layers ``indices`` of a stack, each built by the registered ``layer`` builder with its block options
+    (``config.options`` with ``config.layer_options[i]`` merged over them)."""
+    layers = []
+    for i in indices:
+        options = {kind: config.block_options(kind, i) for kind in blocks.layers.LAYER_OPTION_KINDS}
+        layers.append(blocks.build(
+            "layer", builder, **layer_kwargs(config), options={k: v for k, v in options.items() if v},
+            **config.block_options("layer", i), **extra,
+        ))
+    return nn.ModuleList(layers)
+
+
+def build_positional(config: Any, causal: bool, layer: int | None = None) -> PositionalEncoding:
+    """The config's positional encoding for a causal or bidirectional stack, with its options (of ``layer``)."""
+    return blocks.build(
+        "positional", config.positional, d_model=config.d_model, n_heads=config.n_heads, d_head=config.d_head,
+        max_len=config.max_len, causal=causal, **config.block_options("positional", layer),
+    )
+
+
+def layer_positionals(config: Any, indices: range, causal: bool) -> nn.ModuleDict:
+    """Positional encodings of the layers whose ``layer_options`` change the positional options (e.g. ModernBERT's
+    local layers rotate with another base), keyed by the layer's index in its stack. They act inside attention
+    only (``rotate``, ``attention_bias``); what the stack's encoding adds to the embeddings is not repeated."""
+    out = {}
+    for j, i in enumerate(indices):
+        if config.layer_options and config.layer_options[i].get("positional"):
+            out[str(j)] = build_positional(config, causal, i)
+    return nn.ModuleDict(out)
+
+
+def positional_per_layer(
+    stack: PositionalEncoding, overrides: nn.ModuleDict, n_layers: int, positions: Tensor, key_positions: Tensor
+) -> list[tuple[PositionalEncoding | None, Tensor | None]]:
+    """``(rotary, attention bias)`` for each layer of a stack; each distinct encoding's bias is computed once."""
+    computed: dict[int, tuple[PositionalEncoding | None, Tensor | None]] = {}
+    out = []
+    for i in range(n_layers):
+        pos = overrides[str(i)] if str(i) in overrides else stack
+        if id(pos) not in computed:
+            computed[id(pos)] = (pos if pos.rotates else None, pos.attention_bias(positions, key_positions))
+        out.append(computed[id(pos)])
+    return out
+
+
+def embedding_scale(config: Any) -> float:
+    """``sqrt(d_model)`` with ``scale_embeddings`` (§3.4, Gemma), else 1."""
+    return math.sqrt(config.d_model) if config.scale_embeddings else 1.0
+
+
+def head_logits(config: Any, head: nn.Module, x: Tensor) -> Tensor:
+    """Vocabulary logits from the final hidden states: ``output_scale`` before the head (T5's tied head),
+    ``logit_softcap`` after it (Gemma 2: ``cap · tanh(logits / cap)``)."""
+    if config.output_scale != 1.0:
+        x = x * config.output_scale
+    logits = head(x)
+    if config.logit_softcap is not None:
+        logits = torch.tanh(logits / config.logit_softcap) * config.logit_softcap
+    return logits
 
 
 def positions_from_mask(mask: Tensor | None, past: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:

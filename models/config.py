@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any, TypeVar
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
 
 import blocks
+from blocks.layers import SUPPLIED as LAYER_SUPPLIED
 
 C = TypeVar("C", bound="ConfigBase")
 
@@ -31,9 +35,21 @@ class ConfigBase:
             raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; valid keys are {sorted(known)}")
         return cls(**data)
 
+    #: fields whose default is derived from other fields (name -> function of the config giving the default).
+    derived: ClassVar[dict[str, Any]] = {}
+
     def replace(self: C, **changes: Any) -> C:
-        """A copy with ``changes`` applied (validated; unknown keys rejected)."""
-        return self.from_dict({**self.to_dict(), **changes})
+        """A copy with ``changes`` applied (validated; unknown keys rejected).
+
+        A derived field (e.g. ``n_kv_heads``, ``d_head``) that holds its default is derived again from the new
+        values unless ``changes`` sets it: ``replace(n_heads=8)`` of a 4-head config gives 8 key/value heads,
+        not a silent GQA model.
+        """
+        data = self.to_dict()
+        for name, default in (type(self).derived or {}).items():
+            if name not in changes and data.get(name) == default(self):
+                data[name] = None
+        return self.from_dict({**data, **changes})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +82,26 @@ class TransformerConfig(ConfigBase):
     pad_token_id: int | None = 0
     bos_token_id: int | None = 2
     eos_token_id: int | None = 3
+    scale_embeddings: bool = False
+    logit_softcap: float | None = None
+    output_scale: float = 1.0
+    options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    layer_options: tuple[dict[str, dict[str, Any]], ...] = ()
+
+    derived: ClassVar[dict[str, Any]] = {
+        "n_kv_heads": lambda c: c.n_heads,
+        "d_head": lambda c: c.d_model // c.n_heads,
+        "d_value": lambda c: c.d_head,
+    }
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_len"):
             check_positive_int(self, name)
         check_attention_shape(self)
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be None or a finite number > 0, got {self.logit_softcap!r}")
+        if not self.output_scale > 0:
+            raise ValueError(f"output_scale must be a finite number > 0, got {self.output_scale!r}")
         for field, kind in (
             ("positional", "positional"),
             ("ffn", "ffn"),
@@ -84,8 +115,82 @@ class TransformerConfig(ConfigBase):
                 raise ValueError(f"{field}={value!r} is not a registered {kind}; expected one of {blocks.names(kind)}")
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value < self.vocab_size):
+            if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name}={value!r} must be None or an id in [0, vocab_size={self.vocab_size})")
+        object.__setattr__(self, "options", check_options(self, self.options, "options"))
+        if isinstance(self.layer_options, (list, tuple)):
+            object.__setattr__(self, "layer_options", tuple(
+                check_options(self, entry, f"layer_options[{i}]") for i, entry in enumerate(self.layer_options)
+            ))
+        else:
+            raise ValueError(f"layer_options must be a list of per-layer option dicts, got {self.layer_options!r}")
+
+    #: the block each option key configures: key -> (config field naming the block, registry kind).
+    option_blocks: ClassVar[dict[str, tuple[str, str]]] = {
+        "positional": ("positional", "positional"),
+        "attention": ("attention", "attention"),
+        "ffn": ("ffn", "ffn"),
+        "norm": ("norm", "norm"),
+        "sublayer": ("sublayer", "sublayer"),
+    }
+
+    def layer_builders(self) -> list[str]:
+        """The registered ``layer`` builders this model uses (``layer`` options are checked against them)."""
+        return ["encoder", "decoder"]
+
+    def check_layer_options_length(self, n_layers: int) -> None:
+        """Raise ``ValueError`` unless ``layer_options`` is empty or has one entry per layer."""
+        if self.layer_options and len(self.layer_options) != n_layers:
+            raise ValueError(
+                f"layer_options has {len(self.layer_options)} entries; expected none or one per layer ({n_layers})"
+            )
+
+    def block_options(self, key: str, layer: int | None = None) -> dict[str, Any]:
+        """The options of one block (``key`` as in ``options``), with ``layer_options[layer]`` merged over them."""
+        merged = dict(self.options.get(key, {}))
+        if layer is not None and self.layer_options:
+            merged.update(self.layer_options[layer].get(key, {}))
+        return copy.deepcopy(merged)
+
+
+#: keys of a positional encoding set by the model (its shape), never by options.
+POSITIONAL_SUPPLIED = ("d_model", "n_heads", "d_head", "max_len", "causal")
+#: keys of a layer builder set by the model.
+LAYER_BUILDER_SUPPLIED = (
+    "d_model", "n_heads", "d_ff", "n_kv_heads", "d_head", "d_value", "dropout", "attention_dropout", "ffn", "norm",
+    "norm_eps", "sublayer", "attention", "attention_backend", "bias", "cross_attention", "options",
+)
+
+
+def check_options(config: Any, options: Any, where: str) -> dict[str, dict[str, Any]]:
+    """Validate block options against the signatures of the blocks the config names; return a plain copy.
+
+    ``options`` maps a key of ``config.option_blocks`` (or ``"layer"``) to keyword options of that block. Keys the
+    model sets itself (the block's shape) are refused, and so are keys the block does not take.
+
+    Raises:
+        ValueError: not a dict of dicts, an unknown block key, or an option the block does not accept (named).
+    """
+    if not isinstance(options, Mapping) or not all(isinstance(v, Mapping) for v in options.values()):
+        raise ValueError(f"{where} must map block names to dicts of options, got {options!r}")
+    known = [*config.option_blocks, "layer"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"{where} names unknown block(s) {unknown}; expected some of {known}")
+    for key, values in options.items():
+        if any(not isinstance(name, str) for name in values):
+            raise ValueError(f"{where}[{key!r}] must have string keys, got {sorted(map(repr, values))}")
+        if key == "layer":
+            for builder in config.layer_builders():
+                blocks.check_kwargs(blocks.get("layer", builder), values, what=f"{where}['layer'] (layer {builder!r})",
+                                    supplied=LAYER_BUILDER_SUPPLIED)
+            continue
+        field, kind = config.option_blocks[key]
+        name = getattr(config, field)
+        supplied = POSITIONAL_SUPPLIED if kind == "positional" else LAYER_SUPPLIED[kind]
+        blocks.check_kwargs(blocks.get(kind, name), values, what=f"{where}[{key!r}] ({kind} {name!r})",
+                            supplied=supplied)
+    return copy.deepcopy({key: dict(values) for key, values in options.items()})
 
 
 def check_attention_shape(config: Any) -> None:
@@ -97,6 +202,7 @@ def check_attention_shape(config: Any) -> None:
     Raises:
         ValueError: naming the bad value.
     """
+    check_field_types(config)
     for name in ("n_kv_heads", "d_head", "d_value"):
         if getattr(config, name) is not None:
             check_positive_int(config, name)
@@ -117,8 +223,37 @@ def check_attention_shape(config: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
             raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
     eps = config.norm_eps
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-        raise ValueError(f"norm_eps must be > 0, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+        raise ValueError(f"norm_eps must be a finite number > 0, got {eps!r}")
+
+
+def check_field_types(config: Any) -> None:
+    """Check every ``bool``, ``int``, ``float`` and ``str`` field (optionally ``| None``) strictly.
+
+    A bool is not an int, a string is not a bool, and a float must be finite: ``tie_embeddings="false"``,
+    ``pad_token_id=True`` or ``norm_eps=nan`` are refused instead of building a different model.
+
+    Raises:
+        ValueError: naming the field, the value and the expected type.
+    """
+    checks = {
+        "bool": lambda v: isinstance(v, bool),
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+        "str": lambda v: isinstance(v, str),
+    }
+    for field in dataclasses.fields(config):
+        annotation = str(field.type)
+        optional = annotation.endswith(" | None")
+        base = annotation.removesuffix(" | None")
+        if base not in checks:
+            continue
+        value = getattr(config, field.name)
+        if value is None and optional:
+            continue
+        if not checks[base](value):
+            expected = ("a finite float" if base == "float" else f"a {base}") + (" or None" if optional else "")
+            raise ValueError(f"{field.name} must be {expected}, got {value!r}")
 
 
 def check_positive_int(config: Any, name: str) -> None:

@@ -12,7 +12,19 @@ from torch import Tensor, nn
 import blocks
 from blocks.kv_cache import LayerCache
 
-from .base import ZooModel, cached_length, final_norm, layer_kwargs, lm_loss, positions_from_mask
+from .base import (
+    ZooModel,
+    build_layers,
+    build_positional,
+    cached_length,
+    embedding_scale,
+    final_norm,
+    head_logits,
+    layer_positionals,
+    lm_loss,
+    positional_per_layer,
+    positions_from_mask,
+)
 from .config import TransformerConfig
 from .generation import DecoderLMGenerationMixin
 from .outputs import ModelOutput
@@ -21,17 +33,31 @@ from .persistence import PersistenceMixin
 
 @dataclasses.dataclass(frozen=True)
 class DecoderLMConfig(TransformerConfig):
-    """Config of ``DecoderLM``; defaults are GPT-2's choices at a tiny size."""
+    """Config of ``DecoderLM``; defaults are GPT-2's choices at a tiny size.
+
+    ``layer`` names the registered layer builder: ``"decoder"`` (sequential residuals) or ``"parallel"``
+    (GPT-NeoX's attention and FFN side by side).
+    """
 
     n_layers: int = 2
     positional: str = "learned"
     ffn: str = "gelu_tanh"
     sublayer: str = "pre_norm"
+    layer: str = "decoder"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if isinstance(self.n_layers, bool) or not isinstance(self.n_layers, int) or self.n_layers < 1:
             raise ValueError(f"n_layers must be a positive integer, got {self.n_layers!r}")
+        decoder_layers = [n for n in blocks.names("layer") if n != "encoder"]
+        if self.layer not in decoder_layers:
+            raise ValueError(
+                f"layer={self.layer!r} is not a registered decoder layer; expected one of {decoder_layers}"
+            )
+        super().__post_init__()
+        self.check_layer_options_length(self.n_layers)
+
+    def layer_builders(self) -> list[str]:
+        return [self.layer]
 
 
 class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
@@ -56,13 +82,11 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
         super().__init__(config)
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
-        self.positional = blocks.build(
-            "positional", c.positional, d_model=c.d_model, n_heads=c.n_heads, d_head=c.d_head, max_len=c.max_len
-        )
+        self.embed_scale = embedding_scale(c)
+        self.positional = build_positional(c, causal=True)
+        self.layer_positionals = layer_positionals(c, range(c.n_layers), causal=True)
         self.dropout = nn.Dropout(c.dropout)
-        self.layers = nn.ModuleList(
-            blocks.build("layer", "decoder", **layer_kwargs(c), cross_attention=False) for _ in range(c.n_layers)
-        )
+        self.layers = build_layers(c, c.layer, range(c.n_layers), cross_attention=False)
         # GPT-2 ln_f (pre-norm stacks end with a norm).
         self.final_norm = final_norm(c)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
@@ -137,18 +161,19 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
             starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
             positions = key_positions = index - torch.where(starts, index, 0).cummax(-1).values
         self.positional.check_positions(positions)
-        x = self.dropout(self.positional(self.embed_tokens(input_ids), positions))  # (B, L, d_model)
-        bias = self.positional.attention_bias(positions, key_positions)
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        x = self.dropout(self.positional(x, positions))  # (B, L, d_model)
+        per_layer = positional_per_layer(self.positional, self.layer_positionals, len(self.layers), positions,
+                                         key_positions)
         mask = None if attention_mask is None else blocks.padding_mask(attention_mask)  # (B, 1, 1, past + L)
         if document_ids is not None:
             same_document = blocks.document_mask(document_ids)  # (B, 1, L, L); the layers add the causal mask
             mask = same_document if mask is None else mask & same_document
-        rotary = self.positional if self.positional.rotates else None
-
         hidden_states, attentions = [x], []
         for i, layer in enumerate(self.layers):
+            rotary, bias = per_layer[i]
             x, weights, _ = layer(
-                x, mask=mask, bias=bias, rotary=rotary, positions=positions,
+                x, mask=mask, bias=bias, rotary=rotary, positions=positions, key_positions=key_positions,
                 cache=None if cache is None else cache[i], need_weights=output_attentions,
             )
             hidden_states.append(x)
@@ -159,7 +184,7 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
             raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
         if logits_to_keep and labels is not None:
             raise ValueError("logits_to_keep cannot be combined with labels (the loss needs every position)")
-        logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)  # (B, L or kept, vocab_size)
+        logits = head_logits(self.config, self.lm_head, x[:, -logits_to_keep:] if logits_to_keep else x)  # (B, L', V)
 
         loss = None
         if labels is not None:

@@ -10,7 +10,19 @@ from torch import Tensor, nn
 
 import blocks
 
-from .base import ZooModel, final_norm, layer_kwargs, lm_loss, positions_from_mask
+from .base import (
+    ZooModel,
+    build_layers,
+    build_norm,
+    build_positional,
+    embedding_scale,
+    final_norm,
+    head_logits,
+    layer_positionals,
+    lm_loss,
+    positional_per_layer,
+    positions_from_mask,
+)
 from .config import TransformerConfig
 from .generation import EncoderLMFillMaskMixin
 from .outputs import ModelOutput
@@ -36,21 +48,30 @@ class EncoderLMConfig(TransformerConfig):
         super().__post_init__()
         if isinstance(self.n_layers, bool) or not isinstance(self.n_layers, int) or self.n_layers < 1:
             raise ValueError(f"n_layers must be a positive integer, got {self.n_layers!r}")
+        self.check_layer_options_length(self.n_layers)
         if isinstance(self.type_vocab_size, bool) or not isinstance(self.type_vocab_size, int) \
                 or self.type_vocab_size < 0:
             raise ValueError(f"type_vocab_size must be an integer >= 0, got {self.type_vocab_size!r}")
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+        if self.mask_token_id is not None and (
+            isinstance(self.mask_token_id, bool) or not 0 <= self.mask_token_id < self.vocab_size
+        ):
             raise ValueError(
                 f"mask_token_id={self.mask_token_id!r} must be None or an id in [0, vocab_size={self.vocab_size})"
             )
 
+    def layer_builders(self) -> list[str]:
+        return ["encoder"]
+
 
 class MLMHead(nn.Module):
-    """BERT's prediction head: ``dense → GELU → norm``, then a decoder to the vocabulary (+ bias)."""
+    """BERT's prediction head: ``dense → GELU → norm``, then a decoder to the vocabulary (+ bias).
 
-    def __init__(self, d_model: int, vocab_size: int, norm: nn.Module) -> None:
+    ``bias`` is the dense layer's (ModernBERT has none); the decoder always has a bias.
+    """
+
+    def __init__(self, d_model: int, vocab_size: int, norm: nn.Module, bias: bool = True) -> None:
         super().__init__()
-        self.dense = nn.Linear(d_model, d_model)
+        self.dense = nn.Linear(d_model, d_model, bias=bias)
         self.norm = norm
         self.decoder = nn.Linear(d_model, vocab_size)
 
@@ -79,18 +100,15 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, ZooModel):
         super().__init__(config)
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
-        self.positional = blocks.build(
-            "positional", c.positional, d_model=c.d_model, n_heads=c.n_heads, d_head=c.d_head, max_len=c.max_len
-        )
+        self.embed_scale = embedding_scale(c)
+        self.positional = build_positional(c, causal=False)
+        self.layer_positionals = layer_positionals(c, range(c.n_layers), causal=False)
         self.token_type_embed = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
-        self.embed_norm = blocks.build("norm", c.norm, d_model=c.d_model, eps=c.norm_eps)
+        self.embed_norm = build_norm(c)
         self.dropout = nn.Dropout(c.dropout)
-        self.layers = nn.ModuleList(
-            blocks.build("layer", "encoder", **layer_kwargs(c)) for _ in range(c.n_layers)
-        )
+        self.layers = build_layers(c, "encoder", range(c.n_layers))
         self.final_norm = final_norm(c)
-        head_norm = blocks.build("norm", c.norm, d_model=c.d_model, eps=c.norm_eps)
-        self.mlm_head = MLMHead(c.d_model, c.vocab_size, head_norm)
+        self.mlm_head = MLMHead(c.d_model, c.vocab_size, build_norm(c), bias=c.bias)
         self.reset_parameters()
         if c.tie_embeddings:
             self.mlm_head.decoder.weight = self.embed_tokens.weight
@@ -116,7 +134,7 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, ZooModel):
         self.check_ids(input_ids, "input_ids")
         b, length = input_ids.shape
         attention_mask = self.check_mask(attention_mask, (b, length), "attention_mask")
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) * self.embed_scale
         if token_type_ids is not None:
             if self.token_type_embed is None:
                 raise ValueError("token_type_ids given but the model has type_vocab_size=0")
@@ -137,11 +155,11 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, ZooModel):
         positions, _ = positions_from_mask(attention_mask, 0, length, input_ids.device)
         self.positional.check_positions(positions)
         x = self.dropout(self.embed_norm(self.positional(x, positions)))  # (B, L, d_model)
-        bias = self.positional.attention_bias(positions, positions)
+        per_layer = positional_per_layer(self.positional, self.layer_positionals, len(self.layers), positions,
+                                         positions)
         mask = None if attention_mask is None else blocks.padding_mask(attention_mask)  # (B, 1, 1, L)
-        rotary = self.positional if self.positional.rotates else None
         hidden_states, attentions = [x], []
-        for layer in self.layers:
+        for layer, (rotary, bias) in zip(self.layers, per_layer, strict=True):
             x, weights = layer(
                 x, mask=mask, bias=bias, rotary=rotary, positions=positions, need_weights=output_attentions
             )
@@ -192,10 +210,10 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, ZooModel):
             if labels is None:
                 raise ValueError("masked_only=True needs labels (it keeps only the labelled positions)")
             selected = labels != -100
-            logits = self.mlm_head(x[selected])  # (N, vocab_size)
+            logits = head_logits(self.config, self.mlm_head, x[selected])  # (N, vocab_size)
             loss = lm_loss(logits, labels[selected])
         else:
-            logits = self.mlm_head(x)  # (B, L, vocab_size)
+            logits = head_logits(self.config, self.mlm_head, x)  # (B, L, vocab_size)
             loss = None if labels is None else lm_loss(logits, labels)
         return ModelOutput(
             logits=logits,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
@@ -11,7 +10,20 @@ from torch import Tensor, nn
 import blocks
 from blocks.kv_cache import LayerCache
 
-from .base import ZooModel, cached_length, final_norm, layer_kwargs, lm_loss, positions_from_mask
+from .base import (
+    ZooModel,
+    build_layers,
+    build_norm,
+    build_positional,
+    cached_length,
+    embedding_scale,
+    final_norm,
+    head_logits,
+    layer_positionals,
+    lm_loss,
+    positional_per_layer,
+    positions_from_mask,
+)
 from .config import TransformerConfig
 from .generation import Seq2SeqGenerationMixin
 from .outputs import Seq2SeqOutput
@@ -30,6 +42,8 @@ class Seq2SeqConfig(TransformerConfig):
         embedding_norm: a norm after embeddings + positions (BART's ``layernorm_embedding``).
         output_bias: a bias on the output projection (Marian/BART ``final_logits_bias``).
         decoder_start_token_id: first decoder input (default ``bos_token_id``).
+
+    ``layer_options`` has one entry per encoder layer, then one per decoder layer.
     """
 
     n_encoder_layers: int = 2
@@ -46,6 +60,7 @@ class Seq2SeqConfig(TransformerConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.check_layer_options_length(self.n_encoder_layers + self.n_decoder_layers)
         if self.decoder_start_token_id is None:
             object.__setattr__(self, "decoder_start_token_id", self.bos_token_id)
         start = self.decoder_start_token_id
@@ -86,34 +101,24 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, ZooModel):
         c = config
         self.src_embed = nn.Embedding(c.vocab_size, c.d_model)
         self.tgt_embed = self.src_embed if c.share_embeddings else nn.Embedding(c.vocab_size, c.d_model)
-        self.encoder_positional = self._positional()
-        self.decoder_positional = self._positional()
-        self.embed_scale = math.sqrt(c.d_model) if c.scale_embeddings else 1.0  # §3.4
-        self.encoder_embed_norm = self._norm() if c.embedding_norm else nn.Identity()
-        self.decoder_embed_norm = self._norm() if c.embedding_norm else nn.Identity()
+        encoder_indices = range(c.n_encoder_layers)
+        decoder_indices = range(c.n_encoder_layers, c.n_encoder_layers + c.n_decoder_layers)
+        self.encoder_positional = build_positional(c, causal=False)
+        self.decoder_positional = build_positional(c, causal=True)
+        self.encoder_layer_positionals = layer_positionals(c, encoder_indices, causal=False)
+        self.decoder_layer_positionals = layer_positionals(c, decoder_indices, causal=True)
+        self.embed_scale = embedding_scale(c)  # §3.4
+        self.encoder_embed_norm = build_norm(c) if c.embedding_norm else nn.Identity()
+        self.decoder_embed_norm = build_norm(c) if c.embedding_norm else nn.Identity()
         self.dropout = nn.Dropout(c.dropout)
-        layer_cfg = layer_kwargs(c)
-        self.encoder_layers = nn.ModuleList(
-            blocks.build("layer", "encoder", **layer_cfg) for _ in range(c.n_encoder_layers)
-        )
-        self.decoder_layers = nn.ModuleList(
-            blocks.build("layer", "decoder", **layer_cfg, cross_attention=True) for _ in range(c.n_decoder_layers)
-        )
+        self.encoder_layers = build_layers(c, "encoder", encoder_indices)
+        self.decoder_layers = build_layers(c, "decoder", decoder_indices, cross_attention=True)
         self.encoder_final_norm = final_norm(c)
         self.decoder_final_norm = final_norm(c)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=c.output_bias)
         self.reset_parameters()
         if c.tie_embeddings:
             self.lm_head.weight = self.tgt_embed.weight
-
-    def _positional(self) -> nn.Module:
-        c = self.config
-        return blocks.build(
-            "positional", c.positional, d_model=c.d_model, n_heads=c.n_heads, d_head=c.d_head, max_len=c.max_len
-        )
-
-    def _norm(self) -> nn.Module:
-        return blocks.build("norm", self.config.norm, d_model=self.config.d_model, eps=self.config.norm_eps)
 
     def reset_parameters(self) -> None:
         """Xavier-uniform weights, N(0, d_model^-1/2) embeddings, zero biases (see the class docstring)."""
@@ -138,11 +143,11 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, ZooModel):
         pos.check_positions(positions)
         x = self.src_embed(src_ids) * self.embed_scale
         x = self.dropout(self.encoder_embed_norm(pos(x, positions)))  # (B, S, d_model)
-        bias = pos.attention_bias(positions, positions)
+        per_layer = positional_per_layer(pos, self.encoder_layer_positionals, len(self.encoder_layers), positions,
+                                         positions)
         mask = None if src_mask is None else blocks.padding_mask(src_mask)  # (B, 1, 1, S)
-        rotary = pos if pos.rotates else None
         hidden_states, attentions = [x], []
-        for layer in self.encoder_layers:
+        for layer, (rotary, bias) in zip(self.encoder_layers, per_layer, strict=True):
             x, weights = layer(x, mask=mask, bias=bias, rotary=rotary, positions=positions,
                                need_weights=output_attentions)
             hidden_states.append(x)
@@ -190,15 +195,16 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, ZooModel):
         pos.check_positions(positions)
         x = self.tgt_embed(tgt_ids) * self.embed_scale
         x = self.dropout(self.decoder_embed_norm(pos(x, positions)))  # (B, L, d_model)
-        bias = pos.attention_bias(positions, key_positions)
+        per_layer = positional_per_layer(pos, self.decoder_layer_positionals, len(self.decoder_layers), positions,
+                                         key_positions)
         self_mask = None if tgt_mask is None else blocks.padding_mask(tgt_mask)  # (B, 1, 1, past + L)
         memory_mask = None if src_mask is None else blocks.padding_mask(src_mask)  # (B, 1, 1, S)
-        rotary = pos if pos.rotates else None
         hidden_states, self_attns, cross_attns = [x], [], []
         for i, layer in enumerate(self.decoder_layers):
+            rotary, bias = per_layer[i]
             x, self_w, cross_w = layer(
                 x, memory, mask=self_mask, memory_mask=memory_mask, bias=bias, rotary=rotary, positions=positions,
-                cache=None if cache is None else cache[i], need_weights=output_attentions,
+                key_positions=key_positions, cache=None if cache is None else cache[i], need_weights=output_attentions,
             )
             hidden_states.append(x)
             self_attns.append(self_w)
@@ -229,7 +235,7 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, ZooModel):
             Logits ``(B, L, vocab_size)``.
         """
         x = self._decode(memory, tgt_ids, src_mask, tgt_mask, cache, False, False)[0]
-        return self.lm_head(x)
+        return head_logits(self.config, self.lm_head, x)
 
     def forward(
         self,
@@ -263,7 +269,7 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, ZooModel):
         x, dec_hidden, self_attn, cross_attn = self._decode(
             memory, tgt_ids, src_mask, tgt_mask, None, output_hidden_states, output_attentions
         )
-        logits = self.lm_head(x)  # (B, L, vocab_size)
+        logits = head_logits(self.config, self.lm_head, x)  # (B, L, vocab_size)
         loss = None if labels is None else lm_loss(logits, labels)
         return Seq2SeqOutput(
             logits=logits,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..registry import register
-from .common import check_inputs, default_scale, repeat_kv
+from .common import check_inputs, check_softcap, default_scale, repeat_kv, soft_cap
 
 DEFAULT_BLOCK_SIZE = 512
 
@@ -36,6 +36,7 @@ def chunked_attention(
     is_causal: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    softcap: float | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> Tensor:
     """Attention by an online softmax over key blocks of ``block_size``; same contract as ``math``.
@@ -46,6 +47,7 @@ def chunked_attention(
         ValueError: bad shapes (see ``math``) or ``block_size < 1``.
     """
     check_inputs(q, k, v, mask, bias)
+    check_softcap(softcap)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     b, h, lq, _ = q.shape
@@ -59,7 +61,7 @@ def chunked_attention(
     query_pos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
     for start in range(0, lk, block_size):
         end = min(start + block_size, lk)
-        scores = q @ k[:, :, start:end].transpose(-2, -1)  # (B, H, Lq, blk)
+        scores = soft_cap(q @ k[:, :, start:end].transpose(-2, -1), softcap)  # (B, H, Lq, blk)
         block_bias = _key_slice(bias, start, end)
         if block_bias is not None:
             scores = scores + block_bias.to(scores.dtype)  # (an fp32 ALiBi bias must not upcast bf16 scores)

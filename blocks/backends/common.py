@@ -49,6 +49,24 @@ def default_scale(q: Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
+def soft_cap(scores: Tensor, softcap: float | None) -> Tensor:
+    """``softcap · tanh(scores / softcap)`` (Gemma 2): bounds the scores smoothly to (-softcap, softcap).
+
+    Applied to the scaled scores before any bias or mask. ``None`` leaves them unchanged.
+    """
+    if softcap is None:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
+
+
+def check_softcap(softcap: float | None) -> None:
+    """Raise ``ValueError`` unless ``softcap`` is None or a finite positive number."""
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf
+    ):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+
+
 def allowed_keys(
     mask: Tensor | None, is_causal: bool, lq: int, lk: int, device: torch.device
 ) -> tuple[Tensor | None, Tensor | None]:

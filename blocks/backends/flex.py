@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from ..registry import register
-from .common import allowed_keys, check_inputs, zero_empty_rows
+from .common import allowed_keys, check_inputs, check_softcap, zero_empty_rows
 
 
 @functools.cache
@@ -33,6 +33,7 @@ def flex_attention_backend(
     is_causal: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Flex attention with the zoo's mask/bias contract; same results as ``math``.
 
@@ -42,6 +43,7 @@ def flex_attention_backend(
         NotImplementedError: for ``dropout_p > 0`` (flex attention has no attention dropout).
     """
     check_inputs(q, k, v, mask, bias)
+    check_softcap(softcap)
     if dropout_p > 0:
         raise NotImplementedError(
             f"the flex backend has no attention dropout (dropout_p={dropout_p}); "
@@ -63,11 +65,13 @@ def flex_attention_backend(
         block_mask = create_block_mask(mask_mod, mb, mh, lq, lk, device=q.device)
 
     score_mod = None
-    if bias is not None:
-        full_bias = bias.to(q.dtype).expand(b, h, lq, lk)
+    if bias is not None or softcap is not None:
+        full_bias = None if bias is None else bias.to(q.dtype).expand(b, h, lq, lk)
 
         def score_mod(score, bi, hi, qi, ki):
-            return score + full_bias[bi, hi, qi, ki]
+            if softcap is not None:  # (score is already scaled here)
+                score = torch.tanh(score / softcap) * softcap
+            return score if full_bias is None else score + full_bias[bi, hi, qi, ki]
 
     gqa = h != k.shape[1]
     # Fresh views keep q, k and v distinct objects: with aliased inputs (q is k is v) torch 2.13's flex

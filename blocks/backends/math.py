@@ -8,7 +8,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..registry import register
-from .common import additive_mask, allowed_keys, check_inputs, default_scale, repeat_kv, zero_empty_rows
+from .common import (
+    additive_mask,
+    allowed_keys,
+    check_inputs,
+    check_softcap,
+    default_scale,
+    repeat_kv,
+    soft_cap,
+    zero_empty_rows,
+)
 
 
 @register("attention_backend", "math")
@@ -22,6 +31,7 @@ def math_attention(
     is_causal: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    softcap: float | None = None,
     return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention computed explicitly, optionally returning the weights.
@@ -33,6 +43,7 @@ def math_attention(
         is_causal: apply a bottom-right aligned causal mask.
         dropout_p: dropout on the attention weights.
         scale: score scale, default ``1 / sqrt(D)``.
+        softcap: if set, scaled scores become ``softcap · tanh(score / softcap)`` before bias and mask.
         return_weights: also return the attention weights ``(B, H, Lq, Lk)``.
 
     Returns:
@@ -42,9 +53,10 @@ def math_attention(
     Shapes: q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)``.
     """
     check_inputs(q, k, v, mask, bias)
+    check_softcap(softcap)
     n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, Lk, D)
-    scores = (q @ k.transpose(-2, -1)) * default_scale(q, scale)  # (B, H, Lq, Lk)
+    scores = soft_cap((q @ k.transpose(-2, -1)) * default_scale(q, scale), softcap)  # (B, H, Lq, Lk)
     if bias is not None:
         scores = scores + bias
     allowed, has_key = allowed_keys(mask, is_causal, q.shape[2], k.shape[2], q.device)

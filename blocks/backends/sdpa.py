@@ -22,6 +22,7 @@ def sdpa_attention(
     is_causal: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Scaled dot-product attention by PyTorch's fused kernels; same contract as ``math``.
 
@@ -31,6 +32,10 @@ def sdpa_attention(
     Shapes: q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)`` -> ``(B, H, Lq, Dv)``.
     """
     check_inputs(q, k, v, mask, bias)
+    if softcap is not None:
+        # PyTorch's fused kernels cannot transform the scores before the softmax: compute it explicitly.
+        return math_attention(q, k, v, mask=mask, bias=bias, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+                              softcap=softcap)
     lq, lk = q.shape[2], k.shape[2]
     # One query (a decoding step) sees every key under the bottom-right causal mask: nothing to mask.
     is_causal = is_causal and lq > 1

@@ -38,10 +38,12 @@ class ALiBiPositionalBias(PositionalEncoding):
     """Adds ``-slope_h · |i - j|`` to the attention scores of head ``h`` (for causal attention this is
     the paper's ``-slope · (i - j)``; the symmetric form extends it to bidirectional encoders)."""
 
-    def __init__(self, d_model: int, n_heads: int = 1, d_head: int | None = None, max_len: int = 512) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int = 1, d_head: int | None = None, max_len: int = 512, causal: bool = False
+    ) -> None:
         super().__init__()
-        self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
+        self.register_fp32_buffer("slopes", alibi_slopes(n_heads))
 
     def attention_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         distance = (q_positions[:, :, None] - k_positions[:, None, :]).abs().float()  # (B, Lq, Lk)
-        return -self.slopes[None, :, None, None] * distance[:, None]  # (B, H, Lq, Lk)
+        return -self.slopes[None, :, None, None] * distance[:, None]  # (B, H, Lq, Lk), float32

@@ -6,8 +6,15 @@ A positional encoding may act in three places, and each kind overrides the ones 
 - ``rotate(x, positions)`` rotates queries and keys inside attention (rotary);
 - ``attention_bias(q_positions, k_positions)`` returns an additive attention bias (ALiBi).
 
-Every kind is built from the model's shape, ``(d_model, n_heads, d_head, max_len)``, and uses what it
-needs of it. ``positions`` are integer tensors ``(B, L)`` or ``(1, L)``.
+Every kind is built from the model's shape, ``(d_model, n_heads, d_head, max_len, causal)``, and uses what it
+needs of it (``causal`` tells a kind whether it serves a causal stack: T5's relative buckets differ).
+Further constructor arguments are the kind's *options* (e.g. rotary's ``base``); a model config passes them
+through ``options={"positional": {...}}``. ``positions`` are integer tensors ``(B, L)`` or ``(1, L)``.
+
+Tables and frequencies are float32 whatever the module's dtype: ``model.to(torch.bfloat16)`` would otherwise
+round the rotary frequencies and position angles (off by ~0.5 rad at position 3000). Buffers registered with
+``register_fp32_buffer`` keep their float32 values through ``.to()``/``.half()``; each kind casts its result
+to the input's dtype at the end.
 """
 
 from __future__ import annotations
@@ -23,6 +30,23 @@ class PositionalEncoding(nn.Module):
     rotates: bool = False
     #: Largest position + 1 the encoding can represent, or None if it extends on demand.
     max_positions: int | None = None
+
+    #: names of float buffers kept in float32 through dtype casts.
+    _fp32_buffers: tuple[str, ...] = ()
+
+    def register_fp32_buffer(self, name: str, tensor: Tensor) -> None:
+        """A non-persistent float32 buffer that moves with the module's device but never changes dtype."""
+        self.register_buffer(name, tensor.float(), persistent=False)
+        self._fp32_buffers = (*self._fp32_buffers, name)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202  (nn.Module's signature)
+        kept = {name: getattr(self, name) for name in self._fp32_buffers}
+        super()._apply(fn, recurse)
+        for name, original in kept.items():
+            moved = getattr(self, name)
+            if moved.dtype != torch.float32:  # a dtype cast: keep the exact float32 values, on the new device
+                self._buffers[name] = original.to(device=moved.device)
+        return self
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """Return the embeddings ``x`` ``(B, L, d_model)`` with positional information added."""

@@ -13,7 +13,9 @@ from .base import PositionalEncoding
 class LearnedPositionalEmbedding(PositionalEncoding):
     """A ``(max_len, d_model)`` embedding table added to the token embeddings; cannot extend."""
 
-    def __init__(self, d_model: int, n_heads: int = 1, d_head: int | None = None, max_len: int = 512) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int = 1, d_head: int | None = None, max_len: int = 512, causal: bool = False
+    ) -> None:
         super().__init__()
         self.max_positions = max_len
         self.weight = nn.Parameter(torch.empty(max_len, d_model))

@@ -10,5 +10,7 @@ from .base import PositionalEncoding
 class NoPositionalEncoding(PositionalEncoding):
     """The identity everywhere (for ablations and permutation-equivariance tests)."""
 
-    def __init__(self, d_model: int, n_heads: int = 1, d_head: int | None = None, max_len: int = 512) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int = 1, d_head: int | None = None, max_len: int = 512, causal: bool = False
+    ) -> None:
         super().__init__()

@@ -51,17 +51,18 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
         n_heads: int = 1,
         d_head: int | None = None,
         max_len: int = 512,
+        causal: bool = False,
         layout: str = "interleave",
         base: float = 10000.0,
     ) -> None:
         super().__init__()
         self.d_model, self.layout, self.base = d_model, layout, base
-        self.register_buffer("table", sinusoid_table(max_len, d_model, layout, base), persistent=False)
+        self.register_fp32_buffer("table", sinusoid_table(max_len, d_model, layout, base))
 
     def _table(self, n: int) -> Tensor:
         if n > self.table.shape[0]:
             grown = sinusoid_table(max(n, 2 * self.table.shape[0]), self.d_model, self.layout, self.base)
-            self.table = grown.to(self.table.device)
+            self._buffers["table"] = grown.to(self.table.device)
         return self.table
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
@@ -75,5 +76,7 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
 class ConcatSinusoidalPositionalEncoding(SinusoidalPositionalEncoding):
     """Sinusoids in the ``[sin | cos]`` layout, as Marian and fairseq checkpoints use."""
 
-    def __init__(self, d_model: int, n_heads: int = 1, d_head: int | None = None, max_len: int = 512) -> None:
-        super().__init__(d_model, n_heads, d_head, max_len, layout="concat")
+    def __init__(
+        self, d_model: int, n_heads: int = 1, d_head: int | None = None, max_len: int = 512, causal: bool = False
+    ) -> None:
+        super().__init__(d_model, n_heads, d_head, max_len, causal, layout="concat")

@@ -48,6 +48,7 @@ def ffn_formula(name: str, ffn: nn.Module, x: Tensor) -> Tensor:
         "gelu_tanh": lambda h: 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3))),
         "swiglu": lambda h: h * torch.sigmoid(h),
         "geglu": lambda h: 0.5 * h * (1 + torch.erf(h / 2**0.5)),
+        "geglu_tanh": lambda h: 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3))),
         "silu": lambda h: h * torch.sigmoid(h),
     }
     if name not in activations:
@@ -63,7 +64,7 @@ def test_ffn_equals_its_formula(name: str) -> None:
     ffn = frozen(blocks.build("ffn", name, d_model=6, d_ff=10))
     x = torch.randn(2, 5, 6)
     torch.testing.assert_close(ffn(x), ffn_formula(name, ffn, x), **TOL)
-    assert hasattr(ffn, "gate_proj") == name.endswith("glu")
+    assert hasattr(ffn, "gate_proj") == ("glu" in name)
 
 
 def test_relu_ffn_is_the_papers_network() -> None:
@@ -106,6 +107,9 @@ def test_every_norm_keeps_the_shape_and_normalises_the_scale(name: str, d_model:
     x = (zst.randn((2, 3, d_model), seed) * 5 + 1).double()
     out = norm(x)
     assert out.shape == x.shape
+    if name == "identity":  # the norm that does not normalise
+        assert torch.equal(out, x)
+        return
     # Unit weight at init: the output has unit RMS (layernorm: about the mean, which it removes).
     rms = out.pow(2).mean(-1).sqrt()
     torch.testing.assert_close(rms, torch.ones_like(rms), atol=1e-3, rtol=1e-3)
@@ -133,19 +137,30 @@ def test_layernorm_and_rmsnorm_formulas() -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("norm_name", blocks.names("norm"))
-def test_post_norm_and_pre_norm_formulas(norm_name: str) -> None:
+def around(connection: nn.Module, x: Tensor, sublayer) -> Tensor:
+    """A sublayer connection applied around ``sublayer`` as the layers apply it."""
+    return connection.residual(x, sublayer(connection.normalize(x)))
+
+
+@pytest.mark.parametrize("norm_name", [n for n in blocks.names("norm") if n != "identity"])
+def test_sublayer_formulas(norm_name: str) -> None:
     f = nn.Linear(6, 6)
     x = torch.randn(2, 4, 6)
-    post = frozen(blocks.build("sublayer", "post_norm", norm=blocks.build("norm", norm_name, d_model=6), dropout=0.5))
-    pre = frozen(blocks.build("sublayer", "pre_norm", norm=blocks.build("norm", norm_name, d_model=6), dropout=0.5))
+    built = {
+        name: frozen(blocks.build("sublayer", name, norm=blocks.build("norm", norm_name, d_model=6), dropout=0.5))
+        for name in ("post_norm", "pre_norm", "sandwich_norm")
+    }
+    post, pre, sandwich = built["post_norm"], built["pre_norm"], built["sandwich_norm"]
     with torch.no_grad():
-        for norm in (post.norm, pre.norm):
-            for p in norm.parameters():
-                p.copy_(torch.randn_like(p))
-        torch.testing.assert_close(post(x, f), post.norm(x + f(x)), **TOL)  # §3.1: LayerNorm(x + Sublayer(x))
-        torch.testing.assert_close(pre(x, f), x + f(pre.norm(x)), **TOL)
-        assert not torch.allclose(post(x, f), pre(x, f))
+        for p in (p for c in built.values() for p in c.parameters()):
+            p.copy_(torch.randn_like(p))
+        torch.testing.assert_close(around(post, x, f), post.norm(x + f(x)), **TOL)  # §3.1: LayerNorm(x + Sublayer(x))
+        torch.testing.assert_close(around(pre, x, f), x + f(pre.norm(x)), **TOL)
+        # Gemma 2: a second norm, with its own weights, on the sublayer's output before the residual sum.
+        torch.testing.assert_close(around(sandwich, x, f), x + sandwich.post_norm(f(sandwich.norm(x))), **TOL)
+        assert sandwich.post_norm is not sandwich.norm and type(sandwich.post_norm) is type(sandwich.norm)
+        assert not torch.allclose(around(post, x, f), around(pre, x, f))
+        assert not torch.allclose(around(sandwich, x, f), around(pre, x, f))
 
 
 def test_sublayer_dropout_applies_to_the_sublayer_output_in_training() -> None:
@@ -153,7 +168,7 @@ def test_sublayer_dropout_applies_to_the_sublayer_output_in_training() -> None:
     pre = blocks.build("sublayer", "pre_norm", norm=blocks.build("norm", "layernorm", d_model=6), dropout=0.5)
     pre.train()
     torch.manual_seed(3)
-    out = pre(x, lambda h: torch.ones_like(h))
+    out = around(pre, x, lambda h: torch.ones_like(h))
     # Dropout(1) is 0 or 2: the residual x survives exactly, the sublayer output is dropped or doubled.
     assert set((out - x).round(decimals=4).unique().tolist()) == {0.0, 2.0}
 
@@ -162,7 +177,7 @@ def test_sublayer_dropout_applies_to_the_sublayer_output_in_training() -> None:
 def test_every_sublayer_keeps_the_shape(name: str) -> None:
     sub = frozen(blocks.build("sublayer", name, norm=blocks.build("norm", "rmsnorm", d_model=5)))
     x = torch.randn(2, 3, 5)
-    assert sub(x, torch.tanh).shape == x.shape
+    assert around(sub, x, torch.tanh).shape == x.shape
     assert isinstance(sub.norm, blocks.get("norm", "rmsnorm"))
 
 
