@@ -97,9 +97,10 @@ def beam_search(
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     k, b, t_max = num_beams, batch_size, max_new_tokens
     neg_inf = float("-inf")
-    # Finished hypotheses of every source, best first (kept for all B; only the active rows are touched).
+    # Finished hypotheses of every source, best first (kept for all B; only the active rows are touched). They
+    # are as wide as the longest one so far, not max_new_tokens: that may be huge while EOS comes early.
     fin_scores = torch.full((b, k), neg_inf, device=device)
-    fin_seqs = torch.full((b, k, t_max), pad_token_id, dtype=torch.long, device=device)
+    fin_seqs = torch.full((b, k, 0), pad_token_id, dtype=torch.long, device=device)
     fin_lens = torch.zeros((b, k), dtype=torch.long, device=device)
     if t_max == 0:
         return BeamSearchOutput(fin_seqs[:, 0], torch.zeros(b, device=device), fin_lens[:, 0])
@@ -125,9 +126,11 @@ def beam_search(
             ends = top_token == eos_token_id
             ended = ends & (top_scores > neg_inf)
             if bool(ended.any()):
-                seqs = _extend(alive_seqs, top_beam, top_token, t_max, pad_token_id)  # (A, C, T)
+                seqs = _extend(alive_seqs, top_beam, top_token)  # (A, C, t)
                 new_scores = torch.where(ended, top_scores / gnmt_length_penalty(t, length_penalty), neg_inf)
-                _merge_finished(fin_scores, fin_seqs, fin_lens, active, new_scores, seqs, t)
+                fin_scores, fin_seqs, fin_lens = _merge_finished(
+                    fin_scores, fin_seqs, fin_lens, active, new_scores, seqs, t, pad_token_id
+                )
 
         # The best k extensions that do not end stay alive.
         alive_scores, pick = top_scores.masked_fill(ends, neg_inf).topk(min(k, top_scores.shape[1]), dim=-1)
@@ -157,42 +160,50 @@ def beam_search(
         # Sources that reached max_new_tokens: their live beams compete as they are.
         length = alive_seqs.shape[2]
         scores = alive_scores / gnmt_length_penalty(length, length_penalty)
-        seqs = torch.full((*alive_seqs.shape[:2], t_max), pad_token_id, dtype=torch.long, device=alive_seqs.device)
-        seqs[:, :, :length] = alive_seqs
-        _merge_finished(fin_scores, fin_seqs, fin_lens, active, scores, seqs, length)
+        fin_scores, fin_seqs, fin_lens = _merge_finished(
+            fin_scores, fin_seqs, fin_lens, active, scores, alive_seqs, length, pad_token_id
+        )
 
     lengths = fin_lens[:, 0]
     longest = int(lengths.max())
     return BeamSearchOutput(fin_seqs[:, 0, :longest], fin_scores[:, 0], lengths)
 
 
-def _extend(alive_seqs: Tensor, beam: Tensor, token: Tensor, t_max: int, pad: int) -> Tensor:
-    """Candidate sequences: each candidate's parent prefix plus its token, padded to ``t_max``.
+def _extend(alive_seqs: Tensor, beam: Tensor, token: Tensor) -> Tensor:
+    """Candidate sequences: each candidate's parent prefix plus its token.
 
-    Shapes: alive_seqs ``(A, beams, t-1)``, beam/token ``(A, C)`` -> ``(A, C, t_max)``.
+    Shapes: alive_seqs ``(A, beams, t-1)``, beam/token ``(A, C)`` -> ``(A, C, t)``.
     """
-    a, c = token.shape
-    t = alive_seqs.shape[2] + 1
-    seqs = torch.full((a, c, t_max), pad, dtype=torch.long, device=token.device)
-    seqs[:, :, : t - 1] = alive_seqs.gather(1, beam[:, :, None].expand(-1, -1, t - 1))
-    seqs[:, :, t - 1] = token
-    return seqs
+    prefix = alive_seqs.gather(1, beam[:, :, None].expand(-1, -1, alive_seqs.shape[2]))
+    return torch.cat([prefix, token[:, :, None]], dim=2)
 
 
 def _merge_finished(
-    fin_scores: Tensor, fin_seqs: Tensor, fin_lens: Tensor, active: Tensor, scores: Tensor, seqs: Tensor, length: int
-) -> None:
+    fin_scores: Tensor,
+    fin_seqs: Tensor,
+    fin_lens: Tensor,
+    active: Tensor,
+    scores: Tensor,
+    seqs: Tensor,
+    length: int,
+    pad: int,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Add hypotheses ``(A, C)`` of ``length`` tokens to the finished sets of the ``active`` sources, keeping
-    the best k of old and new (in place).
+    the best k of old and new; the finished sequences widen (with ``pad``) to the longest hypothesis.
+
+    Shapes: fin_* ``(B, k[, W])``, scores ``(A, C)``, seqs ``(A, C, length)`` -> ``(B, k)``,
+    ``(B, k, max(W, length))``, ``(B, k)``.
     """
-    k = fin_scores.shape[1]
+    k, width = fin_scores.shape[1], max(fin_seqs.shape[2], seqs.shape[2])
+    fin_seqs, seqs = (torch.nn.functional.pad(x, (0, width - x.shape[2]), value=pad) for x in (fin_seqs, seqs))
     merged_scores = torch.cat([fin_scores[active], scores], dim=1)  # (A, k + C)
     merged_seqs = torch.cat([fin_seqs[active], seqs], dim=1)
     merged_lens = torch.cat([fin_lens[active], torch.full_like(scores, length, dtype=torch.long)], dim=1)
     best, index = merged_scores.topk(k, dim=-1)
     fin_scores[active] = best
-    fin_seqs[active] = merged_seqs.gather(1, index[:, :, None].expand(-1, -1, merged_seqs.shape[2]))
+    fin_seqs[active] = merged_seqs.gather(1, index[:, :, None].expand(-1, -1, width))
     fin_lens[active] = merged_lens.gather(1, index)
+    return fin_scores, fin_seqs, fin_lens
 
 
 def _sources_done(

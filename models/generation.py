@@ -1,15 +1,18 @@
 """Generation: decoding loops for the three model families (mixed into the model classes).
 
-- ``DecoderLM.generate`` / ``stream``: greedy or sampled continuation of (left-padded) prompts, with a KV cache
-  preallocated for prompt + new tokens, so every step runs the model on one new token per row.
+- ``DecoderLM.generate`` / ``stream``: greedy or sampled continuation of (left-padded) prompts, with a KV cache,
+  so every step runs the model on one new token per row. The cache starts with room for the prompt and up to
+  ``CACHE_CHUNK`` new tokens and doubles when full: a large ``max_new_tokens`` costs memory only for the tokens
+  really generated (a row may stop at EOS long before).
 - ``Seq2SeqTransformer.generate``: beam search with the GNMT length penalty (paper §6.1), or greedy/sampled
   decoding with ``num_beams=1``; the source is encoded once and its cross-attention keys/values are computed
   at the first step and reused.
 - ``EncoderLM.fill_mask`` / ``fill_mask_text``: the most likely tokens at ``[MASK]`` positions.
 
-Every loop runs under ``torch.inference_mode()`` with the model switched to eval mode (dropout off) for the
-duration; the training flags are restored afterwards. Returned tensors are ordinary tensors (not inference
-tensors), so they can feed a later training step.
+Every loop runs under ``torch.inference_mode()`` with the model switched to eval mode (dropout off) while it
+computes; the training flags are restored afterwards (for ``stream``, after each token: between tokens the model
+is as the caller left it, so interleaved streams cannot leave it in eval mode). Returned tensors are ordinary
+tensors (not inference tensors), so they can feed a later training step.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import contextlib
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+
+from blocks.kv_cache import KVCache, LayerCache
 
 from .base import new_caches
 from .beam_search import beam_search, gnmt_length_penalty
@@ -38,6 +43,11 @@ class _ConfigDefault:
 
 #: Default of the token-id arguments: take the value from ``model.config``.
 CONFIG_DEFAULT: Any = _ConfigDefault()
+
+#: New positions a decoding cache has room for at first; it doubles whenever it is full.
+CACHE_CHUNK = 256
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -133,16 +143,12 @@ class DecoderLMGenerationMixin:
             input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
             eos_token_id, pad_token_id, generator,
         )
-        b, length = request.prompt.shape
+        # Tokens are collected, not written into a (B, L + max_new_tokens) buffer: generation may stop at EOS
+        # long before max_new_tokens, which may be huge.
+        with _eval_mode(self):
+            tokens = [step.tokens for step in self._lm_steps(request)]
         # Built outside inference mode: the result must stay usable in autograd (e.g. as training input).
-        out = torch.full((b, length + request.max_new_tokens), request.pad, dtype=torch.long,
-                         device=request.prompt.device)
-        out[:, :length] = request.prompt
-        n = 0
-        for step in self._lm_steps(request):
-            out[:, length + n] = step.tokens
-            n += 1
-        return out[:, : length + n]
+        return torch.cat([request.prompt, *(t[:, None] for t in tokens)], dim=1)
 
     def stream(
         self,
@@ -160,8 +166,9 @@ class DecoderLMGenerationMixin:
     ) -> Iterator[Tensor]:
         """Like ``generate``, but yield each step's tokens as soon as they are chosen.
 
-        The arguments are checked when ``stream`` is called; the model is in eval mode from the first token
-        until the iterator is exhausted or closed.
+        The arguments are checked when ``stream`` is called. Each step runs in eval mode, and the model's
+        training flags are restored before each token is yielded: between tokens the model is as the caller left
+        it, whatever other streams are open.
 
         Returns:
             An iterator of ``(B,)`` long tensors, one per generated position (``pad_token_id`` for rows that
@@ -174,7 +181,7 @@ class DecoderLMGenerationMixin:
             input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
             eos_token_id, pad_token_id, generator,
         )
-        return (step.tokens.clone() for step in self._lm_steps(request))
+        return (step.tokens.clone() for step in _each_step_in_eval_mode(self, self._lm_steps(request)))
 
     def _lm_request(
         self,
@@ -225,31 +232,38 @@ class DecoderLMGenerationMixin:
 
     @torch.inference_mode()
     def _lm_steps(self, request: _LMRequest) -> Iterator[_Step]:
-        """Prefill the prompt into a preallocated cache, then decode one token per row per step."""
+        """Prefill the prompt into a cache, then decode one token per row per step (the caller sets eval mode)."""
         if request.max_new_tokens == 0:
             return
         prompt, mask = request.prompt, request.mask
         b, length = prompt.shape
-        with _eval_mode(self):
-            cache = new_caches(len(self.layers), length + request.max_new_tokens)
-            mask_buffer = None
-            if mask is not None:
-                # The mask of every step is a prefix of one buffer: generated tokens are always real.
-                mask_buffer = torch.ones((b, length + request.max_new_tokens), dtype=torch.bool, device=mask.device)
-                mask_buffer[:, :length] = mask
-            logits = self(prompt, attention_mask=mask, cache=cache, logits_to_keep=1).logits[:, -1]
-            filled = length
+        # Positions ever cached: the prompt and the generated tokens (the last one is not fed back, but a spare
+        # position costs little and keeps the size the plain prompt + max_new_tokens).
+        limit = length + request.max_new_tokens
+        cache = new_caches(len(self.layers), min(limit, length + CACHE_CHUNK))
+        mask_buffer = None
+        if mask is not None:
+            # The mask of every step is a prefix of one buffer: generated tokens are always real.
+            mask_buffer = torch.ones((b, cache[0].self_attn.max_len), dtype=torch.bool, device=mask.device)
+            mask_buffer[:, :length] = mask
+        logits = self(prompt, attention_mask=mask, cache=cache, logits_to_keep=1).logits[:, -1]
+        filled = length
 
-            def step(tokens: Tensor) -> Tensor:
-                nonlocal filled
-                filled += 1
-                step_mask = None if mask_buffer is None else mask_buffer[:, :filled]
-                return self(tokens[:, None], attention_mask=step_mask, cache=cache).logits[:, -1]
+        def step(tokens: Tensor) -> Tensor:
+            nonlocal filled, mask_buffer
+            _make_room(cache, 1, limit)
+            filled += 1
+            step_mask = None
+            if mask_buffer is not None:
+                if mask_buffer.shape[1] < filled:
+                    mask_buffer = torch.cat([mask_buffer, torch.ones_like(mask_buffer)], dim=1)
+                step_mask = mask_buffer[:, :filled]
+            return self(tokens[:, None], attention_mask=step_mask, cache=cache).logits[:, -1]
 
-            seen = seen_tokens(prompt, mask, self.config.vocab_size) if request.params.uses_history else None
-            yield from _token_loop(
-                logits, step, request.params, request.generator, request.eos, request.pad, request.max_new_tokens, seen
-            )
+        seen = seen_tokens(prompt, mask, self.config.vocab_size) if request.params.uses_history else None
+        yield from _token_loop(
+            logits, step, request.params, request.generator, request.eos, request.pad, request.max_new_tokens, seen
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -353,6 +367,10 @@ class Seq2SeqGenerationMixin:
                 )
         if src_mask is not None and bool(src_mask.all()):
             src_mask = None
+        if max_new_tokens == 0:  # nothing to decode: the start token alone, log P = 0
+            sequences = torch.full((b, 1), start, dtype=torch.long, device=src_ids.device)
+            scores = torch.zeros(b, device=src_ids.device)
+            return (sequences, scores) if return_scores else sequences
 
         with torch.inference_mode(), _eval_mode(self):
             memory = self.encode(src_ids, src_mask)  # (B, S, d_model), once per source
@@ -387,37 +405,35 @@ class Seq2SeqGenerationMixin:
         """Greedy or sampled decoding with a cache; returns ``(ids (B, 1 + T), normalised scores (B,))``."""
         b = memory.shape[0]
         first = torch.full((b, 1), start, dtype=torch.long, device=memory.device)
-        out = torch.full((b, 1 + max_new_tokens), pad, dtype=torch.long, device=memory.device)
-        out[:, 0] = start
         log_prob = torch.zeros(b, device=memory.device)
         lengths = torch.zeros(b, dtype=torch.long, device=memory.device)
-        if max_new_tokens == 0:
-            return out, log_prob
-        cache = new_caches(len(self.decoder_layers), max_new_tokens, cross=True)
+        cache = new_caches(len(self.decoder_layers), min(max_new_tokens, CACHE_CHUNK), cross=True)
         logits = self.decode(memory, first, src_mask, cache=cache)[:, -1]
 
         def step(tokens: Tensor) -> Tensor:
+            _make_room(cache, 1, max_new_tokens)
             return self.decode(memory, tokens[:, None], src_mask, cache=cache)[:, -1]
 
         seen = seen_tokens(first, None, self.config.vocab_size) if params.uses_history else None
-        n = 0
+        out = [first]
         for s in _token_loop(logits, step, params, generator, eos, pad, max_new_tokens, seen):
-            out[:, 1 + n] = s.tokens
+            out.append(s.tokens[:, None])
             chosen = torch.log_softmax(s.logits.float(), dim=-1).gather(1, s.tokens[:, None]).squeeze(1)
             live = torch.ones_like(lengths, dtype=torch.bool) if s.live is None else s.live
             log_prob += torch.where(live, chosen, 0.0)
             lengths += live.long()
-            n += 1
-        return out[:, : 1 + n], log_prob / gnmt_length_penalty(lengths.float(), alpha)
+        return torch.cat(out, dim=1), log_prob / gnmt_length_penalty(lengths.float(), alpha)
 
     def _beam_step(
         self, memory: Tensor, src_mask: Tensor | None, max_new_tokens: int
     ) -> Callable[[Tensor, Tensor | None, bool], Tensor]:
         """The ``beam_search`` step over a cached decoder (see ``models.beam_search.StepFn``)."""
-        cache = new_caches(len(self.decoder_layers), max_new_tokens, cross=True)
+        # The start token and every generated token but the last are cached: max_new_tokens positions at most.
+        cache = new_caches(len(self.decoder_layers), min(max_new_tokens, CACHE_CHUNK), cross=True)
         state = {"memory": memory, "mask": src_mask}
 
         def step(tokens: Tensor, parents: Tensor | None, sources_changed: bool) -> Tensor:
+            _make_room(cache, tokens.shape[1], max_new_tokens)
             if parents is not None:
                 for layer_cache in cache:
                     layer_cache.self_attn.reorder(parents)
@@ -579,6 +595,42 @@ def _token_loop(
         if seen is not None:
             seen[rows, tokens] = True
         logits = step(tokens)
+
+
+def _make_room(caches: list[LayerCache], new: int, limit: int) -> None:
+    """Grow the self-attention caches so that ``new`` more positions fit: at least double their size, at most
+    ``limit`` positions (what the request can ever need), keeping what they hold.
+
+    Caches grow here rather than being preallocated for the worst case, so memory follows the tokens really
+    generated; doubling keeps the copies to O(total length) over a whole generation.
+    """
+    kv = caches[0].self_attn
+    if kv.length + new <= kv.max_len:
+        return
+    size = min(limit, max(kv.length + new, 2 * kv.max_len))
+    for layer_cache in caches:
+        old, grown = layer_cache.self_attn, KVCache(size)
+        if old.k is not None:
+            grown.update(old.k[:, :, : old.length], old.v[:, :, : old.length])
+        layer_cache.self_attn = grown
+
+
+def _each_step_in_eval_mode(module: nn.Module, steps: Generator[T, None, None]) -> Iterator[T]:
+    """Drive ``steps`` with ``module`` in eval mode while it computes, and as the caller left it between items.
+
+    Holding eval mode across a ``yield`` would let two interleaved iterators restore each other's flags (the
+    later one would restore the eval mode the first one set, for good).
+    """
+    done = object()
+    try:
+        while True:
+            with _eval_mode(module):
+                item = next(steps, done)
+            if item is done:
+                return
+            yield item
+    finally:
+        steps.close()
 
 
 @contextlib.contextmanager

@@ -137,7 +137,12 @@ class SamplingParams:
         if not self.do_sample:
             return scores.argmax(dim=-1)
         if self.temperature != 1.0:
-            scores = scores / self.temperature
+            # Shift each row's maximum to 0 before dividing: raw logits over a tiny temperature overflow to inf
+            # and the softmax to NaN, while shifted ones go to -inf except the maximum (sampling tends to greedy
+            # decoding, as it should). The maximum stays exactly 0 even when the temperature underflows to 0 in
+            # float32 (0 / 0 would be NaN).
+            shifted = scores - scores.amax(dim=-1, keepdim=True)
+            scores = torch.where(shifted == 0, 0.0, shifted / self.temperature)
         if self.top_k is not None:
             scores = top_k_filter(scores, self.top_k)
         if self.top_p is not None:

@@ -10,6 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import models.generation
+from blocks.kv_cache import KVCache
 from models import DecoderLM, DecoderLMConfig, EncoderLM, EncoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer
 from models.beam_search import beam_search, gnmt_length_penalty
 from models.sampling import SamplingParams, apply_repetition_penalty, top_k_filter, top_p_filter
@@ -575,3 +577,126 @@ def test_fill_mask_bad_input_raises(kwargs: dict, match: str) -> None:
 def test_fill_mask_without_a_mask_id_raises() -> None:
     with pytest.raises(ValueError, match="mask_token_id"):
         tiny_encoder(mask_token_id=None).fill_mask(torch.tensor([[5, MASK_ID]]))
+
+
+# ================================================================================================== hostile sizes
+@pytest.fixture
+def cache_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ``max_len`` of every KV cache created while the test runs (initial and grown ones)."""
+    sizes: list[int] = []
+    init = KVCache.__init__
+
+    def recording_init(self: KVCache, max_len: int) -> None:
+        sizes.append(max_len)
+        init(self, max_len)
+
+    monkeypatch.setattr(KVCache, "__init__", recording_init)
+    return sizes
+
+
+def test_huge_max_new_tokens_allocates_only_what_is_generated(cache_sizes: list[int]) -> None:
+    # Rotary positions put no bound on the length; EOS comes at the first step, so nothing beyond one chunk of
+    # cache may be allocated (the old code preallocated prompt + 10**9 positions per layer, ~256 GB).
+    model = tiny_decoder(positional="rotary")
+    # Then two left-padded copies of a prompt: both rows stop at once, on the masked path.
+    padded, mask = torch.tensor([[0, 8, 9]] * 2), torch.tensor([[0, 1, 1]] * 2, dtype=torch.bool)
+    for ids, m in ((torch.tensor([[7, 8, 9]]), None), (padded, mask)):
+        first = model.generate(ids, attention_mask=m, max_new_tokens=1, eos_token_id=None)[:, -1]
+        eos = int(first[0])
+        cache_sizes.clear()
+        out = model.generate(ids, attention_mask=m, max_new_tokens=10**9, eos_token_id=eos)
+        assert torch.equal(out[:, -1], first) and out.shape[1] == ids.shape[1] + 1
+        assert cache_sizes and max(cache_sizes) <= ids.shape[1] + models.generation.CACHE_CHUNK
+        stream = model.stream(ids, attention_mask=m, max_new_tokens=10**9, eos_token_id=eos)
+        assert torch.equal(torch.stack(list(stream), dim=1)[:, 0], first)
+
+    # Seq2Seq: greedy and beam search. EOS is made certain at every step through the output bias.
+    seq2seq = tiny_seq2seq(positional="sinusoidal", output_bias=True)
+    with torch.no_grad():
+        seq2seq.lm_head.bias[seq2seq.config.eos_token_id] = 50.0
+    calls: list[int] = []
+    seq2seq.lm_head.register_forward_hook(lambda _m, args, _out: calls.append(args[0].shape[0]))
+    src = torch.randint(5, VOCAB, (2, 4))
+    for beams in (1, 3):
+        cache_sizes.clear()
+        calls.clear()
+        out = seq2seq.generate(src, max_new_tokens=10**9, num_beams=beams)
+        assert out.tolist() == [[seq2seq.config.decoder_start_token_id, seq2seq.config.eos_token_id]] * 2
+        assert len(calls) == 1  # one decoding step: every beam ended, nothing can beat the finished hypothesis
+        assert cache_sizes and max(cache_sizes) <= models.generation.CACHE_CHUNK
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_caches_that_grow_in_chunks_give_the_same_tokens(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    monkeypatch.setattr(models.generation, "CACHE_CHUNK", chunk)
+    model = tiny_decoder(positional="rotary")
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    ids = torch.randint(4, VOCAB, (2, 4)).masked_fill(~mask, 0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=11, eos_token_id=None)
+    assert torch.equal(out[1:], uncached_greedy(model, ids[1:], 11))
+    assert torch.equal(out[0, 4:], uncached_greedy(model, ids[:1, 2:], 11)[0, 2:])
+    seq2seq = tiny_seq2seq(vocab_size=SMALL_VOCAB)
+    src = torch.randint(4, SMALL_VOCAB, (3, 4))
+    greedy = seq2seq.generate(src, max_new_tokens=9, num_beams=1, eos_token_id=None)
+    assert torch.equal(greedy, uncached_seq2seq_greedy(seq2seq, src, None, 9))
+    found = seq2seq.generate(src, max_new_tokens=9, num_beams=3, length_penalty=0.6)
+    reference = beam_search(
+        uncached_beam_step(seq2seq, src, None), batch_size=3, start_token_id=seq2seq.config.decoder_start_token_id,
+        num_beams=3, max_new_tokens=9, eos_token_id=seq2seq.config.eos_token_id, pad_token_id=0, length_penalty=0.6,
+    )
+    assert torch.equal(found[:, 1:], reference.sequences)
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_seq2seq_max_new_tokens_zero_returns_the_start_token(num_beams: int) -> None:
+    model = tiny_seq2seq()
+    src = torch.randint(4, VOCAB, (2, 5))
+    out, scores = model.generate(src, max_new_tokens=0, num_beams=num_beams, return_scores=True)
+    assert out.tolist() == [[model.config.decoder_start_token_id]] * 2
+    assert scores.tolist() == [0.0, 0.0]  # log P of the empty continuation
+    assert model.generate(src, max_new_tokens=0, num_beams=num_beams).shape == (2, 1)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_a_vanishing_temperature_samples_the_arg_max(temperature: float) -> None:
+    # Raw logits over 1e-40 overflow to inf in float32 and the softmax gives NaN ("probability tensor contains
+    # inf/nan"); the limit of temperature -> 0 is greedy decoding.
+    model = tiny_decoder()
+    prompt = torch.randint(4, VOCAB, (3, 4))
+    greedy = model.generate(prompt, max_new_tokens=6, eos_token_id=None)
+    sampled = model.generate(prompt, max_new_tokens=6, eos_token_id=None, do_sample=True, temperature=temperature,
+                             top_k=5, top_p=0.9, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled, greedy)
+    logits = torch.tensor([[3.0, -1e4, 2.0, 3.0 - 1e-3]])
+    params = SamplingParams(do_sample=True, temperature=temperature)
+    draws = params.next_tokens(logits.expand(50, -1), generator=torch.Generator().manual_seed(0))
+    assert draws.tolist() == [0] * 50
+    # Two exactly tied maxima share the mass, as they do at any temperature.
+    tied = SamplingParams(do_sample=True, temperature=temperature).next_tokens(
+        torch.tensor([[1.0, 5.0, 5.0, -2.0]]).expand(400, -1), generator=torch.Generator().manual_seed(0))
+    assert set(tied.tolist()) == {1, 2} and 150 < int((tied == 1).sum()) < 250
+
+
+def test_interleaved_streams_leave_the_training_flags_as_they_were() -> None:
+    model = tiny_decoder(dropout=0.5)
+    model.train()
+    model.layers[0].eval()  # a mixed state must come back exactly
+    flags = [m.training for m in model.modules()]
+    prompt = torch.randint(4, VOCAB, (2, 3))
+    expected = model.generate(prompt, max_new_tokens=4, eos_token_id=None)[:, 3:]
+    first = model.stream(prompt, max_new_tokens=4, eos_token_id=None)
+    second = model.stream(prompt, max_new_tokens=4, eos_token_id=None)
+    got_first, got_second = [next(first)], [next(second)]
+    # Between tokens the model is as the caller left it (a training step here would use dropout).
+    assert [m.training for m in model.modules()] == flags
+    got_first += list(first)  # the first stream ends while the second is still open
+    assert [m.training for m in model.modules()] == flags
+    got_second += list(second)
+    assert [m.training for m in model.modules()] == flags
+    # Every step still ran in eval mode: dropout 0.5 would change the tokens.
+    assert torch.equal(torch.stack(got_first, 1), expected) and torch.equal(torch.stack(got_second, 1), expected)
+    # An abandoned stream changes nothing either.
+    third = model.stream(prompt, max_new_tokens=4, eos_token_id=None)
+    next(third)
+    third.close()
+    assert [m.training for m in model.modules()] == flags
