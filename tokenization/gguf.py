@@ -1,0 +1,245 @@
+"""The tokenizer embedded in a GGUF file (llama.cpp's format), rebuilt as a ``tokenization.Tokenizer``.
+
+A GGUF carries no ``tokenizer.json``: it stores the vocabulary, its scores or merges, the token types and the
+special-token ids as metadata under llama.cpp's key names (``tokenizer.ggml.*``). Two vocabularies cover the
+llama architecture:
+
+- ``tokenizer.ggml.model = "llama"``: a SentencePiece BPE vocabulary (Llama 1/2, Mistral). The file gives
+  each piece a score and no merges; merging the adjacent pair whose result scores highest is the same as a
+  BPE whose merges are ranked by that score, so the merges are derived from the scores. Bytes with no piece
+  fall back to the ``<0xNN>`` tokens; a space becomes ``▁`` and one is prepended to the text.
+- ``tokenizer.ggml.model = "gpt2"``: a byte-level BPE with explicit merges (Llama 3), split beforehand by the
+  regular expression that ``tokenizer.ggml.pre`` names.
+
+A file that embeds the whole ``tokenizer.json`` (``tokenizer.huggingface.json``) is read as it is. This module
+needs only ``tokenizers``; reading the file is ``models.gguf``'s job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+
+from .tokenizer import Tokenizer
+
+# llama.cpp's token types (``llama_token_type``): which tokens are matched whole in the text.
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+# Llama 3's split pattern (its tokenizer.json's Split pre-tokenizer); llama.cpp uses it for these ``pre`` names.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Mistral's Tekken (Mistral NeMo, a llama-architecture GGUF).
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# ``pre`` value -> split pattern; None: GPT-2's own pattern (the ByteLevel pre-tokenizer's built-in regex).
+_BYTE_LEVEL_SPLITS: dict[str, str | None] = {
+    "gpt-2": None,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+}
+# Vocabularies whose BPE looks a whole word up before merging (llama.cpp's ``ignore_merges``; Llama 3's
+# tokenizer.json sets the same flag).
+_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"}
+
+_ROLE_KEYS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "unk": "tokenizer.ggml.unknown_token_id",
+    "pad": "tokenizer.ggml.padding_token_id",
+    "mask": "tokenizer.ggml.mask_token_id",
+}
+
+SUPPORTED_MODELS = ("llama", "gpt2")
+
+
+def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
+    """Build the tokenizer a GGUF file's metadata describes.
+
+    Args:
+        metadata: the file's key -> value metadata (arrays as Python lists), as ``models.gguf`` reads it;
+            only the ``tokenizer.*`` keys are used.
+
+    Returns:
+        A ``Tokenizer`` with the file's vocabulary (ids as in the file), its special tokens in their roles
+        (bos, eos, unk, pad from the ``tokenizer.ggml.*_token_id`` keys) and a post-processor that adds BOS
+        and EOS as ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say (llama.cpp's defaults otherwise:
+        BOS for a SentencePiece vocabulary, nothing for a byte-level one).
+
+    Raises:
+        ValueError: no vocabulary, a tokenizer model other than ``llama``/``gpt2``, a byte-level ``pre`` type
+            with no known split pattern, or lists and ids that do not fit the vocabulary.
+    """
+    if not isinstance(metadata, Mapping):
+        raise ValueError(f"metadata must be a mapping of GGUF keys to values, got {type(metadata).__name__}")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ValueError("the GGUF metadata has no tokenizer.ggml.tokens list, so it embeds no tokenizer")
+    roles = _roles(metadata, tokens)
+
+    hf_json = metadata.get("tokenizer.huggingface.json")
+    if isinstance(hf_json, str):
+        # The file carries the exact tokenizer.json it was converted from: nothing to rebuild.
+        return Tokenizer.from_str(hf_json, roles)
+
+    kind = metadata.get("tokenizer.ggml.model")
+    token_types = _int_list(metadata, "tokenizer.ggml.token_type", len(tokens))
+    if kind == "llama":
+        scores = metadata.get("tokenizer.ggml.scores")
+        if not isinstance(scores, list) or len(scores) != len(tokens):
+            got = len(scores) if isinstance(scores, list) else scores
+            raise ValueError(f"tokenizer.ggml.scores must list one score per token ({len(tokens)}), got {got!r}")
+        add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+        backend = _sentencepiece_bpe(tokens, scores, metadata.get("tokenizer.ggml.merges"), roles["unk"], add_prefix)
+        default_bos = True  # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
+    elif kind == "gpt2":
+        pre = metadata.get("tokenizer.ggml.pre")
+        if pre not in _BYTE_LEVEL_SPLITS:
+            raise ValueError(
+                f"byte-level GGUF vocabulary with tokenizer.ggml.pre={pre!r}: its split pattern is unknown; "
+                f"supported: {sorted(_BYTE_LEVEL_SPLITS)}"
+            )
+        merges = metadata.get("tokenizer.ggml.merges")
+        if not isinstance(merges, list):
+            raise ValueError("a byte-level (gpt2) GGUF vocabulary needs tokenizer.ggml.merges, which is missing")
+        backend = _byte_level_bpe(tokens, merges, pre)
+        default_bos = False
+    else:
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; expected one of {list(SUPPORTED_MODELS)}")
+
+    _add_whole_tokens(backend, tokens, token_types, roles)
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    backend.post_processor = _template(tokens, metadata, add_bos, add_eos)
+    return Tokenizer(backend, roles)
+
+
+def _roles(metadata: Mapping[str, Any], tokens: Sequence[str]) -> dict[str, str | None]:
+    roles: dict[str, str | None] = {}
+    for role, key in _ROLE_KEYS.items():
+        token_id = metadata.get(key)
+        if token_id is None:
+            roles[role] = None
+        elif isinstance(token_id, int) and 0 <= token_id < len(tokens):
+            roles[role] = tokens[token_id]
+        else:
+            raise ValueError(f"{key}={token_id!r} is not an id of the {len(tokens)}-token vocabulary")
+    return roles
+
+
+def _int_list(metadata: Mapping[str, Any], key: str, length: int) -> list[int]:
+    values = metadata.get(key)
+    if values is None:
+        return [1] * length  # every token normal
+    if not isinstance(values, list) or len(values) != length:
+        got = len(values) if isinstance(values, list) else values
+        raise ValueError(f"{key} must list one value per token ({length}), got {got!r}")
+    return [int(v) for v in values]
+
+
+def _sentencepiece_bpe(
+    tokens: Sequence[str], scores: Sequence[float], merges: Sequence[str] | None, unk: str | None, add_prefix: bool
+) -> Backend:
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = _split_merges(merges) if isinstance(merges, list) else _merges_from_scores(vocab, scores)
+    backend = Backend(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    # llama.cpp (like SentencePiece) prepends a space to every run of text, also after a special token and
+    # also when the text starts with spaces; a normalizer does that, since special tokens are split off first.
+    # (transformers' Metaspace prepend_scheme="first" skips texts that start with a space.)
+    spaces = normalizers.Replace(" ", _SPACE)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), spaces]) if add_prefix else spaces
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges_from_scores(vocab: Mapping[str, int], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces, ranked by the score of the piece they make, best first.
+
+    Ties go to the longer left part, then the longer right part, then the lower id of the piece made
+    (the order SentencePiece's own converter, and transformers', give them).
+    """
+    candidates: list[tuple[float, int, int, str, str]] = []
+    for piece, piece_id in vocab.items():  # in id order, which a stable sort keeps for full ties
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                candidates.append((-float(scores[piece_id]), -len(left), -len(right), left, right))
+    candidates.sort(key=lambda c: c[:3])
+    return [(left, right) for *_, left, right in candidates]
+
+
+def _split_merges(merges: Sequence[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in merges:
+        left, sep, right = merge.partition(" ")
+        if not sep or not left or not right:
+            raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens separated by a space")
+        pairs.append((left, right))
+    return pairs
+
+
+def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str) -> Backend:
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = Backend(models.BPE(vocab, _split_merges(merges), ignore_merges=pre in _IGNORE_MERGES))
+    split = _BYTE_LEVEL_SPLITS[pre]
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _add_whole_tokens(
+    backend: Backend, tokens: Sequence[str], token_types: Sequence[int], roles: Mapping[str, str | None]
+) -> None:
+    """Match control tokens (``<s>``, ``<|eot_id|>``), the unknown token and user-defined ones whole.
+
+    llama.cpp never cuts these into pieces; without registering them the BPE would. Control and unknown
+    tokens are special (dropped by ``decode(skip_special_tokens=True)``), user-defined ones are not.
+    """
+    typed = list(zip(tokens, token_types, strict=True))
+    special = {t for t, kind in typed if kind in (_CONTROL, _UNKNOWN)}
+    special.update(t for t in roles.values() if t is not None)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens if t in special])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, kind in typed if kind == _USER_DEFINED])
+
+
+def _template(tokens: Sequence[str], metadata: Mapping[str, Any], add_bos: bool, add_eos: bool) -> Any:
+    def seat(role: str, wanted: bool) -> tuple[str, int] | None:
+        if not wanted:
+            return None
+        token_id = metadata.get(_ROLE_KEYS[role])
+        if token_id is None:
+            raise ValueError(f"tokenizer.ggml.add_{role}_token is set but the file has no {_ROLE_KEYS[role]}")
+        return tokens[token_id], token_id
+
+    bos, eos = seat("bos", add_bos), seat("eos", add_eos)
+    if bos is None and eos is None:
+        return None
+    head = [bos[0]] if bos else []
+    tail = [eos[0]] if eos else []
+    return processors.TemplateProcessing(
+        single=" ".join([*head, "$A:0", *tail]),
+        pair=" ".join([*head, "$A:0", *tail, *head, "$B:1", *tail]),
+        special_tokens=sorted({s for s in (bos, eos) if s is not None}),
+    )
