@@ -3,7 +3,9 @@
 - ``MLMCollator``, ``CausalLMCollator``, ``Seq2SeqCollator``: examples -> the batch dict a model takes.
 - ``label_smoothed_cross_entropy``, ``TokenLoss``: the paper's label smoothing; per-token loss sums.
 - ``NoamLR``, ``noam_rate``, ``paper_adam``, ``WarmupCosineLR``: optimiser and schedules.
-- ``Trainer``, ``TrainerConfig``: accumulation, clipping, evaluation, progress bar, checkpoints, exact resume, DDP.
+- ``Trainer``, ``TrainerConfig``: accumulation, clipping, evaluation, progress bar, checkpoints, exact resume,
+  DDP, FSDP2, tensor parallelism and both on a 2-D mesh (``training.parallel``); sharded checkpoints that
+  load at any world size (``training.checkpoint``).
 - ``init_distributed``: join a ``torchrun`` process group.
 - ``load_corpus``, ``stdlib_docstrings``, ``split_corpus``: text with no download; ``SyntheticTask``: copy,
   reverse and addition.
@@ -13,12 +15,14 @@ from .collators import CausalLMCollator, MLMCollator, Seq2SeqCollator, pack_docu
 from .data import load_corpus, split_corpus, stdlib_docstrings
 from .distributed import DistributedContext, cleanup, init_distributed, is_main_process
 from .losses import LabelSmoothedCrossEntropy, MaskedTokenLoss, TokenLoss, label_smoothed_cross_entropy
+from .parallel import PARALLEL_MODES, apply_parallelism, clip_grad_norm
 from .sampler import ResumableBatchSampler
-from .schedules import NoamLR, WarmupCosineLR, noam_rate, paper_adam, warmup_cosine_rate
+from .schedules import NoamLR, WarmupCosineLR, decay_groups, noam_rate, paper_adam, warmup_cosine_rate
 from .synthetic import TASKS, SyntheticTask, held_out
-from .trainer import Trainer, TrainerConfig, default_loss, list_checkpoints
+from .trainer import Trainer, TrainerConfig, consolidated_state_dict, default_loss, list_checkpoints
 
 __all__ = [
+    "PARALLEL_MODES",
     "TASKS",
     "CausalLMCollator",
     "DistributedContext",
@@ -33,7 +37,11 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "WarmupCosineLR",
+    "apply_parallelism",
     "cleanup",
+    "clip_grad_norm",
+    "consolidated_state_dict",
+    "decay_groups",
     "default_loss",
     "held_out",
     "init_distributed",

@@ -79,6 +79,24 @@ def paper_adam(params: Iterable[torch.nn.Parameter] | Iterable[dict], lr: float 
     return Adam(params, lr=lr, betas=PAPER_BETAS, eps=PAPER_EPS, weight_decay=weight_decay)
 
 
+def decay_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Two optimiser parameter groups: matrices (``dim >= 2``: projections, embeddings) with ``weight_decay``,
+    vectors (biases, norm gains) without, as GPT-2/3 training does. Pass the result to an optimiser, e.g.
+    ``Trainer(model, lambda params: AdamW(decay_groups(params, 0.1), lr=3e-4), ...)``; sharded parameters keep
+    their global ``dim``.
+
+    Raises:
+        ValueError: a negative or non-finite ``weight_decay``.
+    """
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not (
+        math.isfinite(weight_decay) and weight_decay >= 0
+    ):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    params = list(params)
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def warmup_cosine_rate(step: int, warmup: int, total: int, min_ratio: float = 0.1) -> float:
     """Multiplier for linear warmup over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``.
 

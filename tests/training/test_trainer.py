@@ -105,8 +105,10 @@ def test_checkpoint_folder_contents_and_pruning(tmp_path) -> None:
     trainer.train()
     folders = list_checkpoints(tmp_path / "ckpt")
     assert [p.name for p in folders] == ["step-00000006", "step-00000008"]
-    assert sorted(f.name for f in folders[-1].iterdir()) == ["model.safetensors", "rng-rank0.pt", "trainer_state.pt"]
-    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "ckpt").iterdir())
+    assert sorted(f.name for f in folders[-1].iterdir()) == ["manifest.json", "rng-rank0.pt", "sharded",
+                                                              "trainer_state.pt"]
+    assert sorted(f.name for f in (folders[-1] / "sharded").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")] == []
     state = torch.load(folders[-1] / "trainer_state.pt", weights_only=True)
     assert state["step"] == 8 and len(state["history"]) == 8
 
@@ -137,9 +139,13 @@ def test_bad_configuration_and_checkpoints_are_rejected(tmp_path) -> None:
         TrainerConfig(max_steps=1, checkpoint_every=5)
     with pytest.raises(ValueError, match="max_grad_norm"):
         TrainerConfig(max_steps=1, max_grad_norm=0)
+    model = DecoderLM.from_preset("tiny", **TINY)
     with pytest.raises(ValueError, match="smaller than one global batch"):
-        Trainer(DecoderLM.from_preset("tiny", **TINY), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1),
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=1),
                 TrainerConfig(max_steps=1, batch_size=64), _rows(10), CausalLMCollator(pad_token_id=0))
+    with pytest.raises(ValueError, match="1 parameter.s. that are not the model's"):
+        Trainer(model, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1),
+                TrainerConfig(max_steps=1, batch_size=4), _rows(10), CausalLMCollator(pad_token_id=0))
     trainer = _causal_trainer(batch_size=4, accum=1)
     with pytest.raises(ValueError, match="until"):
         trainer.train(until=99)
@@ -149,10 +155,8 @@ def test_bad_configuration_and_checkpoints_are_rejected(tmp_path) -> None:
         trainer.save_checkpoint()
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         trainer.load_checkpoint()
+    with pytest.raises(FileNotFoundError, match="no checkpoint folder"):
+        trainer.load_checkpoint(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
+    with pytest.raises(ValueError, match="manifest.json is missing"):
         trainer.load_checkpoint(tmp_path / "empty")
-    saved = trainer.save_checkpoint(tmp_path / "one")
-    (saved / "rng-rank0.pt").rename(saved / "rng-rank1.pt")
-    with pytest.raises(ValueError, match="same number"):
-        trainer.load_checkpoint(saved)

@@ -1,0 +1,301 @@
+"""The files of a trainer checkpoint, written so that a kill at any instant leaves a loadable one.
+
+A checkpoint folder ``step-NNNNNNNN`` holds
+
+- ``sharded/``: the trainable parameters and the optimiser's tensors as a ``torch.distributed.checkpoint``
+  (DCP) checkpoint: every process writes its own shards, and any number of processes, sharded any way
+  (DDP, FSDP2, tensor parallel, one plain process), reads back the slices it holds;
+- ``trainer_state.pt``: everything else (step, data position, optimiser hyper-parameters, scheduler,
+  history, and the run's shape, checked on resume), plain data loaded with ``weights_only=True``;
+- ``rng-rankR.pt``: each process's random state;
+- ``manifest.json``: every other file's size and SHA-256, written last, so damage is found and named
+  before anything is restored.
+
+DCP stores its index (``sharded/.metadata``) as a pickle; it is read here with an unpickler that builds only
+DCP's own metadata classes, so a crafted checkpoint cannot run code.
+
+Writes go to a hidden folder that is renamed into place; a replaced or pruned folder is first renamed
+aside, so every instant of a save leaves the previous or the new checkpoint whole, and the next save or
+load finishes or undoes what an interrupted one left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import pickle
+import shutil
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+FORMAT_VERSION = 2
+CHECKPOINT_PREFIX = "step-"
+STATE_NAME = "trainer_state.pt"
+MANIFEST_NAME = "manifest.json"
+SHARDED_DIR = "sharded"
+_STAGING_SUFFIX, _REPLACED_SUFFIX, _DELETING_SUFFIX = ".tmp", ".replaced", ".deleting"
+
+
+def rng_name(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+# ---------------------------------------------------------------------------------------------- contents
+def trainable_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` for every trainable parameter (a tied parameter under its first name)."""
+    return {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """What goes into DCP: ``model/<name>`` for each trainable parameter and ``optim/<name>/<key>`` for
+    each tensor of the optimiser's per-parameter state (DTensor shards where the model is sharded)."""
+    names = trainable_names(model)
+    state: dict[str, Tensor] = {f"model/{name}": p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    for param, values in optimizer.state.items():
+        for key, value in values.items():
+            if isinstance(value, Tensor):
+                state[f"optim/{names[id(param)]}/{key}"] = value
+    return state
+
+
+def optimizer_skeleton(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimiser's state dict without its tensors, parameters named instead of numbered:
+    ``{"param_groups": [{..., "params": [names]}], "extra": {name: {key: non-tensor value}}}``."""
+    names = trainable_names(model)
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    extra = {names[id(p)]: {k: v for k, v in values.items() if not isinstance(v, Tensor)}
+             for p, values in optimizer.state.items()}
+    return {"param_groups": groups, "extra": {k: v for k, v in extra.items() if v}}
+
+
+def write_sharded(state: dict[str, Tensor], folder: Path) -> None:
+    """Write ``state`` with DCP (a collective inside a process group: every process writes its shards)."""
+    with _single_process_is_intended():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=not _in_process_group())
+
+
+def load_sharded(targets: dict[str, Tensor], folder: Path) -> None:
+    """Fill ``targets`` (tensors or DTensors of the right global shapes) in place from a DCP folder."""
+    with _single_process_is_intended():
+        dcp.load(targets, storage_reader=_SafeReader(str(folder)), no_dist=not _in_process_group())
+
+
+def _in_process_group() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group: one plain process is a supported case."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def read_metadata(folder: Path) -> Metadata:
+    """The DCP index of ``folder`` (``.metadata``), unpickled with DCP's own classes only.
+
+    Raises:
+        ValueError: the file is missing, damaged, or asks for any other object.
+    """
+    path = folder / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError, IndexError) as err:
+        raise ValueError(f"{path} is not a readable checkpoint index: {err}") from err
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"{path} is not a checkpoint index (it holds a {type(metadata).__name__})")
+    return metadata
+
+
+def tensor_shapes(metadata: Metadata) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """``key -> (global shape, dtype)`` of every tensor in a DCP index (non-tensor entries are left out)."""
+    return {
+        key: (md.size, md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(Path(self.path))
+        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP metadata classes, torch dtypes and paths; refuses every other global (Python docs,
+    ``pickle`` — "Restricting Globals")."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not part of a checkpoint index")
+
+
+# ---------------------------------------------------------------------------------------------- manifest
+def write_manifest(folder: Path) -> None:
+    """Record every file below ``folder`` (size and SHA-256) in ``manifest.json``, flushed to disk."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME):
+        fsync(path)
+        files[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {"format_version": FORMAT_VERSION, "files": files}
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    fsync(folder / MANIFEST_NAME)
+    for sub in {p.parent for p in folder.rglob("*")} | {folder}:
+        fsync(sub)
+
+
+def verify_manifest(folder: Path) -> list[str]:
+    """Every problem with the files of checkpoint ``folder``, each naming its file (empty: all intact)."""
+    path = folder / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if manifest["format_version"] != FORMAT_VERSION or not isinstance(files, dict):
+            raise ValueError(f"format_version {manifest['format_version']!r}, expected {FORMAT_VERSION}")
+    except FileNotFoundError:
+        return [f"{path} is missing (not a checkpoint folder, a checkpoint of another version, or an unfinished one)"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [f"{path} is damaged: {err}"]
+    problems = []
+    for name, entry in files.items():
+        file = folder / name
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size != entry.get("bytes"):
+            problems.append(f"{file} is damaged: {file.stat().st_size} bytes, {entry.get('bytes')} were written")
+        elif _sha256(file) != entry.get("sha256"):
+            problems.append(f"{file} is damaged: its SHA-256 differs from the one recorded when it was written")
+    return problems
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_torch(obj: Any, path: Path) -> None:
+    """``torch.save`` then flush to disk."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with open(path, "wb") as f:
+        f.write(buffer.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_torch(path: Path, what: str) -> Any:
+    """``torch.load(weights_only=True)``; any failure becomes a ``ValueError`` naming the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as err:
+        raise ValueError(f"{path} ({what}) is missing") from err
+    except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError ... for a damaged file
+        raise ValueError(f"{path} ({what}) is damaged: {type(err).__name__}: {err}") from err
+
+
+def fsync(path: Path) -> None:
+    """Flush a file or folder to disk (best effort: some platforms cannot open folders)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------- folders
+def staging_folder(root: Path, name: str) -> Path:
+    """The hidden folder a checkpoint ``name`` is written to before it is renamed into place."""
+    return root / f".{name}{_STAGING_SUFFIX}"
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Rename the finished ``staging`` folder to ``final``; an existing ``final`` is renamed aside first and
+    removed after, so ``final`` (or its renamed-aside copy, which ``recover`` restores) is always whole."""
+    aside = final.parent / f".{final.name}{_REPLACED_SUFFIX}"
+    if final.exists():
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(final, aside)
+    os.rename(staging, final)
+    fsync(final.parent)
+    if aside.exists():
+        remove(aside)
+
+
+def remove(folder: Path) -> None:
+    """Delete a checkpoint folder: renamed to a hidden name first (atomic), so a half-deleted folder is never
+    listed as a checkpoint."""
+    doomed = folder.parent / f".{folder.name.lstrip('.')}.{uuid.uuid4().hex[:8]}{_DELETING_SUFFIX}"
+    os.rename(folder, doomed)
+    fsync(folder.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def recover(root: Path) -> None:
+    """Finish or undo interrupted saves in ``root``: put back a checkpoint renamed aside whose replacement
+    never arrived, and delete staging, replaced and half-deleted leftovers."""
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        name = path.name
+        if not (path.is_dir() and name.startswith(".")):
+            continue
+        if name.endswith(_REPLACED_SUFFIX) and name[1:].startswith(CHECKPOINT_PREFIX):
+            final = root / name[1: -len(_REPLACED_SUFFIX)]
+            if not final.exists():
+                os.rename(path, final)  # the kill came between the two renames of ``publish``
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+        elif name[1:].startswith(CHECKPOINT_PREFIX) and name.endswith((_STAGING_SUFFIX, _DELETING_SUFFIX)):
+            shutil.rmtree(path, ignore_errors=True)
+    fsync(root)
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Checkpoint folders in ``directory``, oldest first (empty if there is none)."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX))
