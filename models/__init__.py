@@ -9,6 +9,8 @@ from .outputs import ModelOutput, Seq2SeqOutput
 from .seq2seq import Seq2SeqConfig, Seq2SeqTransformer
 from .vit import VisionTransformer, VisionTransformerConfig
 
+from . import convert  # noqa: E402, I001  (registers every family's converter, exporter and presets)
+
 __all__ = [
     "ConfigBase",
     "DecoderLM",

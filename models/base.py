@@ -51,6 +51,18 @@ class ZooModel(AdapterMixin, nn.Module):
             raise ValueError(f"unknown {cls.__name__} preset {name!r}; expected one of {sorted(cls.presets)}")
         return cls.config_class.from_dict({**cls.presets[name], **overrides})
 
+    @classmethod
+    def register_preset(cls, name: str, config: dict[str, Any]) -> None:
+        """Add a named preset (a family's ``tiny`` test size or a published model's size); the config is validated.
+
+        Raises:
+            ValueError: the name is taken, or the config is invalid.
+        """
+        if name in cls.presets:
+            raise ValueError(f"{cls.__name__} preset {name!r} already exists")
+        cls.config_class.from_dict(config)
+        cls.presets[name] = dict(config)
+
     def set_attention_backend(self, name: str) -> None:
         """Switch every attention module to the registered backend ``name`` (a runtime choice)."""
         blocks.get("attention_backend", name)  # validates the name before anything changes

@@ -104,14 +104,67 @@ class HFConfig:
             )
         return ACTIVATIONS[value]
 
-    def token_id(self, key: str) -> int | None:
-        """A special-token id; a one-element list (as some configs write eos) counts as that id."""
+    def token_id(self, key: str, vocab_size: int | None = None) -> int | None:
+        """A special-token id; a one-element list (as some configs write eos) counts as that id.
+
+        An id outside ``[0, vocab_size)`` (GPT2Config's default 50256 in a tiny test checkpoint) names no token
+        of this model: it becomes None with a warning (the logits do not depend on it).
+        """
         value = self[key]
         if isinstance(value, list) and len(value) == 1:
             value = value[0]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise self.unsupported(key, "special token ids", "a single integer id or null")
+        if value is not None and vocab_size is not None and not 0 <= value < vocab_size:
+            warnings.warn(
+                f"{self.model_type} checkpoint has {key}={value}, outside its vocabulary of {vocab_size} tokens; "
+                f"loading it with {key}=None",
+                stacklevel=3,
+            )
+            return None
         return value
+
+    def token_ids(self, *keys: str, vocab_key: str = "vocab_size") -> dict[str, int | None]:
+        """``{key: token_id(key, vocab size)}`` for several special-token fields."""
+        return {key: self.token_id(key, self[vocab_key]) for key in keys}
+
+    def rope_options(self, default_theta: float, parameters: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The zoo rotary options (``base``, ``fraction``, ``scaling``) of the checkpoint's RoPE settings.
+
+        Reads both config formats: ``rope_parameters`` (transformers 5; pass a nested entry as ``parameters``) and
+        the older ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` fields.
+
+        Raises:
+            ValueError: a RoPE type other than default, ``linear`` and ``llama3`` (e.g. ``yarn``, ``dynamic``),
+                named, since the zoo would compute different angles.
+        """
+        data = self.data
+        if parameters is None:
+            parameters = {**(data.get("rope_parameters") or {}), **(data.get("rope_scaling") or {})}
+        theta = parameters.get("rope_theta", data.get("rope_theta", default_theta))
+        fraction = parameters.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
+        kind = parameters.get("rope_type", parameters.get("type", "default"))
+        options: dict[str, Any] = {"base": float(theta)}
+        if fraction is not None and float(fraction) != 1.0:
+            options["fraction"] = float(fraction)
+        try:
+            if kind == "linear":
+                options["scaling"] = {"type": "linear", "factor": float(parameters["factor"])}
+            elif kind == "llama3":
+                options["scaling"] = {
+                    "type": "llama3", "factor": float(parameters["factor"]),
+                    "low_freq_factor": float(parameters["low_freq_factor"]),
+                    "high_freq_factor": float(parameters["high_freq_factor"]),
+                    "original_max_len": int(parameters["original_max_position_embeddings"]),
+                }
+            elif kind != "default":
+                raise ValueError(
+                    f"{self.model_type} checkpoint has rope_type={kind!r} (RoPE frequency scaling); the zoo "
+                    "represents only the default, 'linear' and 'llama3' types, so it cannot load this model exactly"
+                )
+        except KeyError as err:
+            raise ValueError(f"{self.model_type} checkpoint's {kind!r} RoPE scaling lacks {err}") from err
+        return options
 
     def warn_training_only(self, key: str, zoo_value: float, what: str) -> None:
         """Warn that a field which only matters in training is approximated (eval-mode outputs are exact)."""

@@ -75,8 +75,8 @@ def common_fields(cfg: HFConfig, share_embeddings: bool) -> dict[str, object]:
         norm="layernorm", norm_eps=NORM_EPS, sublayer="post_norm", bias=True,
         share_embeddings=tie and share_embeddings, tie_embeddings=tie,
         scale_embeddings=bool(cfg["scale_embedding"]), output_bias=True,
-        pad_token_id=cfg.token_id("pad_token_id"), bos_token_id=cfg.token_id("bos_token_id"),
-        eos_token_id=cfg.token_id("eos_token_id"), decoder_start_token_id=cfg.token_id("decoder_start_token_id"),
+        **cfg.token_ids("pad_token_id", "bos_token_id", "eos_token_id"),
+        decoder_start_token_id=cfg.token_id("decoder_start_token_id"),
     )
 
 

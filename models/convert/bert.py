@@ -73,8 +73,7 @@ def convert_bert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
         positional="learned", ffn=cfg.activation("hidden_act"), norm="layernorm",
         norm_eps=float(cfg["layer_norm_eps"]), sublayer="post_norm", bias=True,
         tie_embeddings=bool(cfg["tie_word_embeddings"]), type_vocab_size=type_vocab_size,
-        pad_token_id=cfg.token_id("pad_token_id"), bos_token_id=cfg.token_id("bos_token_id"),
-        eos_token_id=cfg.token_id("eos_token_id"), mask_token_id=cfg.token_id("mask_token_id"),
+        **cfg.token_ids("pad_token_id", "bos_token_id", "eos_token_id", "mask_token_id"),
     )
 
     # The original TF checkpoints name LayerNorm parameters gamma/beta; transformers renames them on load.

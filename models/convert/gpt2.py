@@ -61,8 +61,7 @@ def convert_gpt2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
         attention_dropout=cfg.probability("attn_pdrop"), positional="learned",
         ffn=cfg.activation("activation_function"), norm="layernorm", norm_eps=float(cfg["layer_norm_epsilon"]),
         sublayer="pre_norm", bias=True, tie_embeddings=bool(cfg["tie_word_embeddings"]),
-        pad_token_id=cfg.token_id("pad_token_id"), bos_token_id=cfg.token_id("bos_token_id"),
-        eos_token_id=cfg.token_id("eos_token_id"),
+        **cfg.token_ids("pad_token_id", "bos_token_id", "eos_token_id"),
     )
 
     # attn.bias / attn.masked_bias are causal-mask buffers older versions saved.

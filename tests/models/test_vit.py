@@ -218,7 +218,7 @@ def test_config_round_trip_and_json() -> None:
         (dict(n_heads=3), "d_model=16 is not divisible by n_heads=3"),
         (dict(n_kv_heads=3, n_heads=2), "n_heads=2 must be divisible by n_kv_heads=3"),
         (dict(dropout=1.0), r"dropout must be a float in \[0, 1\), got 1.0"),
-        (dict(norm_eps=0), "norm_eps must be > 0, got 0"),
+        (dict(norm_eps=0), "norm_eps must be a finite number > 0, got 0"),
         (dict(pooling="max"), "pooling='max' is not supported; expected one of \\['cls', 'mean'\\]"),
         (dict(positional="rotary"), "positional='rotary' is not supported"),
         (dict(ffn="nope"), "ffn='nope' is not a registered ffn"),
