@@ -109,7 +109,9 @@ def write_gguf(
         names["lm_head.weight"] = "output.weight"
     for i in range(cfg.num_hidden_layers):
         names.update({f"model.layers.{i}.{hf}.weight": f"blk.{i}.{g}.weight" for g, hf in LAYER.items()})
+        names.update({f"model.layers.{i}.{hf}.bias": f"blk.{i}.{g}.bias" for g, hf in LAYER.items()})
     state = model.state_dict()
+    names = {hf: g for hf, g in names.items() if hf in state}
     for hf_name, gguf_name in names.items():
         w = state[hf_name].numpy()
         if ".attn_q." in gguf_name:
@@ -245,6 +247,20 @@ def test_f16_exact_and_dtype_request(tmp_path, model):
         assert torch.equal(state[name], expected), name
         assert half[name].dtype == torch.float16 and torch.equal(half[name], expected.half())
         assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], expected.bfloat16())
+
+
+def test_biases(tmp_path):
+    model = tiny_llama(attention_bias=True, mlp_bias=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    config, state, _ = read_gguf(write_gguf(tmp_path / "bias.gguf", model, vocab=None))
+    assert config["attention_bias"] is True and config["mlp_bias"] is True
+    reference = model.state_dict()
+    assert sorted(state) == sorted(reference)
+    for name, tensor in state.items():
+        assert torch.equal(tensor, reference[name]), name  # q/k biases unpermuted too
 
 
 def test_tied_embeddings_and_head_dim(tmp_path):
@@ -496,3 +512,85 @@ def test_missing_gguf_package(monkeypatch, f32_file):
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(ImportError, match=r"pip install transformer-zoo\[gguf\]"):
         read_gguf(f32_file)
+
+
+# --------------------------------------------------------------------------------------------- end to end
+def _has_llama_converter() -> bool:
+    from models.convert import supported_model_types
+
+    return "llama" in supported_model_types()
+
+
+def _auto_reads_gguf() -> bool:
+    import inspect
+
+    import models.auto
+
+    return "read_gguf" in inspect.getsource(models.auto)
+
+
+needs_converter = pytest.mark.skipif(not _has_llama_converter(), reason="no llama converter (models/convert/llama.py)")
+
+
+def zoo_from_gguf(path: Path):
+    from models.auto import load_state_into
+    from models.convert import from_transformers
+
+    config, state, _ = read_gguf(path)
+    converted = from_transformers(config, state)
+    zoo = converted.architecture(converted.config)
+    load_state_into(zoo, converted.state_dict, allow_missing=converted.allow_missing)
+    return zoo.eval()
+
+
+@needs_converter
+@pytest.mark.parametrize("type_name, variant", [("F32", "gqa"), ("Q8_0", "gqa"), ("Q4_K", "wide"), ("F16", "tied")])
+def test_zoo_logits_match_transformers_from_the_same_file(tmp_path, model, wide_model, type_name, variant):
+    if variant == "tied":  # tied embeddings, head_dim 32 on d_model 64 with 4 heads
+        source = tiny_llama(tie_word_embeddings=True, head_dim=32)
+    else:
+        source = wide_model if variant == "wide" else model
+    path = write_gguf(tmp_path / "m.gguf", source, qtype=Q[type_name], vocab=None)
+    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf_from_gguf(path)(ids).logits
+        got = zoo_from_gguf(path)(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@needs_converter
+def test_zoo_logits_with_biases(tmp_path):
+    """transformers' GGUF loader drops q/k/v/o and MLP biases; the model the file came from is the reference."""
+    source = tiny_llama(attention_bias=True, mlp_bias=True)
+    with torch.no_grad():
+        for name, p in source.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    path = write_gguf(tmp_path / "bias.gguf", source, vocab=None)
+    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo_from_gguf(path)(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
+
+
+@needs_converter
+def test_zoo_logits_with_llama3_rope_scaling(tmp_path):
+    """transformers' GGUF loader drops rope_freqs; the model it came from is the reference here."""
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 16.0, "original_max_position_embeddings": 64}
+    original = tiny_llama(max_position_embeddings=1024, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                                                          **scaling})
+    path = write_gguf(tmp_path / "l3.gguf", original, rope_freqs=llama_cpp_rope_freqs(16, 10000.0, scaling), vocab=None)
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(zoo_from_gguf(path)(ids).logits, original(ids).logits, atol=1e-4, rtol=0)
+
+
+@needs_converter
+@pytest.mark.skipif(not _auto_reads_gguf(), reason="models.from_pretrained has no .gguf branch yet")
+def test_from_pretrained_gguf(tmp_path, model):
+    import models
+
+    path = write_gguf(tmp_path / "m.gguf", model, qtype=Q.Q8_0, vocab="spm")
+    zoo = models.from_pretrained(str(path))
+    ids = torch.tensor([zoo.tokenizer.encode("hello world")])
+    with torch.no_grad():
+        torch.testing.assert_close(zoo(ids).logits, hf_from_gguf(path)(ids).logits, atol=1e-4, rtol=0)
