@@ -94,10 +94,10 @@ def read_gguf(
             ``SUPPORTED_TYPES``; unknown, missing or mis-shaped tensors; metadata the llama config cannot
             represent (mixture of experts, partial rotary, a ``rope_freqs`` tensor that is not llama3 scaling).
     """
-    path = _check_path(path)
-    from .auto import _parse_dtype  # auto dispatches .gguf paths to this module
+    from .auto import _parse_dtype  # imported here: auto dispatches .gguf paths to this module
 
     target_dtype = _parse_dtype(dtype) or torch.float32
+    path = _check_path(path)
     gguf = _import_gguf()
     try:
         reader = gguf.GGUFReader(path)
@@ -124,6 +124,11 @@ def read_gguf(
     rope_freqs = _decode(gguf, tensors[_ROPE_FREQS]) if _ROPE_FREQS in tensors else None
     if rope_freqs is not None:
         _add_llama3_rope_scaling(config, rope_freqs)
+    tokenizer = None
+    if "tokenizer.ggml.tokens" in metadata:  # built before the weights are decoded: its errors come first
+        from tokenization.gguf import tokenizer_from_gguf
+
+        tokenizer = tokenizer_from_gguf(metadata)
 
     state: dict[str, Tensor] = {}
     for gguf_name, hf_name in names.items():
@@ -133,12 +138,6 @@ def read_gguf(
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _unpermute(weight, config["num_key_value_heads"])
         state[hf_name] = weight.to(target_dtype)
-
-    tokenizer = None
-    if "tokenizer.ggml.tokens" in metadata:
-        from tokenization.gguf import tokenizer_from_gguf
-
-        tokenizer = tokenizer_from_gguf(metadata)
     return config, state, tokenizer
 
 

@@ -88,12 +88,17 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise ValueError("the GGUF metadata has no tokenizer.ggml.tokens list, so it embeds no tokenizer")
-    roles = _roles(metadata, tokens)
-
     hf_json = metadata.get("tokenizer.huggingface.json")
     if isinstance(hf_json, str):
         # The file carries the exact tokenizer.json it was converted from: nothing to rebuild.
-        return Tokenizer.from_str(hf_json, roles)
+        whole = Tokenizer.from_str(hf_json)
+        size = whole.vocab_size
+        named = {role: metadata[key] for role, key in _ROLE_KEYS.items() if metadata.get(key) is not None}
+        ids = {role: i for role, i in named.items() if isinstance(i, int) and 0 <= i < size}
+        if len(ids) != len(named):
+            raise ValueError(f"special-token ids {named} do not all fit the embedded tokenizer.json of {size} tokens")
+        return Tokenizer(whole.backend, {role: whole.id_to_token(i) for role, i in ids.items()})
+    roles = _roles(metadata, tokens)
 
     kind = metadata.get("tokenizer.ggml.model")
     token_types = _int_list(metadata, "tokenizer.ggml.token_type", len(tokens))

@@ -407,6 +407,26 @@ def test_bpe_tokens_match_the_trained_tokenizer(tmp_path, model):
     assert tok.encode("<|eot_id|>", add_special_tokens=False) == [2]
 
 
+def test_tokenizer_metadata_refused_or_taken_whole():
+    from tokenization.gguf import tokenizer_from_gguf
+
+    tokens, scores, types = spm_vocab(300)
+    base = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types}
+    with pytest.raises(ValueError, match="'bert'"):
+        tokenizer_from_gguf({**base, "tokenizer.ggml.model": "bert"})
+    with pytest.raises(ValueError, match="pre='qwen9'"):
+        tokenizer_from_gguf({**base, "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": [],
+                             "tokenizer.ggml.pre": "qwen9"})
+    with pytest.raises(ValueError, match="bos_token_id=999"):
+        tokenizer_from_gguf({**base, "tokenizer.ggml.model": "llama", "tokenizer.ggml.bos_token_id": 999})
+    # a file that embeds its tokenizer.json is read as it is
+    whole = bpe_tokenizer(300)
+    tok = tokenizer_from_gguf({"tokenizer.ggml.tokens": ["x"] * 300, "tokenizer.huggingface.json": whole.to_str(),
+                               "tokenizer.ggml.eos_token_id": 2})
+    assert tok.encode("hello world") == whole.encode("hello world").ids
+    assert tok.eos_token_id == 2 and tok.special_tokens["eos"] == "<|eot_id|>"
+
+
 def test_no_vocabulary_means_no_tokenizer(tmp_path, model):
     config, _, tok = read_gguf(write_gguf(tmp_path / "bare.gguf", model, vocab=None))
     assert tok is None and config["vocab_size"] == 300
