@@ -244,3 +244,92 @@ def test_alibi_bias_is_minus_slope_times_distance(n_heads: int, lq: int, lk: int
             expected = [[-slopes[h] * abs(int(q_pos[r, i]) - int(k_pos[r, j])) for j in range(lk)] for i in range(lq)]
             torch.testing.assert_close(bias[r, h], torch.tensor(expected), **TOL)
     assert "slopes" not in pe.state_dict()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Half precision: tables and frequencies stay float32 whatever the module dtype
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", blocks.names("positional"))
+def test_positional_math_stays_float32_in_half_precision(name: str, dtype: torch.dtype) -> None:
+    """``.to(half)`` must not round the rotary frequencies or the sinusoid table: at position 3000 the angles
+    would be off by ~0.5 rad. Each kind's output in half precision equals its float32 output rounded once."""
+    exact = blocks.build("positional", name, d_model=64, n_heads=2, d_head=32, max_len=4096)
+    half = blocks.build("positional", name, d_model=64, n_heads=2, d_head=32, max_len=4096)
+    half.load_state_dict(exact.state_dict())
+    half.to(dtype)
+    for buffer_name, buffer in half.named_buffers():
+        assert buffer.dtype == torch.float32, f"{name}.{buffer_name} became {buffer.dtype}"
+    positions = torch.tensor([[0, 1, 2999, 3000, 4095]])
+    x = torch.randn(1, 5, 64)
+    qk = torch.randn(1, 2, 5, 32)
+    tol = dict(atol=0.05, rtol=0.02)  # one rounding of values of magnitude <= ~4 in bf16
+    torch.testing.assert_close(half(x.to(dtype), positions).float(), exact(x, positions), **tol)
+    torch.testing.assert_close(half.rotate(qk.to(dtype), positions).float(), exact.rotate(qk, positions), **tol)
+    bias = exact.attention_bias(positions, positions)
+    if bias is not None:
+        torch.testing.assert_close(half.attention_bias(positions, positions).float(), bias, **tol)
+
+
+def test_rotary_frequencies_follow_the_formulas() -> None:
+    """``θ^(-2i/d)``; linear scaling divides every frequency; llama3 keeps high, divides low, blends the band."""
+    from blocks.positional import rotary_frequencies
+
+    base = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    torch.testing.assert_close(rotary_frequencies(16, 10000.0).double(), base)
+    torch.testing.assert_close(rotary_frequencies(16, 10000.0, {"type": "linear", "factor": 4.0}).double(), base / 4)
+    scaled = rotary_frequencies(16, 10000.0, {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_len": 64}).double()
+    wavelength = 2 * torch.pi / base
+    high, low = wavelength < 64 / 4, wavelength > 64 / 1
+    torch.testing.assert_close(scaled[high], base[high])
+    torch.testing.assert_close(scaled[low], base[low] / 8)
+    band = ~(high | low)
+    smooth = (64 / wavelength[band] - 1.0) / (4.0 - 1.0)
+    torch.testing.assert_close(scaled[band], (1 - smooth) * base[band] / 8 + smooth * base[band], rtol=1e-5, atol=0)
+    assert high.any() and low.any() and band.any()
+    with pytest.raises(ValueError, match="yarn"):
+        rotary_frequencies(16, 10000.0, {"type": "yarn", "factor": 2.0})
+
+
+@pytest.mark.parametrize("name", ["rotary", "rotary_interleaved"])
+def test_rotary_preserves_norms_and_depends_on_offsets_only(name: str) -> None:
+    pe = blocks.build("positional", name, d_model=16, n_heads=1, fraction=0.5)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    dots = [
+        (pe.rotate(q, torch.tensor([[i + 7]])) * pe.rotate(k, torch.tensor([[i]]))).sum() for i in (0, 5, 40)
+    ]
+    torch.testing.assert_close(torch.stack(dots), dots[0].expand(3), atol=1e-4, rtol=0)
+    rotated = pe.rotate(q, torch.tensor([[9]]))
+    torch.testing.assert_close(rotated.norm(), q.norm())
+    assert torch.equal(rotated[..., 8:], q[..., 8:])  # fraction 0.5: the second half passes through
+
+
+def test_interleaved_rotary_is_rotate_half_on_permuted_dimensions() -> None:
+    """GPT-J's pairs (2i, 2i+1) are rotate-half's pairs (i, i + d/2) after de-interleaving the dimensions."""
+    half = blocks.build("positional", "rotary", d_model=8, n_heads=1)
+    pairs = blocks.build("positional", "rotary_interleaved", d_model=8, n_heads=1)
+    x = torch.randn(2, 1, 5, 8)
+    positions = torch.arange(3, 8)[None].expand(2, 5)
+    perm = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])  # interleaved -> [evens | odds]
+    torch.testing.assert_close(pairs.rotate(x, positions)[..., perm], half.rotate(x[..., perm], positions))
+
+
+def test_t5_buckets_match_the_published_scheme() -> None:
+    """Raffel et al.: exact buckets below num_buckets/4 (bidirectional), log-spaced to max_distance, then capped."""
+    from blocks.positional import relative_position_buckets
+
+    rel = torch.tensor([-200, -128, -20, -8, -7, -1, 0, 1, 7, 8, 20, 200])
+    bidirectional = relative_position_buckets(rel, causal=False, num_buckets=32, max_distance=128)
+    # keys before the query: buckets 0..15 by distance; after: 16 + the same
+    assert bidirectional.tolist()[5:9] == [1, 0, 17, 23]
+    assert bidirectional[0] == 15 and bidirectional[-1] == 31  # capped beyond max_distance
+    exact = 8
+    import math
+    expected_20 = exact + int(math.log(20 / exact) / math.log(128 / exact) * (16 - exact))
+    assert bidirectional[2] == expected_20 and bidirectional[-2] == 16 + expected_20
+    causal = relative_position_buckets(rel, causal=True, num_buckets=32, max_distance=128)
+    assert causal[rel >= 0].tolist() == [0] * 6  # later keys (masked anyway) share bucket 0
+    assert causal.tolist()[:6] == [31, 31, 16 + int(math.log(20 / 16) / math.log(128 / 16) * 16), 8, 7, 1]
