@@ -32,13 +32,13 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint is imported when used: it takes seconds to import
+    from torch.distributed.checkpoint.metadata import Metadata
 
 FORMAT_VERSION = 2
 CHECKPOINT_PREFIX = "step-"
@@ -83,14 +83,18 @@ def optimizer_skeleton(model: nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 def write_sharded(state: dict[str, Tensor], folder: Path) -> None:
     """Write ``state`` with DCP (a collective inside a process group: every process writes its shards)."""
+    import torch.distributed.checkpoint as dcp
+
     with _single_process_is_intended():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=not _in_process_group())
 
 
 def load_sharded(targets: dict[str, Tensor], folder: Path) -> None:
     """Fill ``targets`` (tensors or DTensors of the right global shapes) in place from a DCP folder."""
+    import torch.distributed.checkpoint as dcp
+
     with _single_process_is_intended():
-        dcp.load(targets, storage_reader=_SafeReader(str(folder)), no_dist=not _in_process_group())
+        dcp.load(targets, storage_reader=_safe_reader(folder), no_dist=not _in_process_group())
 
 
 def _in_process_group() -> bool:
@@ -111,6 +115,8 @@ def read_metadata(folder: Path) -> Metadata:
     Raises:
         ValueError: the file is missing, damaged, or asks for any other object.
     """
+    from torch.distributed.checkpoint.metadata import Metadata
+
     path = folder / ".metadata"
     try:
         with open(path, "rb") as f:
@@ -124,6 +130,8 @@ def read_metadata(folder: Path) -> Metadata:
 
 def tensor_shapes(metadata: Metadata) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """``key -> (global shape, dtype)`` of every tensor in a DCP index (non-tensor entries are left out)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     return {
         key: (md.size, md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
@@ -131,12 +139,19 @@ def tensor_shapes(metadata: Metadata) -> dict[str, tuple[torch.Size, torch.dtype
     }
 
 
-class _SafeReader(FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(Path(self.path))
-        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+def _safe_reader(folder: Path) -> Any:
+    """DCP's file reader, reading the index with ``read_metadata`` (no free unpickling)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            metadata = read_metadata(Path(self.path))
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(folder))
 
 
 _ALLOWED = {

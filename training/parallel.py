@@ -16,17 +16,18 @@ Everything here also runs in one plain process (world size 1), where sharding is
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
-
-from blocks.parallel import apply_tensor_parallel
 
 from .distributed import get_rank, get_world_size, is_distributed
+
+if TYPE_CHECKING:  # imported when used: torch.distributed.tensor alone takes seconds to import
+    from torch.distributed.device_mesh import DeviceMesh
 
 PARALLEL_MODES = ("ddp", "fsdp", "tp", "fsdp+tp")
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -145,6 +146,10 @@ def apply_parallelism(
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         return ddp, ParallelLayout(mode, world, get_rank(), 1)
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blocks.parallel import apply_tensor_parallel
+
     if mode == "fsdp+tp":
         mesh = init_device_mesh(device.type, (dp_size, tp), mesh_dim_names=("dp", "tp"))
         dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
@@ -202,10 +207,16 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> Tenso
     norms = []
     for g in grads:
         norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # the norm of the whole tensor
+        norms.append(norm.full_tensor() if is_dtensor(norm) else norm)  # the norm of the whole tensor
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2)
     coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))  # clip_grad_norm_'s formula, in fp32
     if coef < 1.0:  # (NaN fails the test: a non-finite norm is left for the caller to refuse)
         for g in grads:
             g.mul_(coef)
     return total
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (without importing ``torch.distributed.tensor`` when nothing uses it)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from tqdm.auto import tqdm
@@ -43,6 +42,7 @@ from .parallel import (
     ParallelLayout,
     apply_parallelism,
     clip_grad_norm,
+    is_dtensor,
     parallel_layout,
 )
 from .sampler import ResumableBatchSampler
@@ -693,7 +693,7 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, Tensor]:
     gathered: dict[int, Tensor] = {}
     for name, tensor in model.state_dict().items():
         if id(tensor) not in gathered:  # tied weights are gathered once
-            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            whole = tensor.full_tensor() if is_dtensor(tensor) else tensor
             gathered[id(tensor)] = whole.detach().cpu()
         full[name] = gathered[id(tensor)]
     return full
@@ -740,7 +740,7 @@ def _share_rng_in_tensor_parallel_group(layout: ParallelLayout) -> None:
 
 
 def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _qualified_name(obj: object) -> str:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from models import DecoderLM
-from training import CausalLMCollator, Trainer, TrainerConfig, WarmupCosineLR, list_checkpoints
+from training import CausalLMCollator, Trainer, TrainerConfig, WarmupCosineLR
 from training import checkpoint as ckpt
 
 TINY = dict(vocab_size=40, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=32, dropout=0.0)
@@ -227,6 +227,26 @@ def test_save_pretrained_writes_the_plain_checkpoint(tmp_path) -> None:
         assert torch.equal(a, b), name
 
 
+def _die_at(event: int) -> None:
+    """Make this process SIGKILL itself just before (even ``event``) or just after (odd) file operation number
+    ``event // 2`` (renames, replaces and folder removals)."""
+    count = [0]
+
+    def deadly(real):
+        def call(*args, **kwargs):
+            i = count[0]
+            count[0] += 1
+            if 2 * i == event:
+                os.kill(os.getpid(), signal.SIGKILL)
+            result = real(*args, **kwargs)
+            if 2 * i + 1 == event:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        return call
+
+    os.rename, os.replace, shutil.rmtree = deadly(os.rename), deadly(os.replace), deadly(shutil.rmtree)
+
+
 def test_a_save_killed_at_any_instant_leaves_the_old_or_the_new_checkpoint(tmp_path) -> None:
     """Kill the saving process just before and just after every rename and removal it makes: the newest
     checkpoint is then whole (the previous or the new one), and the next load cleans the leftovers."""
@@ -245,22 +265,8 @@ def test_a_save_killed_at_any_instant_leaves_the_old_or_the_new_checkpoint(tmp_p
         root = tmp_path / f"kill{event}"
         shutil.copytree(template, root)
         pid = os.fork()
-        if pid == 0:  # the child saves and is killed at `event`: before (even) or after (odd) a file operation
-            count = [0]
-
-            def deadly(real):
-                def call(*args, **kwargs):
-                    i = count[0]
-                    count[0] += 1
-                    if 2 * i == event:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    result = real(*args, **kwargs)
-                    if 2 * i + 1 == event:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    return result
-                return call
-
-            os.rename, os.replace, shutil.rmtree = deadly(os.rename), deadly(os.replace), deadly(shutil.rmtree)
+        if pid == 0:  # the child saves and is killed at `event`
+            _die_at(event)
             try:
                 new.save_checkpoint(root)
             finally:
