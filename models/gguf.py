@@ -158,8 +158,9 @@ def _decode(gguf: Any, tensor: Any) -> Tensor:
     """A tensor's values as float32, in torch's dimension order (ggml lists the fastest dimension first)."""
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    # F32 comes back as a read-only view of the memory-mapped file: copy it out.
-    return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(shape)
+    if not values.flags.writeable:  # F32 comes back as a read-only view of the memory-mapped file
+        values = values.copy()
+    return torch.from_numpy(values).reshape(shape)
 
 
 def _unpermute(weight: Tensor, n_heads: int) -> Tensor:
