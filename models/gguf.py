@@ -181,21 +181,29 @@ def _meta(metadata: Mapping[str, Any], key: str, default: Any = None, *, require
     return value
 
 
+def _size(metadata: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer from the metadata (per-layer lists, as some architectures write, are refused)."""
+    value = _meta(metadata, key, default, required=True)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"GGUF metadata {key}={value!r}: expected a positive integer")
+    return value
+
+
 def _config_and_names(
     metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The transformers config, and GGUF name -> transformers name for every tensor, checked against it."""
-    n_layers = int(_meta(metadata, "llama.block_count", required=True))
-    d_model = int(_meta(metadata, "llama.embedding_length", required=True))
-    d_ff = int(_meta(metadata, "llama.feed_forward_length", required=True))
-    n_heads = int(_meta(metadata, "llama.attention.head_count", required=True))
-    n_kv_heads = int(_meta(metadata, "llama.attention.head_count_kv", n_heads))
-    head_dim = int(_meta(metadata, "llama.attention.key_length", d_model // n_heads))
+    n_layers = _size(metadata, "llama.block_count")
+    d_model = _size(metadata, "llama.embedding_length")
+    d_ff = _size(metadata, "llama.feed_forward_length")
+    n_heads = _size(metadata, "llama.attention.head_count")
+    n_kv_heads = _size(metadata, "llama.attention.head_count_kv", n_heads)
+    head_dim = _size(metadata, "llama.attention.key_length", d_model // n_heads)
     if int(_meta(metadata, "llama.expert_count", 0)) > 0:
         raise ValueError(f"mixture-of-experts llama GGUF (llama.expert_count={metadata['llama.expert_count']}) "
                          "is not supported")
-    value_dim = int(_meta(metadata, "llama.attention.value_length", head_dim))
-    rope_dim = int(_meta(metadata, "llama.rope.dimension_count", head_dim))
+    value_dim = _size(metadata, "llama.attention.value_length", head_dim)
+    rope_dim = _size(metadata, "llama.rope.dimension_count", head_dim)
     if value_dim != head_dim or rope_dim != head_dim:
         raise ValueError(
             f"llama.attention.value_length={value_dim} and llama.rope.dimension_count={rope_dim} must equal the "
@@ -249,7 +257,7 @@ def _config_and_names(
         "num_key_value_heads": n_kv_heads,
         "rms_norm_eps": float(_meta(metadata, "llama.attention.layer_norm_rms_epsilon", required=True)),
         "rope_theta": float(_meta(metadata, "llama.rope.freq_base", 10000.0)),  # llama.cpp's default base
-        "max_position_embeddings": int(_meta(metadata, "llama.context_length", required=True)),
+        "max_position_embeddings": _size(metadata, "llama.context_length"),
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in shapes,  # llama.cpp omits output.weight when tied
         "hidden_act": "silu",
