@@ -1,5 +1,6 @@
 """transformer-zoo models: ``from models import Seq2SeqTransformer, EncoderLM, DecoderLM``."""
 
+from . import convert  # registers every family's converter, exporter and presets
 from .auto import from_pretrained
 from .base import ZooModel
 from .config import ConfigBase, TransformerConfig
@@ -8,8 +9,6 @@ from .encoder_lm import EncoderLM, EncoderLMConfig
 from .outputs import ModelOutput, Seq2SeqOutput
 from .seq2seq import Seq2SeqConfig, Seq2SeqTransformer
 from .vit import VisionTransformer, VisionTransformerConfig
-
-from . import convert  # noqa: E402, I001  (registers every family's converter, exporter and presets)
 
 __all__ = [
     "ConfigBase",
@@ -24,6 +23,7 @@ __all__ = [
     "TransformerConfig",
     "VisionTransformer",
     "VisionTransformerConfig",
+    "convert",
     "ZooModel",
     "from_pretrained",
 ]

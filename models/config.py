@@ -252,7 +252,8 @@ def check_field_types(config: Any) -> None:
         if value is None and optional:
             continue
         if not checks[base](value):
-            expected = ("a finite float" if base == "float" else f"a {base}") + (" or None" if optional else "")
+            expected = {"float": "a finite float", "int": "an int"}.get(base, f"a {base}")
+            expected += " or None" if optional else ""
             raise ValueError(f"{field.name} must be {expected}, got {value!r}")
 
 

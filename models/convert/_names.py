@@ -68,7 +68,11 @@ def zoo_keys(architecture: type[nn.Module], config: ConfigBase) -> list[str]:
 
 
 def read_mapped(
-    ckpt: CheckpointReader, names: NameMap, architecture: type[nn.Module], config: ConfigBase, skip: tuple[str, ...] = ()
+    ckpt: CheckpointReader,
+    names: NameMap,
+    architecture: type[nn.Module],
+    config: ConfigBase,
+    skip: tuple[str, ...] = (),
 ) -> dict[str, Tensor]:
     """Take every tensor the zoo model needs from the checkpoint by the name map (``skip``: zoo keys the family
     converter fills itself)."""

@@ -32,7 +32,8 @@ def window_layers(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
         fields["layer_options"] = sliding_layer_options(cfg, n_layers, window)
     else:
         first = cfg["max_window_layers"]
-        fields["layer_options"] = tuple({"attention": {"window": window}} if i >= first else {} for i in range(n_layers))
+        windowed = {"attention": {"window": window}}
+        fields["layer_options"] = tuple(windowed if i >= first else {} for i in range(n_layers))
     return fields
 
 

@@ -74,12 +74,58 @@ def test_from_dict_rejects_unknown_keys(cls):
         ({"dropout": 1.0}, "dropout must be a float in \\[0, 1\\), got 1.0"),
         ({"pad_token_id": 5000}, "pad_token_id=5000"),
         ({"max_len": 0}, "max_len must be a positive integer"),
+        ({"norm_eps": float("nan")}, "norm_eps must be a finite"),
+        ({"norm_eps": float("inf")}, "norm_eps must be a finite"),
+        ({"tie_embeddings": "false"}, "tie_embeddings must be a bool, got 'false'"),
+        ({"bias": "False"}, "bias must be a bool, got 'False'"),
+        ({"pad_token_id": True}, "pad_token_id must be an int or None, got True"),
+        ({"n_heads": True}, "n_heads must be a positive integer, got True"),
+        ({"options": {"positional": {"d_model": 8}}}, "set by the model itself"),
+        ({"options": {"attention": {"windw": 4}}}, "unknown config key\\(s\\) \\['windw'\\]"),
+        ({"options": {"rotary": {"base": 4}}}, "unknown block\\(s\\) \\['rotary'\\]"),
+        ({"options": {"attention": 4}}, "must map block names to dicts"),
+        ({"layer_options": [{"ffn": {"nope": 1}}]}, "layer_options\\[0\\]"),
+        ({"logit_softcap": 0.0}, "logit_softcap"),
     ],
 )
 @pytest.mark.parametrize("cls", CONFIGS)
 def test_invalid_configs_raise_at_construction(cls, changes, message):
     with pytest.raises(ValueError, match=message):
         cls(**changes)
+
+
+def test_block_options_round_trip_and_reach_the_blocks():
+    options = {"positional": {"base": 500000.0, "fraction": 0.5}, "attention": {"softcap": 20.0, "window": 3},
+               "norm": {"bias": False}, "layer": {"attention_norm": "identity"}}
+    config = DecoderLMConfig(positional="rotary", d_model=32, n_heads=2, n_layers=2, options=options,
+                             layer_options=[{"attention": {"window": 5}}, {"positional": {"base": 100.0}}])
+    again = DecoderLMConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again == config and again.options == options
+    model = DecoderLM(config)
+    assert model.positional.dim == 8 and model.layers[0].self_attn.softcap == 20.0
+    assert [layer.self_attn.window for layer in model.layers] == [5, 3]
+    assert model.layers[0].ffn_sublayer.norm.bias is None and isinstance(model.layers[0].self_attn_sublayer.norm,
+                                                                        blocks.get("norm", "identity"))
+    torch.testing.assert_close(model.layer_positionals["1"].inv_freq[0], torch.tensor(1.0))
+    assert "0" not in model.layer_positionals
+    with pytest.raises(ValueError, match="one per layer"):
+        config.replace(n_layers=3)
+
+
+def test_old_config_files_without_options_load():
+    old = DecoderLMConfig().to_dict()
+    for key in ("options", "layer_options", "scale_embeddings", "logit_softcap", "output_scale", "layer"):
+        old.pop(key)
+    assert DecoderLMConfig.from_dict(old) == DecoderLMConfig()
+
+
+def test_replace_derives_defaults_again():
+    config = DecoderLMConfig(d_model=64, n_heads=4)
+    assert (config.n_kv_heads, config.d_head) == (4, 16)
+    wider = config.replace(n_heads=8)
+    assert (wider.n_kv_heads, wider.d_head, wider.d_value) == (8, 8, 8)
+    gqa = DecoderLMConfig(d_model=64, n_heads=4, n_kv_heads=2).replace(n_heads=8)
+    assert gqa.n_kv_heads == 2  # an explicit non-default value is kept
 
 
 def test_family_specific_validation():
