@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 import models
 from models.convert import from_transformers, save_transformers, to_transformers
-from tests.models.family_harness import assert_logits_close, build_hf, convert_via_folder, right_padded
+from tests.models import family_harness
+from tests.models.family_harness import assert_logits_close, build_hf, check_encoder_family, convert_via_folder
 
 VOCAB = 97  # odd, prime
 PAD = 1
@@ -17,31 +19,21 @@ BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=72, num_hidden_l
             max_position_embeddings=40, pad_token_id=PAD, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
 
 
-@torch.no_grad()
-def check_roberta(hf: torch.nn.Module, tmp_path: Path, length: int) -> models.EncoderLM:
-    """``check_encoder_family`` with the export written as ``roberta`` (BERT, the first exporter, represents the
-    same ``EncoderLM`` too, so the default export would be a BERT checkpoint)."""
-    zoo = convert_via_folder(hf, tmp_path)
-    # Ids above the pad id: without a mask, transformers would give pad tokens the padding position.
-    ids, mask = right_padded(VOCAB, length, low=PAD + 1)
-    plain = hf(input_ids=ids).logits
-    padded = hf(input_ids=ids, attention_mask=mask).logits
-    for backend in ("sdpa", "math"):
-        zoo.set_attention_backend(backend)
-        assert_logits_close(plain, zoo(ids).logits)
-        assert_logits_close(padded, zoo(ids, attention_mask=mask.bool()).logits, mask)
-    folder = save_transformers(zoo, tmp_path / "exported", "roberta")
-    assert_logits_close(plain, type(hf).from_pretrained(folder).float().eval()(input_ids=ids).logits)
-    return zoo
+@pytest.fixture
+def export_as_roberta(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the harness's export write ``roberta``: BERT, the first exporter by name, represents the same
+    ``EncoderLM`` too, so the default export would be a BERT checkpoint."""
+    monkeypatch.setattr(family_harness, "save_transformers", functools.partial(save_transformers, model_type="roberta"))
 
 
 @pytest.mark.parametrize("overrides", [
     dict(),
     dict(tie_word_embeddings=False, type_vocab_size=2, hidden_act="relu"),
 ], ids=["tied", "untied-segments-relu"])
-def test_roberta(overrides: dict, tmp_path: Path) -> None:
+def test_roberta(overrides: dict, tmp_path: Path, export_as_roberta: None) -> None:
     hf = build_hf("RobertaConfig", "RobertaForMaskedLM", **{**BASE, **overrides})
-    zoo = check_roberta(hf, tmp_path, length=20)
+    # Ids above the pad id: without a mask, transformers would give pad tokens the padding position.
+    zoo = check_encoder_family(hf, tmp_path, VOCAB, length=20, low=PAD + 1)
     assert zoo.config.max_len == BASE["max_position_embeddings"] - PAD - 1
 
 
