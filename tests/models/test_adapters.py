@@ -484,3 +484,26 @@ def test_save_without_an_adapter_writes_nothing(tmp_path: Path) -> None:
         model.save_adapter(tmp_path / "nothing", name="b")
     with pytest.raises(FileNotFoundError, match="no adapter_config.json"):
         model.load_adapter(tmp_path, name="c")
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adapters_follow_the_model_to_cuda_and_files_move_between_devices(dtype: torch.dtype, tmp_path: Path) -> None:
+    cpu = gpt2_like()
+    model = copy.deepcopy(cpu).to("cuda", dtype)
+    model.add_adapter(r=4, alpha=8, target_modules="all-linear")
+    lora = model.layers[0].self_attn.q_proj.adapters["default"]
+    assert lora.lora_A.device.type == "cuda" and lora.lora_A.dtype == dtype
+    randomize_lora(model)
+    x = ids()
+    on_gpu = logits(model, x.cuda()).float().cpu()
+    x_ = model(x.cuda(), labels=x.cuda()).loss
+    x_.backward()
+    assert all((p.grad is not None) == p.requires_grad for p in model.parameters())
+    model.save_adapter(tmp_path / "adapter")
+    cpu.load_adapter(tmp_path / "adapter")
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(logits(cpu, x), on_gpu, atol=tolerance, rtol=0)
+    model.merge_adapter()
+    torch.testing.assert_close(logits(model, x.cuda()).float().cpu(), on_gpu, atol=tolerance, rtol=0)
