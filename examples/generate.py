@@ -8,7 +8,14 @@ is saved with its tokenizer to ``--out``, loaded back with ``DecoderLM.from_pret
     python examples/generate.py                           # CPU defaults: a few minutes on 2 cores
     python examples/generate.py --steps 3000 --d-model 256 --layers 6 --out runs/gpt
     python examples/generate.py --data my_texts.jsonl --prompt "Once upon a time"
-    torchrun --nproc_per_node=2 examples/generate.py      # data-parallel on 2 processes
+    torchrun --nproc_per_node=2 examples/generate.py      # data-parallel (DDP) on 2 processes
+    torchrun --nproc_per_node=2 examples/generate.py --parallel fsdp           # FSDP2: parameters sharded
+    torchrun --nproc_per_node=2 examples/generate.py --parallel tp             # tensor parallel
+    torchrun --nproc_per_node=4 examples/generate.py --parallel fsdp+tp --tp-size 2
+    torchrun --nproc_per_node=1 examples/generate.py --checkpoint-every 100 --resume   # any N resumes any N
+
+``--batch-size`` is the global batch (rows per optimiser step over all data-parallel replicas), so runs on
+different numbers of processes train on the same batches and a checkpoint resumes across a change of N.
 """
 
 from __future__ import annotations
@@ -23,16 +30,19 @@ import torch
 from models import DecoderLM
 from tokenization import Tokenizer, train_byte_level_bpe
 from training import (
+    PARALLEL_MODES,
     CausalLMCollator,
     Trainer,
     TrainerConfig,
     WarmupCosineLR,
     cleanup,
+    decay_groups,
     init_distributed,
     load_corpus,
     packed_examples,
     split_corpus,
 )
+from training.parallel import parallel_layout
 
 PROMPTS = ["Return the", "This module provides", "The default value is", "If the file"]
 
@@ -47,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=800, help="optimiser steps")
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per packed training row")
-    parser.add_argument("--batch-size", type=int, default=16, help="rows per step (per process)")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="rows per micro-batch over all data-parallel replicas (each takes its share)")
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
@@ -55,6 +66,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--parallel", choices=PARALLEL_MODES, default="ddp",
+                        help="how several processes (torchrun) share the model: replicas, FSDP2 shards, tensor "
+                             "parallel, or both on a (data x tensor) mesh")
+    parser.add_argument("--tp-size", type=int, default=None,
+                        help="tensor-parallel processes per group (--parallel fsdp+tp; tp uses all processes)")
+    parser.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
+                        help="FSDP2 compute dtype (fp32 master weights and gradient reduction); for GPUs")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each layer's activations in the backward pass (less memory)")
     parser.add_argument("--checkpoint-every", type=int, default=None, help="save a resumable checkpoint every N steps")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     parser.add_argument("--prompt", action="append", default=None, help="prompt to continue (repeatable)")
@@ -74,6 +94,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run the example; returns ``{"val_loss", "val_perplexity", "train_seconds"}``."""
     args = parse_args(argv)
     context = init_distributed()
+    try:
+        dp_size, _ = parallel_layout(args.parallel, context.world_size, args.tp_size)
+    except ValueError as err:
+        raise SystemExit(f"generate.py: error: {err}") from err
+    if args.batch_size % dp_size:
+        raise SystemExit(f"generate.py: error: --batch-size {args.batch_size} must be divisible by the "
+                         f"{dp_size} data-parallel replicas")
     torch.manual_seed(args.seed)
     out = Path(args.out)
     say = print if context.is_main else (lambda *a, **k: None)
@@ -101,20 +128,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     say(f"model: DecoderLM, {model.num_parameters():,} parameters")
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95))
-    scheduler = WarmupCosineLR(optimizer, warmup=min(args.warmup, args.steps), total=args.steps)
     config = TrainerConfig(
-        max_steps=args.steps, batch_size=args.batch_size, grad_accum_steps=args.grad_accum, max_grad_norm=1.0,
-        checkpoint_dir=str(out / "checkpoints"), checkpoint_every=args.checkpoint_every, keep_checkpoints=2,
-        seed=args.seed, progress=not args.no_progress,
+        max_steps=args.steps, batch_size=args.batch_size // dp_size, grad_accum_steps=args.grad_accum,
+        max_grad_norm=1.0, checkpoint_dir=str(out / "checkpoints"), checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=2, seed=args.seed, progress=not args.no_progress, parallel=args.parallel,
+        tp_size=args.tp_size, mixed_precision=args.mixed_precision,
+        activation_checkpointing=args.activation_checkpointing,
     )
     collator = CausalLMCollator(pad_token_id=tokenizer.pad_token_id)
-    trainer = Trainer(model, optimizer, config, train_rows, collator, scheduler=scheduler, eval_data=val_rows)
+    # The Trainer shards the model first and then builds the optimiser and its schedule over the shards.
+    trainer = Trainer(
+        model, lambda params: torch.optim.AdamW(decay_groups(params, 0.1), lr=args.lr, betas=(0.9, 0.95)),
+        config, train_rows, collator, eval_data=val_rows,
+        scheduler=lambda opt: WarmupCosineLR(opt, warmup=min(args.warmup, args.steps), total=args.steps),
+    )
+    say(f"parallel: {args.parallel} on {context.world_size} process(es): {trainer.layout.dp_size} data-parallel "
+        f"x {trainer.layout.tp_size} tensor-parallel")
     if args.resume:
-        say(f"resuming from {trainer.load_checkpoint('latest')}")
+        # The global batch is the same at any N, so a checkpoint resumes on another number of processes.
+        say(f"resuming from {trainer.load_checkpoint('latest', allow_world_size_change=True)}")
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
@@ -122,8 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     say(f"trained {args.steps} steps in {seconds:.0f} s; validation loss {result['loss']:.3f}, "
         f"perplexity {result['perplexity']:.1f} (uniform over the vocabulary: {tokenizer.vocab_size})")
 
+    trainer.save_pretrained(out, tokenizer=tokenizer)  # every process: a sharded model is gathered first
     if context.is_main:
-        model.save_pretrained(out, tokenizer=tokenizer)
         reloaded = DecoderLM.from_pretrained(out)
         say(f"saved to {out}/ and reloaded ({', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))})")
         sample(reloaded, reloaded.tokenizer, args.prompt or PROMPTS, args)

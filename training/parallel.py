@@ -201,9 +201,12 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> Tenso
     Returns:
         The total norm before clipping (a plain scalar tensor, the same on every process).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
     if not grads:
         return torch.zeros(())
+    if not any(is_dtensor(g) for g in grads):  # plain tensors: torch's own (fused) implementation
+        return nn.utils.clip_grad_norm_(parameters, max_norm)
     norms = []
     for g in grads:
         norm = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
