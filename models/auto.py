@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypedDict, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -67,101 +69,127 @@ def architectures() -> list[str]:
     return sorted(_ARCHITECTURES)
 
 
-def from_pretrained(
-    path_or_repo_id: str | os.PathLike[str],
-    revision: str | None = None,
-    device: str | torch.device | None = None,
-    dtype: str | torch.dtype | None = None,
-    attention_backend: str | None = None,
-    *,
-    token: str | bool | None = None,
-    endpoint: str | None = None,
-) -> nn.Module:
+class LoadOptions(TypedDict, total=False):
+    """The keyword arguments of every ``from_pretrained``, stated once.
+
+    ``models.from_pretrained``, ``Model.from_pretrained`` and ``load_pretrained`` all take ``**LoadOptions``.
+
+    Attributes:
+        revision: Hub branch, tag or commit sha (default ``"main"``); not allowed for a local folder or file.
+        device: where the weights go (default: CPU).
+        dtype: floating dtype of the model (a ``torch.dtype`` or a name such as ``"bfloat16"``). Default: the
+            checkpoint's own dtype, i.e. the one most of its floating weights are stored in; a tensor stored in
+            another floating dtype (one float64 tensor among float32 ones) is cast to it, with a warning naming it.
+        attention_backend: a registered ``attention_backend`` to switch every attention module to.
+        token: Hub token (default: ``HF_TOKEN`` or the one saved by ``hf auth login``; ``False``: none).
+        endpoint: Hub URL (default: ``HF_ENDPOINT`` or huggingface.co).
+    """
+
+    revision: str | None
+    device: str | torch.device | None
+    dtype: str | torch.dtype | None
+    attention_backend: str | None
+    token: str | bool | None
+    endpoint: str | None
+
+
+@dataclass(frozen=True)
+class _Options:
+    """``LoadOptions`` checked and parsed."""
+
+    revision: str | None = None
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
+    attention_backend: str | None = None
+    token: str | bool | None = None
+    endpoint: str | None = None
+
+
+def from_pretrained(path_or_repo_id: str | os.PathLike[str], **options: Unpack[LoadOptions]) -> nn.Module:
     """Load any saved model, choosing its class from ``config.json``.
 
-    Same arguments and behaviour as ``Model.from_pretrained`` (see ``load_pretrained``), without naming the class.
+    Same arguments and behaviour as ``Model.from_pretrained`` (see ``load_pretrained`` and ``LoadOptions``),
+    without naming the class.
 
     Returns:
-        The model (in eval mode), with ``model.tokenizer`` set when the checkpoint holds ``tokenizer.json``.
+        The model (in eval mode), with ``model.tokenizer`` set when the checkpoint holds a tokenizer.
     """
-    return load_pretrained(
-        path_or_repo_id, None, revision=revision, device=device, dtype=dtype,
-        attention_backend=attention_backend, token=token, endpoint=endpoint,
-    )
+    return load_pretrained(path_or_repo_id, None, **options)
 
 
 def load_pretrained(
     path_or_repo_id: str | os.PathLike[str],
     expected_class: type[nn.Module] | None,
-    *,
-    revision: str | None = None,
-    device: str | torch.device | None = None,
-    dtype: str | torch.dtype | None = None,
-    attention_backend: str | None = None,
-    token: str | bool | None = None,
-    endpoint: str | None = None,
+    **options: Unpack[LoadOptions],
 ) -> nn.Module:
-    """Resolve, read, build and strictly load a checkpoint from a local folder or a Hub repo.
+    """Resolve, read, build and strictly load a checkpoint from a local folder, a GGUF file or a Hub repo.
+
+    A local file ending in ``.gguf`` is read by ``models.gguf.read_gguf`` (needs the ``gguf`` package) and
+    converted like a ``transformers`` checkpoint; its embedded tokenizer becomes ``model.tokenizer``.
 
     Args:
-        path_or_repo_id: a checkpoint folder, or a Hub repo id (``"namespace/name"``).
-        expected_class: the class the caller asked for (``None``: whatever ``config.json`` names).
-        revision: branch, tag or commit sha on the Hub (default ``"main"``); not allowed for local folders.
-        device: where the weights go (default: CPU).
-        dtype: floating dtype of the weights (``torch.dtype`` or a name like ``"bfloat16"``); default: the
-            dtype stored in the checkpoint, unchanged.
-        attention_backend: a registered ``attention_backend`` to switch every attention module to.
-        token, endpoint: passed to ``huggingface_hub`` (defaults: the usual token places, ``HF_ENDPOINT``).
+        path_or_repo_id: a checkpoint folder, a ``.gguf`` file, or a Hub repo id (``"namespace/name"``).
+        expected_class: the class the caller asked for (``None``: whatever the checkpoint holds).
+        **options: see ``LoadOptions``.
 
     Returns:
-        The model in eval mode; ``model.tokenizer`` is set when the checkpoint holds ``tokenizer.json``.
+        The model in eval mode; ``model.tokenizer`` is set when the checkpoint holds a tokenizer.
 
     Raises:
-        ValueError: bad arguments; a config of another architecture than ``expected_class``; weights that
+        TypeError: an unknown keyword argument, or arguments of the wrong type.
+        ValueError: bad option values; a config of another architecture than ``expected_class``; weights that
             do not fit the config (missing, unexpected or mis-shaped tensors, all listed); unreadable or
             corrupted files; a pickle that is not plain tensors.
-        FileNotFoundError: a local folder without ``config.json`` or weights.
+        FileNotFoundError: a local folder without ``config.json`` or weights; a ``.gguf`` path that is no file.
+        ImportError: a ``.gguf`` file without the ``gguf`` package.
         huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: the repo,
             revision or a required file does not exist on the Hub (the message names repo and revision).
+        huggingface_hub.errors.HfHubHTTPError: the Hub kept failing (its status is in the message) after retries.
     """
-    device = _parse_device(device)
-    dtype = _parse_dtype(dtype)
-    if attention_backend is not None:
-        blocks.get("attention_backend", attention_backend)  # fail before any download
-
-    location = io.locate(path_or_repo_id, revision=revision, token=token, endpoint=endpoint)
-    raw = io.read_json(location.config)
+    opts = _parse_options(options)
+    gguf_file = _gguf_file(path_or_repo_id)
     allow_missing: frozenset[str] = frozenset()
-    if io.is_zoo_config(raw):
-        # Config first: a checkpoint of the wrong class is refused before its weights are downloaded.
-        cls, config = _zoo_class_and_config(raw, expected_class, location.source)
-        files = io.checkpoint_files(location)
-        state = io.read_weights(files)
-    elif io.is_transformers_config(raw):
-        files = io.checkpoint_files(location)
-        state = io.read_weights(files)
-        cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, location.source)
+    if gguf_file is not None:
+        if opts.revision is not None:
+            raise ValueError(f"revision={opts.revision!r} only applies to Hub repos, but {gguf_file} is a local file")
+        source = str(gguf_file)
+        hf_config, hf_state, tokenizer = _read_gguf(gguf_file, opts.dtype)
+        cls, config, state, allow_missing = _convert_transformers(hf_config, hf_state, expected_class, source)
     else:
-        raise ValueError(
-            f"{location.config} is neither a transformer-zoo config (keys 'architecture' and 'format_version') "
-            f"nor a transformers config (key 'model_type'); it has keys {sorted(raw)}"
+        location = io.locate(
+            path_or_repo_id, revision=opts.revision, token=opts.token, endpoint=opts.endpoint
         )
+        with io.reading(location):  # a local folder is read as one complete checkpoint, never mid-save
+            raw = io.read_json(location.config)
+            if io.is_zoo_config(raw):
+                # Config first: a checkpoint of the wrong class is refused before its weights are downloaded.
+                cls, config = _zoo_class_and_config(raw, expected_class, location.source)
+                files = io.checkpoint_files(location)
+                state = io.read_weights(files)
+            elif io.is_transformers_config(raw):
+                files = io.checkpoint_files(location)
+                state = io.read_weights(files)
+            else:
+                raise ValueError(
+                    f"{location.config} is neither a transformer-zoo config (keys 'architecture' and "
+                    f"'format_version') nor a transformers config (key 'model_type'); it has keys {sorted(raw)}"
+                )
+            tokenizer = io.load_tokenizer(files.tokenizer) if files.tokenizer is not None else None
+        source = files.source
+        if io.is_transformers_config(raw):
+            cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, source)
 
-    tokenizer = None
-    if files.tokenizer is not None:
-        from .persistence import load_tokenizer  # persistence imports this module
-
-        tokenizer = load_tokenizer(files.tokenizer)
-        # transformers' BERT config.json does not store the [MASK] id; the checkpoint's tokenizer knows it.
-        if getattr(config, "mask_token_id", 0) is None and getattr(tokenizer, "mask_token_id", None) is not None:
+    # transformers' BERT config.json does not store the [MASK] id; the checkpoint's tokenizer knows it.
+    if tokenizer is not None and getattr(config, "mask_token_id", 0) is None:
+        if getattr(tokenizer, "mask_token_id", None) is not None:
             config = config.replace(mask_token_id=tokenizer.mask_token_id)
 
     model = cls(config)
-    load_state_into(model, state, allow_missing=allow_missing, dtype=dtype, source=files.source)
-    if attention_backend is not None:
-        model.set_attention_backend(attention_backend)
-    if device is not None:
-        model.to(device)
+    load_state_into(model, state, allow_missing=allow_missing, dtype=opts.dtype, source=source)
+    if opts.attention_backend is not None:
+        model.set_attention_backend(opts.attention_backend)
+    if opts.device is not None:
+        model.to(opts.device)
     model.eval()
     if tokenizer is not None:
         model.tokenizer = tokenizer
@@ -178,9 +206,10 @@ def load_state_into(
 ) -> None:
     """Strictly copy ``state`` into ``model``, keeping tied weights tied.
 
-    Tied tensors (one object under several names) need only one of their names in ``state``. With ``dtype``
-    the model is cast to it; without, it takes the checkpoint's floating dtype when that is uniform, and
-    each tensor keeps its own dtype when the checkpoint mixes dtypes.
+    Tied tensors (one object under several names) need only one of their names in ``state``. The model takes
+    one floating dtype: ``dtype`` if given, else the dtype that holds most of the checkpoint's floating
+    elements. Floating tensors stored in another dtype are cast to it (a warning names them when ``dtype`` was
+    not asked for): a model whose parameters mix dtypes fails at its first matmul, so mixing is never kept.
 
     Args:
         model: a freshly built model.
@@ -220,7 +249,7 @@ def load_state_into(
         elif loaded.is_floating_point() != target.is_floating_point():
             mismatched.append(f"{present[0]}: checkpoint dtype {loaded.dtype} vs model dtype {target.dtype}")
         else:
-            assignments.append((target, loaded))
+            assignments.append((present[0], target, loaded))
     if missing or unexpected or mismatched:
         problems = [
             f"{label} ({len(items)}): {_listing(items)}"
@@ -231,15 +260,21 @@ def load_state_into(
             f"the weights in {source} do not fit {type(model).__name__} and its config: " + "; ".join(problems)
         )
 
-    floating = {t.dtype for t in state.values() if t.is_floating_point()}
-    uniform = dtype if dtype is not None else (next(iter(floating)) if len(floating) == 1 else None)
-    if uniform is not None:
-        model.to(dtype=uniform)  # non-persistent float buffers (sinusoid tables) follow the weights
+    floating = [(name, loaded) for name, _, loaded in assignments if loaded.is_floating_point()]
+    model_dtype = dtype if dtype is not None else _dominant_dtype([t for _, t in floating])
+    if model_dtype is not None:
+        model.to(dtype=model_dtype)  # non-persistent float buffers (sinusoid tables) follow the weights
+        cast = [f"{name} ({str(t.dtype).removeprefix('torch.')})" for name, t in floating if t.dtype != model_dtype]
+        if cast and dtype is None:
+            logger.warning(
+                "%s stores %d tensor(s) in another dtype than most of its weights; cast to %s: %s",
+                source, len(cast), str(model_dtype).removeprefix("torch."), _listing(cast),
+            )
     used_storages: set[int] = set()
     with torch.no_grad():
-        for target, loaded in assignments:
-            if loaded.is_floating_point():
-                loaded = loaded.to(dtype=uniform or loaded.dtype)
+        for _, target, loaded in assignments:
+            if loaded.is_floating_point() and model_dtype is not None:
+                loaded = loaded.to(dtype=model_dtype)
             loaded = loaded.to(device=target.device).contiguous()
             if loaded.untyped_storage().data_ptr() in used_storages:
                 # One tensor given for two untied parameters (a converter may do this): copy it, or training
@@ -248,6 +283,16 @@ def load_state_into(
             used_storages.add(loaded.untyped_storage().data_ptr())
             # Assigning .data keeps the Parameter object, so every module sharing it stays tied.
             target.data = loaded
+
+
+def _dominant_dtype(tensors: list[Tensor]) -> torch.dtype | None:
+    """The floating dtype holding the most elements (ties: the wider one), or ``None`` without tensors."""
+    counts: dict[torch.dtype, int] = {}
+    for t in tensors:
+        counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    if not counts:
+        return None
+    return max(counts, key=lambda d: (counts[d], d.itemsize))
 
 
 def _zoo_class_and_config(
@@ -301,6 +346,59 @@ def _convert_transformers(
             f"not {expected_class.__name__}; load it with {cls.__name__}.from_pretrained or models.auto.from_pretrained"
         )
     return cls, converted.config, dict(converted.state_dict), frozenset(converted.allow_missing)
+
+
+def _parse_options(options: Mapping[str, Any]) -> _Options:
+    """Check every ``LoadOptions`` value before anything is read or downloaded."""
+    known = sorted(LoadOptions.__annotations__)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"from_pretrained() got unexpected keyword argument(s) {unknown}; it takes {known}")
+    for name in ("revision", "attention_backend", "endpoint"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a string or None, got {type(value).__name__} {value!r}")
+    token = options.get("token")
+    if token is not None and not isinstance(token, (str, bool)):
+        raise TypeError(f"token must be a string, a bool or None, got {type(token).__name__}")  # never the value
+    backend = options.get("attention_backend")
+    if backend is not None:
+        blocks.get("attention_backend", backend)  # fail before any download
+    return _Options(
+        revision=options.get("revision"),
+        device=_parse_device(options.get("device")),
+        dtype=_parse_dtype(options.get("dtype")),
+        attention_backend=backend,
+        token=token,
+        endpoint=options.get("endpoint"),
+    )
+
+
+def _gguf_file(path_or_repo_id: Any) -> Path | None:
+    """The path when ``path_or_repo_id`` names a local ``.gguf`` file, else ``None``.
+
+    Raises:
+        FileNotFoundError: a name ending in ``.gguf`` that is no file (GGUF files load from local paths only).
+    """
+    if not isinstance(path_or_repo_id, (str, os.PathLike)):
+        return None
+    path = Path(path_or_repo_id).expanduser()
+    if path.suffix.lower() != ".gguf" or path.is_dir():
+        return None
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}; GGUF checkpoints are loaded from a local file path")
+    return path
+
+
+def _read_gguf(path: Path, dtype: torch.dtype | None) -> tuple[dict[str, Any], dict[str, Tensor], Any]:
+    try:
+        from .gguf import read_gguf  # the gguf package is an optional extra
+    except ImportError as e:
+        raise ImportError(
+            f"loading {path} needs models.gguf and the gguf package (pip install 'transformer-zoo[gguf]'): {e}"
+        ) from e
+    hf_config, state, tokenizer = read_gguf(path, dtype=dtype)
+    return dict(hf_config), dict(state), tokenizer
 
 
 def _parse_device(device: str | torch.device | None) -> torch.device | None:

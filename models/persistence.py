@@ -14,14 +14,13 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
-import torch
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCardData
 from huggingface_hub.utils import validate_repo_id
 
 from . import checkpoint_io as io
-from .auto import load_pretrained, register_architecture
+from .auto import LoadOptions, load_pretrained, register_architecture
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -49,8 +48,10 @@ class PersistenceMixin:
 
         Files: ``config.json``, ``model.safetensors`` (parameters in their current dtype; tied weights once),
         ``tokenizer.json`` (from ``tokenizer``, else ``self.tokenizer``, if any) and ``README.md``. Everything
-        is written to a temporary folder beside it and then moved into place, so an interrupted save leaves the
-        previous checkpoint loadable; other files already in the folder are left alone.
+        is written and fsynced in a hidden folder beside it, then committed with one rename and switched in
+        (see ``checkpoint_io``): a save killed at any instant, even by SIGKILL, leaves the complete old or the
+        complete new checkpoint, and the next save or load cleans up what it left. Other files already in the
+        folder are left alone.
 
         Args:
             save_directory: the folder (created with its parents if needed).
@@ -67,54 +68,35 @@ class PersistenceMixin:
         if not isinstance(save_directory, (str, os.PathLike)):
             raise TypeError(f"save_directory must be a folder path, got {type(save_directory).__name__}")
         tokenizer = self._tokenizer_to_save(tokenizer)
-        target = Path(save_directory).expanduser()
+        target = Path(save_directory).expanduser().resolve()  # leftovers are found beside the real folder
         if target.exists() and not target.is_dir():
             raise NotADirectoryError(f"cannot save a checkpoint to {target}: it exists and is not a folder")
         with io.staging_folder(target) as staging:
             self._write_checkpoint(staging, tokenizer, card_reference=str(save_directory))
             io.publish(staging, target)
-        return target
+        return Path(save_directory).expanduser()
 
     @classmethod
-    def from_pretrained(
-        cls: type[M],
-        path_or_repo_id: str | os.PathLike[str],
-        revision: str | None = None,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        attention_backend: str | None = None,
-        *,
-        token: str | bool | None = None,
-        endpoint: str | None = None,
-    ) -> M:
-        """Load a checkpoint of this class from a local folder or a Hub repo (any branch, tag or commit).
+    def from_pretrained(cls: type[M], path_or_repo_id: str | os.PathLike[str], **options: Unpack[LoadOptions]) -> M:
+        """Load a checkpoint of this class from a local folder, a ``.gguf`` file or a Hub repo (any revision).
 
         The weights must fit the config exactly: missing, unexpected or mis-shaped tensors are an error.
-        Checkpoints written by ``transformers`` are converted when ``models.convert`` supports them.
-
-        Args:
-            path_or_repo_id: a checkpoint folder, or a Hub repo id ``"namespace/name"``.
-            revision: Hub branch, tag or commit sha (default ``"main"``).
-            device: where to put the weights (default CPU).
-            dtype: cast floating weights to this dtype (default: keep the stored dtype).
-            attention_backend: registered backend to use (a runtime choice, not stored in the weights).
-            token: Hub token (default: ``HF_TOKEN`` or the one saved by ``hf auth login``).
-            endpoint: Hub URL (default: ``HF_ENDPOINT`` or huggingface.co).
+        Checkpoints written by ``transformers`` (and GGUF files) are converted when ``models.convert`` supports
+        them. The keyword arguments (``revision``, ``device``, ``dtype``, ``attention_backend``, ``token``,
+        ``endpoint``) are those of ``models.auto.LoadOptions``.
 
         Returns:
             The model in eval mode; ``model.tokenizer`` holds the checkpoint's tokenizer if it has one.
 
         Raises:
             ValueError: a checkpoint of another architecture (both are named), weights that do not fit,
-                corrupted files, a pickle that is not plain tensors, or bad arguments.
+                corrupted files, a pickle that is not plain tensors, or bad option values.
+            TypeError: an unknown keyword argument.
             FileNotFoundError: a local folder without ``config.json`` or weights.
             huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: from
-                the Hub, with repo and revision in the message.
+                the Hub, with repo and revision in the message; HfHubHTTPError when the Hub keeps failing.
         """
-        return load_pretrained(
-            path_or_repo_id, cls, revision=revision, device=device, dtype=dtype,
-            attention_backend=attention_backend, token=token, endpoint=endpoint,
-        )
+        return load_pretrained(path_or_repo_id, cls, **options)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ the Hub
     def push_to_hub(
@@ -159,8 +141,9 @@ class PersistenceMixin:
         if revision not in (None, "main"):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         message = commit_message or f"Upload {type(self).__name__} with transformer-zoo"
-        with tempfile.TemporaryDirectory(prefix="transformer-zoo-push-") as tmp:
-            folder = Path(tmp)
+        # Staged like a local save, beside a fixed name in the temporary folder: a push killed half way leaves a
+        # folder that the next push removes.
+        with io.staging_folder(Path(tempfile.gettempdir()) / "transformer-zoo-push") as folder:
             self._write_checkpoint(folder, tokenizer, card_reference=repo_id)
             operations = [
                 CommitOperationAdd(path_in_repo=p.name, path_or_fileobj=str(p)) for p in sorted(folder.iterdir())
@@ -244,18 +227,6 @@ model = {name}.from_pretrained({json.dumps(reference)})
             },
             folder / io.CONFIG_NAME,
         )
-
-
-def load_tokenizer(path: Path) -> Any:
-    """Load a checkpoint's ``tokenizer.json`` as a ``tokenization.Tokenizer`` (special-token roles come from a
-    ``tokenizer_config.json`` beside it, when present).
-
-    Raises:
-        ValueError: the file is not a valid tokenizer (the path is named).
-    """
-    from tokenization import Tokenizer  # imported here: models must not need tokenization to import
-
-    return Tokenizer.from_file(path)
 
 
 def _dtype_name(model: Any) -> str:

@@ -75,6 +75,18 @@ class Repo:
         return commit
 
 
+@dataclass
+class Fault:
+    """An injected error: ``times`` more requests (``None``: every one) matching ``method`` and ``path_part``
+    get HTTP ``status``; ``served`` counts the ones already answered so."""
+
+    method: str
+    path_part: str
+    status: int
+    times: int | None
+    served: int = 0
+
+
 class HubHTTPError(Exception):
     """An error answer: status, optional ``X-Error-Code``, message, extra headers and extra JSON body fields."""
 
@@ -98,6 +110,7 @@ class HubServer:
         self.token = token
         self.repos: dict[tuple[str, str], Repo] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
+        self.faults: list[Fault] = []
         self.lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._httpd.hub = self  # type: ignore[attr-defined]
@@ -130,6 +143,14 @@ class HubServer:
     def repo(self, repo_id: str, repo_type: str = "model") -> Repo:
         """Direct access to a stored repo (for assertions)."""
         return self.repos[(repo_type, repo_id)]
+
+    def fail(self, method: str, path_part: str, status: int = 500, times: int | None = 1) -> Fault:
+        """Answer the next ``times`` requests (``None``: all) with ``method`` and ``path_part`` in their path
+        with HTTP ``status`` and no error code, as a Hub having a bad moment does."""
+        fault = Fault(method, path_part, status, times)
+        with self.lock:
+            self.faults.append(fault)
+        return fault
 
     def count(self, method: str, path_part: str) -> int:
         """How many requests with ``method`` had ``path_part`` in their path."""
@@ -172,6 +193,7 @@ class _Handler(BaseHTTPRequestHandler):
         with self.hub.lock:
             self.hub.requests.append((method, url.path))
             try:
+                self._injected_fault(method, url.path)
                 status, headers, payload = self._route(method, segments, query, body)
             except HubHTTPError as e:
                 status, headers = e.status, {"X-Error-Message": e.message, **e.headers}
@@ -190,6 +212,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if method != "HEAD":
             self.wfile.write(data)
+
+    def _injected_fault(self, method: str, path: str) -> None:
+        for fault in self.hub.faults:
+            if fault.method == method and fault.path_part in path and (fault.times is None or fault.times > 0):
+                if fault.times is not None:
+                    fault.times -= 1
+                fault.served += 1
+                raise HubHTTPError(fault.status, f"Injected error {fault.status} for {method} {path}")
 
     def _read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":

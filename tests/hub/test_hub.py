@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import tokenization
-from models import DecoderLM, EncoderLM, Seq2SeqTransformer, auto
+from models import DecoderLM, EncoderLM, Seq2SeqTransformer, auto, checkpoint_io
 
 from .conftest import DUMMY_TOKEN
 from .hub_server import HubServer
@@ -160,6 +161,67 @@ def test_cached_checkpoint_loads_offline(hub: HubServer, monkeypatch) -> None:
     assert len(hub.requests) == seen  # served from the huggingface_hub cache alone
     assert torch.equal(logits(model), logits(pulled))
     assert pulled.tokenizer.encode("hello zoo") == [2, 3]
+
+
+# ------------------------------------------------------------------------------------------ server errors
+@pytest.fixture
+def sleeps(monkeypatch) -> list[float]:
+    """Record the backoff waits (of huggingface_hub's http_backoff and of the zoo's download retry) instead of
+    sleeping them."""
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    return waits
+
+
+@pytest.mark.parametrize("method", ["HEAD", "GET"])
+@pytest.mark.parametrize("filename", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_one_transient_server_error_does_not_fail_the_load(
+    method: str, filename: str, hub: HubServer, sleeps: list[float]
+) -> None:
+    model = tiny("DecoderLM")
+    model.push_to_hub("tester/flaky", tokenizer=tiny_tokenizer())
+    fault = hub.fail(method, f"/{filename}", status=500, times=1)
+    pulled = DecoderLM.from_pretrained("tester/flaky")
+    assert fault.served == 1  # the error did happen ...
+    assert torch.equal(logits(model), logits(pulled))  # ... and the load went on
+    assert pulled.tokenizer is not None and pulled.tokenizer.encode("hello zoo") == [2, 3]
+    # huggingface_hub repeats a failed metadata request at once; the zoo retries a failed download after 1 s.
+    assert sleeps == ([1.0] if method == "GET" else [])
+
+
+def test_persistent_server_error_on_the_download_reports_its_status(hub: HubServer, sleeps: list[float]) -> None:
+    tiny("DecoderLM").push_to_hub("tester/down")
+    hub.fail("GET", "/model.safetensors", status=503, times=None)
+    with pytest.raises(HfHubHTTPError) as err:
+        DecoderLM.from_pretrained("tester/down")
+    assert err.value.response.status_code == 503
+    assert "503" in str(err.value) and "model.safetensors" in str(err.value)
+    assert "local cache" not in str(err.value)
+    assert hub.count("GET", "/model.safetensors") == checkpoint_io.HUB_RETRIES + 1
+    assert sleeps == [1.0, 2.0, 4.0, 8.0, 8.0]  # http_backoff's schedule
+
+
+@pytest.mark.parametrize("filename", ["model.safetensors", "tokenizer.json"])
+def test_persistent_server_error_on_metadata_reports_its_status(
+    filename: str, hub: HubServer, sleeps: list[float]
+) -> None:
+    tiny("DecoderLM").push_to_hub("tester/down", tokenizer=tiny_tokenizer())
+    hub.fail("HEAD", f"/{filename}", status=500, times=None)
+    with pytest.raises(HfHubHTTPError) as err:  # never mistaken for an absent file (a model without tokenizer)
+        DecoderLM.from_pretrained("tester/down")
+    assert err.value.response.status_code == 500
+    assert "500" in str(err.value) and "cannot find the requested files in the local cache" not in str(err.value)
+    assert "'tester/down'" in str(err.value) and filename in str(err.value)
+    assert len(sleeps) >= 3  # huggingface_hub retried the metadata request with backoff before giving up
+
+
+def test_client_errors_are_not_retried(hub: HubServer, sleeps: list[float]) -> None:
+    tiny("DecoderLM").push_to_hub("tester/forbidden")
+    hub.fail("GET", "/model.safetensors", status=403, times=None)
+    with pytest.raises(HfHubHTTPError) as err:
+        DecoderLM.from_pretrained("tester/forbidden")
+    assert err.value.response.status_code == 403
+    assert hub.count("GET", "/model.safetensors") == 1 and sleeps == []
 
 
 # ------------------------------------------------------------------------------------------ errors

@@ -105,7 +105,7 @@ def test_folder_layout_and_config_json(tmp_path: Path) -> None:
     assert raw["architecture"] == "DecoderLM"
     assert raw["format_version"] == 1
     assert raw["library"] == "transformer-zoo"
-    assert raw["config"] == model.config.to_dict()
+    assert raw["config"] == json.loads(json.dumps(model.config.to_dict()))
     assert raw["dtype"] == "float32"
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.metadata()["format"] == "pt"
@@ -209,14 +209,34 @@ def test_dtype_argument_casts_like_module_to(tmp_path: Path) -> None:
     assert loaded.lm_head.weight is loaded.src_embed.weight
 
 
-def test_mixed_dtypes_keep_each_tensor_dtype(tmp_path: Path) -> None:
+def test_one_float64_tensor_is_cast_to_the_model_dtype(tmp_path: Path, caplog) -> None:
     model = tiny("DecoderLM")
-    model.final_norm.to(torch.float64)
+    perturb(model)
+    model.final_norm.to(torch.float64)  # one float64 tensor among float32 ones
+    model.save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="models.auto"):
+        loaded = DecoderLM.from_pretrained(tmp_path)
+    assert "final_norm.weight (float64)" in caplog.text and "cast to float32" in caplog.text
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    reference = tiny("DecoderLM")
+    reference.load_state_dict(model.state_dict())  # torch's own copy casts float64 into the float32 parameter
+    out = logits(loaded)  # a model mixing dtypes fails here, at its first matmul
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, logits(reference))
+    as_float64 = DecoderLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert {p.dtype for p in as_float64.parameters()} == {torch.float64}
+    assert torch.equal(as_float64.final_norm.weight, model.final_norm.weight)  # no round trip through float32
+    assert torch.allclose(logits(as_float64).float(), out, atol=1e-5)
+
+
+def test_the_dtype_of_most_weights_wins(tmp_path: Path) -> None:
+    model = tiny("DecoderLM").to(torch.bfloat16)
+    model.final_norm.to(torch.float32)  # a few float32 tensors in a bfloat16 checkpoint
     model.save_pretrained(tmp_path)
     loaded = DecoderLM.from_pretrained(tmp_path)
-    assert loaded.final_norm.weight.dtype == torch.float64
-    assert loaded.embed_tokens.weight.dtype == torch.float32
-    assert_same_weights(model, loaded)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    assert torch.equal(loaded.final_norm.weight, model.final_norm.weight.to(torch.bfloat16))
+    assert logits(loaded).dtype == torch.bfloat16
 
 
 def test_device_argument(tmp_path: Path) -> None:
@@ -517,27 +537,66 @@ def test_interrupted_weight_write_keeps_the_previous_checkpoint(tmp_path: Path, 
     assert torch.equal(logits(loaded), logits(old))
 
 
-def test_interrupted_move_rolls_back(tmp_path: Path, monkeypatch) -> None:
+def _hidden(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_interrupt_during_the_switch_completes_the_new_checkpoint(tmp_path: Path, monkeypatch) -> None:
     old = tiny("Seq2SeqTransformer")
     old.save_pretrained(tmp_path / "ckpt", tokenizer=tiny_tokenizer())
     new = tiny("Seq2SeqTransformer", d_ff=64)  # another shape: mixing files would not load
+    perturb(new)
     real_replace, calls = os.replace, []
 
-    def flaky_replace(src, dst):
+    def interrupted_replace(src, dst):
         calls.append(dst)
-        if len(calls) == 3:  # after model.safetensors and README.md are in place
+        if len(calls) == 2:  # after README.md is in place, before the weights and config.json
             raise KeyboardInterrupt
         return real_replace(src, dst)
 
-    monkeypatch.setattr(os, "replace", flaky_replace)
+    monkeypatch.setattr(os, "replace", interrupted_replace)
     with pytest.raises(KeyboardInterrupt):
         new.save_pretrained(tmp_path / "ckpt")
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    # Past the commit point the save is finished rather than undone: exactly the new checkpoint.
+    assert _hidden(tmp_path) == []
     loaded = Seq2SeqTransformer.from_pretrained(tmp_path / "ckpt")
-    assert loaded.config == old.config
-    assert torch.equal(logits(loaded), logits(old))
-    assert loaded.tokenizer is not None  # the old tokenizer.json is still there
+    assert loaded.config == new.config
+    assert torch.equal(logits(loaded), logits(new))
+    assert loaded.tokenizer is not None  # tokenizer.json is not part of this save: an unrelated file, kept
+
+
+def test_a_switch_that_keeps_failing_is_finished_by_the_next_load(tmp_path: Path, monkeypatch) -> None:
+    old = tiny("DecoderLM")
+    old.save_pretrained(tmp_path / "ckpt")
+    new = tiny("DecoderLM", d_ff=48)
+    real_replace, calls = os.replace, []
+
+    def failing_replace(src, dst):
+        calls.append(dst)
+        if len(calls) > 1:
+            raise OSError(5, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="Input/output error"):
+        new.save_pretrained(tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert [name.rsplit(".", 1)[-1] for name in _hidden(tmp_path)] == ["commit"]
+    loaded = DecoderLM.from_pretrained(tmp_path / "ckpt")  # rolls the committed save forward first
+    assert loaded.config == new.config
+    assert torch.equal(logits(loaded), logits(new))
+    assert _hidden(tmp_path) == []
+
+
+def test_leftovers_of_earlier_versions_are_removed(tmp_path: Path) -> None:
+    tiny("DecoderLM").save_pretrained(tmp_path / "ckpt")
+    for name in (".ckpt.0123456789ab.saving", ".ckpt.ba9876543210.backup"):  # what the old publish leaked
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / ".other.0123456789ab.saving").mkdir()  # another folder's: not ours to judge here
+    DecoderLM.from_pretrained(tmp_path / "ckpt")
+    assert _hidden(tmp_path) == [".other.0123456789ab.saving"]
 
 
 def test_interrupted_first_save_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
@@ -682,3 +741,71 @@ def test_converter_allow_missing_keeps_init_and_warns(tmp_path: Path, monkeypatc
     _fake_convert(monkeypatch, frozenset())
     with pytest.raises(ValueError, match=r"missing \(1\): final_norm.bias"):
         DecoderLM.from_pretrained(tmp_path / "hf")
+
+
+# ------------------------------------------------------------------------------------------ options, GGUF, imports
+def test_load_options_are_stated_once(tmp_path: Path) -> None:
+    tiny("DecoderLM").save_pretrained(tmp_path)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['revison'\]; it takes \[.*'revision'"):
+        DecoderLM.from_pretrained(tmp_path, revison="main")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        zoo.from_pretrained(tmp_path, torch_dtype=torch.float16)
+    with pytest.raises(TypeError, match="positional argument"):
+        DecoderLM.from_pretrained(tmp_path, "main")
+    with pytest.raises(TypeError, match="token must be a string, a bool or None"):
+        DecoderLM.from_pretrained(tmp_path, token=123)
+    # One list of names everywhere: the TypedDict the three entry points unpack.
+    assert set(auto.LoadOptions.__annotations__) == {
+        "revision", "device", "dtype", "attention_backend", "token", "endpoint"
+    }
+
+
+def test_no_import_cycle_between_auto_and_persistence() -> None:
+    import ast
+
+    def imported(module: str) -> set[str]:
+        tree = ast.parse(Path(zoo.__file__).with_name(f"{module}.py").read_text())
+        return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+    assert "persistence" not in imported("auto")  # persistence -> auto -> checkpoint_io, one way only
+    assert not {"auto", "persistence"} & imported("checkpoint_io")
+    assert "auto" in imported("persistence")
+
+
+def _fake_gguf(monkeypatch, calls: list) -> object:
+    """A stand-in for models.gguf (written elsewhere) honouring its contract:
+    read_gguf(path, dtype=None) -> (transformers config dict, state dict under transformers names, tokenizer)."""
+    model = tiny("DecoderLM")
+    perturb(model)
+    tokenizer = object()
+
+    def read_gguf(path, dtype=None):
+        calls.append((Path(path), dtype))
+        state = {f"transformer.{k}": v.to(dtype or v.dtype) for k, v in checkpoint_io.unique_state(model).items()}
+        return {"model_type": "toy", "vocab_size": 100}, state, tokenizer
+
+    monkeypatch.setitem(sys.modules, "models.gguf", types.SimpleNamespace(read_gguf=read_gguf))
+    return model, tokenizer
+
+
+def test_gguf_file_goes_through_read_gguf_and_the_converter(tmp_path: Path, monkeypatch) -> None:
+    _fake_convert(monkeypatch, frozenset())
+    calls: list = []
+    model, tokenizer = _fake_gguf(monkeypatch, calls)
+    path = tmp_path / "model.Q8_0.gguf"
+    path.write_bytes(b"GGUF")
+    loaded = zoo.from_pretrained(str(path))
+    assert type(loaded) is DecoderLM and loaded.tokenizer is tokenizer
+    assert torch.equal(logits(loaded), logits(model))
+    half = DecoderLM.from_pretrained(path, dtype="bfloat16")
+    assert calls == [(path, None), (path, torch.bfloat16)]
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="converts to DecoderLM, not EncoderLM"):
+        EncoderLM.from_pretrained(path)
+    with pytest.raises(ValueError, match="revision='v1' only applies to Hub repos"):
+        zoo.from_pretrained(path, revision="v1")
+    with pytest.raises(FileNotFoundError, match="no GGUF file at"):
+        zoo.from_pretrained(tmp_path / "absent.gguf")
+    monkeypatch.setitem(sys.modules, "models.gguf", None)  # as if the optional gguf package were missing
+    with pytest.raises(ImportError, match=r"needs models.gguf and the gguf package"):
+        zoo.from_pretrained(path)
