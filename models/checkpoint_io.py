@@ -3,7 +3,10 @@
 A checkpoint folder holds ``config.json``, ``model.safetensors`` (or sharded ``model-*.safetensors`` with
 ``model.safetensors.index.json``), optionally ``tokenizer.json`` and a ``README.md`` model card. The only
 pickle ever read is ``pytorch_model.bin``, through ``torch.load(weights_only=True)``, which refuses anything
-that is not plain tensors. Hub files are fetched and cached by ``huggingface_hub``.
+that is not plain tensors. Hub files are fetched and cached by ``huggingface_hub``, with transient server
+errors retried (``hub_download``). Saves are atomic even against SIGKILL (``staging_folder``, ``publish``,
+``recover``; the scheme is described above ``staging_folder``), and loads read a folder under a lock
+(``reading``), so a reader sees one complete checkpoint.
 """
 
 from __future__ import annotations
@@ -147,6 +150,8 @@ def write_json(obj: dict[str, Any], path: Path) -> None:
 # deletes a dead writer's ``.saving`` (and the ``.backup`` folders of earlier transformer-zoo versions). "Dead"
 # is decided by flock, which the kernel releases when a process dies, so a save in progress in another process
 # is never touched. Loads read under a shared lock on the folder, so they never see a switch half done.
+# (A tool that reads the folder directly, not through the zoo, may see a mix of files after a kill past the commit
+# point and before the next save or load: the roll-forward happens when the zoo next touches the folder.)
 #
 # Why not swap whole folders: the target may be a mount point or the working directory, it may hold other
 # files, and between the two renames it would not exist. Why not symlinks to versioned sub-folders: a
@@ -184,7 +189,8 @@ def staging_folder(target: Path) -> Iterator[Path]:
         try:
             shutil.rmtree(staging, ignore_errors=True)  # gone already when published
         finally:
-            os.close(fd)  # releases the lock: a dead save looks exactly like this to recover()
+            if fd is not None:
+                os.close(fd)  # releases the lock: a dead save looks exactly like this to recover()
 
 
 def publish(staging: Path, target: Path) -> None:
@@ -259,12 +265,18 @@ def recover(target: Path) -> None:
     """
     target = Path(target).expanduser().resolve()
     if _leftovers(target, ("commit",)):
-        if not target.exists():  # the target was deleted by hand after the commit: the commit is the checkpoint
-            for commit in _leftovers(target, ("commit",))[-1:]:
-                os.rename(commit, target)
-        with _folder_lock(target, exclusive=True):
-            for commit in _leftovers(target, ("commit",)):  # listed again: a live writer may have finished
-                _switch(commit, target)
+        try:
+            if not target.exists():  # the target was deleted by hand after the commit: the commit is the checkpoint
+                for commit in _leftovers(target, ("commit",))[-1:]:
+                    os.rename(commit, target)
+            with _folder_lock(target, exclusive=True):
+                for commit in _leftovers(target, ("commit",)):  # listed again: a live writer may have finished
+                    _switch(commit, target)
+        except OSError as e:
+            raise OSError(
+                e.errno, f"{target} holds a save that was interrupted after its commit point, and finishing it "
+                f"failed ({e}); until it is finished the folder mixes two checkpoints"
+            ) from e
     for folder in _leftovers(target, ("saving", "backup")):
         _remove_if_abandoned(folder)
 
@@ -341,11 +353,14 @@ def _remove_if_abandoned(folder: Path) -> None:
         os.close(fd)
 
 
-def _new_locked_folder(parent: Path, prefix: str, suffix: str) -> tuple[Path, int]:
-    """Create a uniquely named folder and lock it; returns the path and the open descriptor holding the lock."""
+def _new_locked_folder(parent: Path, prefix: str, suffix: str) -> tuple[Path, int | None]:
+    """Create a uniquely named folder and lock it; returns the path and the open descriptor holding the lock
+    (``None`` on platforms without flock)."""
     while True:
         path = parent / f"{prefix}{uuid.uuid4().hex[:12]}{suffix}"
         path.mkdir()
+        if fcntl is None:
+            return path, None
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -361,6 +376,9 @@ def _new_locked_folder(parent: Path, prefix: str, suffix: str) -> tuple[Path, in
 
 @contextmanager
 def _folder_lock(folder: Path, *, exclusive: bool) -> Iterator[None]:
+    if fcntl is None:  # folders cannot even be opened on Windows
+        yield
+        return
     fd = os.open(folder, os.O_RDONLY)
     try:
         _flock(fd, exclusive=exclusive)

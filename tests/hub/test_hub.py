@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -105,6 +106,15 @@ def test_unchanged_push_makes_no_commit(hub: HubServer) -> None:
     two = model.push_to_hub("tester/same")
     assert two.oid == one.oid
     assert hub.count("POST", "/commit/") == 1
+
+
+def test_a_killed_push_leaves_nothing_after_the_next_push(hub: HubServer, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where push_to_hub stages the folder it uploads
+    leftover = tmp_path / ".transformer-zoo-push.0123456789ab.saving"  # what a push killed while staging leaves
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"x" * 64)
+    tiny("DecoderLM").push_to_hub("tester/after-kill")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".transformer-zoo-push.")] == []
 
 
 def test_push_to_a_branch(hub: HubServer) -> None:
