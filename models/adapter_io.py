@@ -99,26 +99,48 @@ class NameMap:
         return out
 
 
-_CACHE: dict[tuple[type, str], NameMap] = {}
+_CACHE: dict[tuple[type, str], dict[str | None, NameMap]] = {}
 
 
-def name_map(model: nn.Module) -> NameMap:
-    """Where the model's linear layers are in the ``transformers`` model it exports to (cached per class and
-    config); the identity on zoo names when no family represents the model.
-
-    Raises:
-        ValueError: a model without ``config.to_dict``.
+def name_maps(model: nn.Module) -> dict[str | None, NameMap]:
+    """Where the model's linear layers are in each ``transformers`` family that represents the model, in the
+    order ``to_transformers`` tries them (a BERT-shaped encoder is also a RoBERTa); ``{None: zoo names}`` when
+    none does. Cached per class and config.
     """
-    key = (type(model), json.dumps(model.config.to_dict(), sort_keys=True, default=str))
+    # The attention backend is a runtime choice that no exporter writes: switching it must not re-probe.
+    config = {k: v for k, v in model.config.to_dict().items() if k != "attention_backend"}
+    key = (type(model), json.dumps(config, sort_keys=True, default=str))
     if key not in _CACHE:
         if len(_CACHE) > 16:
             _CACHE.clear()
-        _CACHE[key] = _probe(model)
+        _CACHE[key] = _probe(model) or {None: _identity(model)}
     return _CACHE[key]
 
 
-def _probe(model: nn.Module) -> NameMap:
+def name_map(model: nn.Module, model_type: str | None = None) -> NameMap:
+    """The ``NameMap`` of family ``model_type`` (default: the first that represents the model, as
+    ``to_transformers`` picks; the zoo's own names when none does).
+
+    Raises:
+        ValueError: a ``model_type`` that does not represent this model (those that do are listed).
+    """
+    maps = name_maps(model)
+    if model_type is None:
+        return next(iter(maps.values()))
+    if model_type not in maps:
+        raise ValueError(
+            f"the transformers family {model_type!r} cannot represent this {type(model).__name__}; the families "
+            f"that can are {[f for f in maps if f is not None]}"
+        )
+    return maps[model_type]
+
+
+def _probe(model: nn.Module) -> dict[str | None, NameMap]:
+    """One probe model, exported by every family (see the module docstring)."""
+    import blocks as registry
+
     from .convert import to_transformers  # models.convert imports the model classes, which import this package
+    from .convert.export import EXPORTER_KIND
 
     with torch.device("meta"):
         probe = type(model)(model.config)
@@ -134,11 +156,21 @@ def _probe(model: nn.Module) -> NameMap:
         offsets.append(total)
         shapes.append((out_f, in_f))
         total += out_f * in_f
-    try:
-        hf_config, state = to_transformers(probe)
-    except ValueError:  # no transformers family represents it: keep the zoo's names
-        return _identity(model)
+    maps: dict[str | None, NameMap] = {}
+    for family in registry.names(EXPORTER_KIND):
+        try:
+            _, state = to_transformers(probe, family)
+        except ValueError:  # this family cannot represent the model
+            continue
+        maps[family] = _decode(state, names, offsets, shapes, total, family)
+    return maps
 
+
+def _decode(
+    state: Mapping[str, Tensor], names: list[str], offsets: list[int], shapes: list[tuple[int, int]], total: int,
+    family: str,
+) -> NameMap:
+    """Find each probe weight in an exported state dict."""
     starts = torch.tensor(offsets, dtype=torch.long)
     found: dict[str, list[Placement]] = {}
     modules = set()
@@ -170,7 +202,7 @@ def _probe(model: nn.Module) -> NameMap:
                 found.setdefault(names[k], []).append(placement)
     # A weight written to two tensors has no single home; such a layer cannot be mapped (and raises if adapted).
     placements = {zoo: ps[0] for zoo, ps in found.items() if len(ps) == 1}
-    return NameMap(placements, frozenset(modules), hf_config.get("model_type"))
+    return NameMap(placements, frozenset(modules), family)
 
 
 def _product(
@@ -197,7 +229,9 @@ def _identity(model: nn.Module) -> NameMap:
 
 
 # ---------------------------------------------------------------------------------------------- zoo -> peft
-def peft_files(model: nn.Module, name: str, base_model: str | None = None) -> tuple[dict[str, Any], dict[str, Tensor]]:
+def peft_files(
+    model: nn.Module, name: str, base_model: str | None = None, model_type: str | None = None
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The ``adapter_config.json`` dict and the tensors of adapter ``name`` in the ``peft`` layout.
 
     Raises:
@@ -214,7 +248,7 @@ def peft_files(model: nn.Module, name: str, base_model: str | None = None) -> tu
                     "peft file layout"
                 )
             lora[module_name] = adapter
-    names = name_map(model)
+    names = name_map(model, model_type)
     unmapped = sorted(set(lora) - set(names.placements))
     if unmapped:
         raise ValueError(
@@ -306,21 +340,40 @@ def _number(x: float) -> int | float:
 
 # ---------------------------------------------------------------------------------------------- peft -> zoo
 def zoo_adapters(
-    model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Tensor], source: str
+    model: nn.Module, config: Mapping[str, Any], tensors: Mapping[str, Tensor], source: str,
+    model_type: str | None = None,
 ) -> dict[str, LoRA]:
     """The zoo LoRA blocks (zoo module name -> ``LoRA``, on the layers' device and dtype) of a ``peft`` adapter.
+
+    The module names are read as those of ``model_type``, or by default of the first family that represents the
+    model and has every module the adapter names (an encoder may be a BERT or a RoBERTa).
 
     Raises:
         ValueError: see ``AdapterMixin.load_adapter``.
     """
     loras, dropout = _read_peft(config, tensors, source)
-    names = name_map(model)
-    parts_of = names.parts()
+    candidates = [name_map(model, model_type)] if model_type is not None else list(name_maps(model).values())
+    errors: list[ValueError] = []
+    for names in candidates:
+        family = f"the transformers {names.family!r} model" if names.family else "its zoo module names"
+        parts_of = names.parts()
+        try:
+            targets = {m: _resolve(m, parts_of, source, type(model).__name__, family) for m in loras}
+        except ValueError as e:
+            errors.append(e)
+            continue
+        return _zoo_loras(model, loras, targets, parts_of, dropout, source)
+    raise errors[0]
+
+
+def _zoo_loras(
+    model: nn.Module, loras: Mapping[str, tuple[Tensor, Tensor, float]], targets: Mapping[str, str],
+    parts_of: Mapping[str, list[tuple[str, Placement]]], dropout: float, source: str,
+) -> dict[str, LoRA]:
     linears = dict(model.named_modules())
-    family = f"the transformers {names.family!r} model" if names.family else "its zoo module names"
     out: dict[str, LoRA] = {}
     for module, (a, b, scaling) in loras.items():
-        target = _resolve(module, parts_of, source, type(model).__name__, family)
+        target = targets[module]
         parts = parts_of[target]
         out_f, in_f = parts[0][1].out_features, parts[0][1].in_features
         if a.shape[1] != in_f or b.shape[0] != out_f:
@@ -450,12 +503,13 @@ def _complement(cols: Tensor, size: int) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------- folders, the Hub
 def save_adapter(
-    model: nn.Module, save_directory: str | os.PathLike[str], name: str, *, base_model: str | None = None
+    model: nn.Module, save_directory: str | os.PathLike[str], name: str, *, base_model: str | None = None,
+    model_type: str | None = None,
 ) -> Path:
     """Write adapter ``name`` of ``model`` to ``save_directory`` atomically (see ``AdapterMixin.save_adapter``)."""
     if not isinstance(save_directory, (str, os.PathLike)):
         raise TypeError(f"save_directory must be a folder path, got {type(save_directory).__name__}")
-    config, tensors = peft_files(model, name, base_model)
+    config, tensors = peft_files(model, name, base_model, model_type)
     target = Path(save_directory).expanduser()
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"cannot save an adapter to {target}: it exists and is not a folder")
@@ -474,6 +528,7 @@ def push_adapter(
     commit_message: str | None = None,
     revision: str | None = None,
     base_model: str | None = None,
+    model_type: str | None = None,
     token: str | bool | None = None,
     endpoint: str | None = None,
 ) -> CommitInfo:
@@ -483,7 +538,7 @@ def push_adapter(
         raise TypeError(f"private must be a bool, got {private!r}")
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):
         raise ValueError(f"revision must be a non-empty branch name, got {revision!r}")
-    config, tensors = peft_files(model, name, base_model)  # every check before the first request
+    config, tensors = peft_files(model, name, base_model, model_type)  # every check before the first request
     api = HfApi(endpoint=endpoint, token=token, library_name=io.LIBRARY_NAME, library_version=io.library_version())
     api.create_repo(repo_id, private=private, exist_ok=True)
     if revision not in (None, "main"):
@@ -501,10 +556,13 @@ def load_adapter(
     path_or_repo_id: str | os.PathLike[str],
     *,
     revision: str | None = None,
+    model_type: str | None = None,
     token: str | bool | None = None,
     endpoint: str | None = None,
 ) -> dict[str, LoRA]:
     """Read a ``peft`` LoRA from a folder or a Hub repo as zoo LoRA blocks (see ``AdapterMixin.load_adapter``)."""
+    if model_type is not None:
+        name_map(model, model_type)  # a family that cannot represent the model fails before any download
     location, config_path, weights_path = _locate(path_or_repo_id, revision, token, endpoint)
     with io.reading(location):  # a local folder is held still while a save may be replacing its files
         config = io.read_json(config_path)
@@ -512,7 +570,7 @@ def load_adapter(
             tensors = io._read_pickle(weights_path)
         else:
             tensors = io._read_safetensors(weights_path)
-    return zoo_adapters(model, config, tensors, location.source)
+    return zoo_adapters(model, config, tensors, location.source, model_type)
 
 
 def _locate(

@@ -156,7 +156,12 @@ class AdapterMixin:
 
     # ------------------------------------------------------------------ files and the Hub
     def save_adapter(
-        self, save_directory: str | os.PathLike[str], name: str | None = None, *, base_model: str | None = None
+        self,
+        save_directory: str | os.PathLike[str],
+        name: str | None = None,
+        *,
+        base_model: str | None = None,
+        model_type: str | None = None,
     ) -> Path:
         """Write ``adapter_config.json`` and ``adapter_model.safetensors`` in the ``peft`` layout, atomically.
 
@@ -169,17 +174,23 @@ class AdapterMixin:
             save_directory: the folder (created if needed; other files in it are left alone).
             name: which adapter (default: the active one).
             base_model: recorded as ``base_model_name_or_path`` (e.g. the Hub repo of the base model).
+            model_type: the ``transformers`` family whose module names to write (default: the first that
+                represents the model, as ``models.convert.to_transformers`` picks; a BERT-shaped encoder that came
+                from a RoBERTa checkpoint needs ``model_type="roberta"``).
 
         Returns:
             The folder's path.
 
         Raises:
-            ValueError: no such adapter, an adapter kind without a ``peft`` layout, or adapted layers that the
-                ``transformers`` model has no module for. Nothing is written then.
+            ValueError: no such adapter, an adapter kind without a ``peft`` layout, a ``model_type`` that cannot
+                represent the model, or adapted layers that the ``transformers`` model has no module for. Nothing is
+                written then.
         """
         from . import adapter_io
 
-        return adapter_io.save_adapter(self, save_directory, self._adapter_to_save(name), base_model=base_model)
+        return adapter_io.save_adapter(
+            self, save_directory, self._adapter_to_save(name), base_model=base_model, model_type=model_type
+        )
 
     def load_adapter(
         self,
@@ -187,6 +198,7 @@ class AdapterMixin:
         name: str = "default",
         *,
         revision: str | None = None,
+        model_type: str | None = None,
         token: str | bool | None = None,
         endpoint: str | None = None,
     ) -> list[str]:
@@ -204,6 +216,8 @@ class AdapterMixin:
                 ``adapter_model.bin``, read with ``weights_only=True``), or a Hub repo id.
             name: the name to give the adapter on this model.
             revision: Hub branch, tag or commit (default ``"main"``); not for local folders.
+            model_type: read the module names as this ``transformers`` family's (default: the first family that
+                represents the model and has every module the adapter names).
             token, endpoint: passed to ``huggingface_hub``.
 
         Returns:
@@ -220,7 +234,9 @@ class AdapterMixin:
         from . import adapter_io
 
         self._check_new_name(name)
-        adapters = adapter_io.load_adapter(self, path_or_repo_id, revision=revision, token=token, endpoint=endpoint)
+        adapters = adapter_io.load_adapter(
+            self, path_or_repo_id, revision=revision, model_type=model_type, token=token, endpoint=endpoint
+        )
         self._install_adapter(name, adapters)
         return sorted(adapters)
 
@@ -233,6 +249,7 @@ class AdapterMixin:
         commit_message: str | None = None,
         revision: str | None = None,
         base_model: str | None = None,
+        model_type: str | None = None,
         token: str | bool | None = None,
         endpoint: str | None = None,
     ) -> CommitInfo:
@@ -246,6 +263,7 @@ class AdapterMixin:
             commit_message: default ``"Upload LoRA adapter with transformer-zoo"``.
             revision: branch to commit to (default ``"main"``).
             base_model: recorded as ``base_model_name_or_path`` and in the card.
+            model_type: the ``transformers`` family whose module names to write (see ``save_adapter``).
             token, endpoint: passed to ``huggingface_hub``.
 
         Returns:
@@ -259,7 +277,7 @@ class AdapterMixin:
 
         return adapter_io.push_adapter(
             self, repo_id, self._adapter_to_save(name), private=private, commit_message=commit_message,
-            revision=revision, base_model=base_model, token=token, endpoint=endpoint,
+            revision=revision, base_model=base_model, model_type=model_type, token=token, endpoint=endpoint,
         )
 
     # ------------------------------------------------------------------ helpers

@@ -15,7 +15,7 @@ from torch import nn
 import blocks
 from blocks.adapters import AdaptedLinear, LoRA
 from models import DecoderLM, EncoderLM, Seq2SeqConfig, Seq2SeqTransformer
-from models.adapter_io import name_map
+from models.adapter_io import name_map, name_maps
 from models.convert import save_transformers, supported_model_types, to_transformers
 from models.vit import VisionTransformer
 
@@ -288,17 +288,29 @@ EXPORTABLE = {
 }
 
 
+def tiny_of(model_type: str) -> nn.Module | None:
+    """A tiny model of the family: from the table above, else the ``<family>-tiny`` preset a converter registers."""
+    if model_type in EXPORTABLE:
+        return EXPORTABLE[model_type]()
+    for cls in (DecoderLM, EncoderLM, Seq2SeqTransformer, VisionTransformer):
+        if f"{model_type}-tiny" in cls.presets:
+            return cls.from_preset(f"{model_type}-tiny").eval()
+    return None
+
+
 @pytest.mark.parametrize("model_type", supported_model_types())
 def test_name_map_places_every_linear_weight_where_the_exporter_writes_it(model_type: str) -> None:
     """The probe's placements, applied to the *real* export, give back each zoo weight exactly."""
-    if model_type not in EXPORTABLE:
-        pytest.skip(f"no tiny {model_type} model in this test yet")
-    model = EXPORTABLE[model_type]()
+    model = tiny_of(model_type)
+    if model is None:
+        pytest.skip(f"no tiny {model_type} model")
+    if model_type not in blocks.names("hf_exporter"):
+        pytest.skip(f"{model_type} converts to the zoo but has no exporter")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()  # distinct values everywhere, so that a wrong placement cannot match by accident
     _, state = to_transformers(model, model_type)
-    placements = name_map(model).placements
+    placements = name_map(model, model_type).placements
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     tied = {n for n, m in linears.items() if any(m.weight is e.weight for e in model.modules() if isinstance(
         e, nn.Embedding))}
@@ -507,3 +519,26 @@ def test_adapters_follow_the_model_to_cuda_and_files_move_between_devices(dtype:
     torch.testing.assert_close(logits(cpu, x), on_gpu, atol=tolerance, rtol=0)
     model.merge_adapter()
     torch.testing.assert_close(logits(model, x.cuda()).float().cpu(), on_gpu, atol=tolerance, rtol=0)
+
+
+def test_an_adapter_finds_its_family_among_those_that_represent_the_model(tmp_path: Path) -> None:
+    """A RoBERTa-shaped encoder: peft's names (``roberta.encoder…``) pick the RoBERTa map, and ``model_type``
+    chooses the family to write."""
+    model = tiny_of("roberta")
+    assert "roberta" in name_maps(model)
+    save_transformers(model, tmp_path / "hf", "roberta")
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "hf").eval()
+    peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules=["query", "value"],
+                                                         init_lora_weights=False)).eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    x = ids()
+    model.load_adapter(tmp_path / "adapter")
+    torch.testing.assert_close(logits(model, x), hf_logits(peft_model, x), atol=1e-4, rtol=0)
+    model.save_adapter(tmp_path / "back", model_type="roberta")
+    from safetensors.torch import load_file
+
+    assert load_file(tmp_path / "back" / "adapter_model.safetensors").keys() == load_file(
+        tmp_path / "adapter" / "adapter_model.safetensors").keys()
+    with pytest.raises(ValueError, match="'gpt2' cannot represent this EncoderLM"):
+        model.save_adapter(tmp_path / "nowhere", model_type="gpt2")
+    assert not (tmp_path / "nowhere").exists()
