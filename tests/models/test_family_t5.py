@@ -218,6 +218,28 @@ def test_other_checkpoint_problems_are_refused_by_name() -> None:
         from_transformers(config, state)
 
 
+def test_old_config_json_defaults_and_stale_tensors() -> None:
+    """Flan-T5's config.json as the Hub has it (tie_word_embeddings false, no scale_decoder_outputs), one without
+    decoder_start_token_id (the pad id then), and the unused cross-attention table old versions saved."""
+    config, state = hf_checkpoint()
+    config = {k: v for k, v in config.items() if k not in ("scale_decoder_outputs", "decoder_start_token_id")}
+    config.update(tie_word_embeddings=False, pad_token_id=5)
+    state["lm_head.weight"] = state["shared.weight"] * 2.0
+    state["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"] = torch.zeros(12, 5)
+    c = from_transformers(config, state).config
+    assert (c.tie_embeddings, c.output_scale, c.decoder_start_token_id, c.pad_token_id) == (False, 1.0, 5, 5)
+
+
+@torch.no_grad()
+def test_left_padded_source_gives_the_same_logits(pair: tuple[str, nn.Module, Any]) -> None:
+    """Relative positions depend on distances only, so the zoo's real-token positions match transformers'."""
+    _, hf, zoo = pair
+    src, src_mask, tgt, _ = batch(seed=11)
+    src_mask = src_mask.flip(1)
+    expected = hf(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt).logits
+    assert_logits_close(expected, zoo(src, tgt, src_mask=src_mask.bool()).logits)
+
+
 def test_gated_silu_maps_to_swiglu() -> None:
     config, state = hf_checkpoint()
     state = {k.replace("DenseReluDense.wi.", "DenseReluDense.wi_0."): v for k, v in state.items()}
