@@ -66,3 +66,17 @@ def test_bad_schedule_arguments_are_rejected() -> None:
         noam_rate(1, 512, factor=-1.0)
     with pytest.raises(ValueError, match="min_ratio"):
         warmup_cosine_rate(1, 1, 10, min_ratio=2.0)
+
+
+def test_decay_groups_split_matrices_from_vectors() -> None:
+    import math
+
+    from training import decay_groups
+
+    layer = torch.nn.Linear(3, 2)
+    groups = decay_groups(layer.parameters(), 0.1)
+    assert [g["params"] for g in groups] == [[layer.weight], [layer.bias]]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    for bad in (math.nan, -1.0, True, "0.1"):
+        with pytest.raises(ValueError, match="weight_decay must be a finite number >= 0"):
+            decay_groups(layer.parameters(), bad)
