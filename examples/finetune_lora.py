@@ -8,7 +8,7 @@ the topic. The script reports trainable parameters, the memory of the training s
 moments, measured from the tensors) and the validation loss before and after; then it saves the adapter in the
 ``peft`` layout, loads it onto a fresh copy of the base and checks that the loss is the same.
 
-    python examples/finetune_lora.py                      # about two minutes on 2 CPU cores
+    python examples/finetune_lora.py                      # a few minutes on 2 CPU cores (pretraining is most of it)
     python examples/finetune_lora.py --base runs/demo --steps 300 --rank 16
 """
 
