@@ -111,6 +111,8 @@ def unique_state(model: nn.Module) -> dict[str, Tensor]:
         if id(tensor) in seen_objects:
             continue  # a tied alias: the model re-ties it when it is built
         seen_objects.add(id(tensor))
+        if hasattr(tensor, "full_tensor"):  # a DTensor of a sharded model: gather it (every rank must call this)
+            tensor = tensor.full_tensor()
         tensor = tensor.detach().cpu()
         storage = tensor.untyped_storage().data_ptr()
         if storage in seen_storages:

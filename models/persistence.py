@@ -20,6 +20,7 @@ from huggingface_hub import CommitOperationAdd, HfApi, ModelCardData
 from huggingface_hub.utils import validate_repo_id
 
 from . import checkpoint_io as io
+from .adapters import check_exportable
 from .auto import LoadOptions, load_pretrained, register_architecture
 
 if TYPE_CHECKING:
@@ -63,10 +64,12 @@ class PersistenceMixin:
 
         Raises:
             TypeError: ``save_directory`` is not a path, or ``tokenizer`` has no ``save`` method.
+            ValueError: the model carries adapters (``merge_and_unload()`` first, or ``save_adapter()``).
             NotADirectoryError: ``save_directory`` exists and is a file.
         """
         if not isinstance(save_directory, (str, os.PathLike)):
             raise TypeError(f"save_directory must be a folder path, got {type(save_directory).__name__}")
+        check_exportable(self, "save_pretrained", allow_merged=False)
         tokenizer = self._tokenizer_to_save(tokenizer)
         target = Path(save_directory).expanduser().resolve()  # leftovers are found beside the real folder
         if target.exists() and not target.is_dir():
@@ -131,6 +134,7 @@ class PersistenceMixin:
             huggingface_hub.errors.HfHubHTTPError: the Hub refused (e.g. no write access).
         """
         validate_repo_id(repo_id)
+        check_exportable(self, "push_to_hub", allow_merged=False)
         if not isinstance(private, bool):
             raise TypeError(f"private must be a bool, got {private!r}")
         if revision is not None and (not isinstance(revision, str) or not revision.strip()):

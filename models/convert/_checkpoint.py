@@ -140,7 +140,8 @@ class HFConfig:
         """
         data = self.data
         if parameters is None:
-            parameters = {**(data.get("rope_parameters") or {}), **(data.get("rope_scaling") or {})}
+            # As transformers reads them: an (old-style) rope_scaling replaces rope_parameters.
+            parameters = dict(data.get("rope_scaling") or data.get("rope_parameters") or {})
         theta = parameters.get("rope_theta", data.get("rope_theta", default_theta))
         fraction = parameters.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
         kind = parameters.get("rope_type", parameters.get("type", "default"))

@@ -57,6 +57,9 @@ def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[di
         ValueError: an unknown ``model_type``, or a model no (or not the named) family represents exactly;
             the message gives each family's reason.
     """
+    from ..adapters import check_exportable  # (models.adapters imports models.convert lazily, and so on)
+
+    check_exportable(model, "export to transformers", allow_merged=True)
     if model_type is not None:
         exporter = blocks.get(EXPORTER_KIND, model_type)
         try:
@@ -112,8 +115,8 @@ def activation_name(config: Any, allowed: tuple[str, ...] = tuple(ACTIVATION_NAM
 
 
 def tensors(model: nn.Module) -> dict[str, Tensor]:
-    """The model's state dict, detached."""
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    """The model's state dict, detached, without adapter tensors (a merged adapter is already in the weights)."""
+    return {k: v.detach() for k, v in model.state_dict().items() if ".adapters." not in k}
 
 
 def _unshared(result: tuple[dict[str, Any], dict[str, Tensor]]) -> tuple[dict[str, Any], dict[str, Tensor]]:

@@ -16,11 +16,13 @@ EXPECTED_NAMES = {
     "attention_backend": ["chunked", "flex", "math", "sdpa"],
     "attention": ["mha"],
     "mask": ["causal", "document", "padding", "prefix_lm", "sliding_window"],
-    "positional": ["alibi", "learned", "none", "rotary", "sinusoidal", "sinusoidal_concat"],
-    "ffn": ["geglu", "gelu", "gelu_tanh", "relu", "swiglu"],
-    "norm": ["layernorm", "rmsnorm"],
-    "sublayer": ["post_norm", "pre_norm"],
-    "layer": ["decoder", "encoder"],
+    "positional": ["alibi", "learned", "none", "rotary", "rotary_interleaved", "sinusoidal", "sinusoidal_concat",
+                   "t5_relative"],
+    "ffn": ["geglu", "geglu_tanh", "gelu", "gelu_tanh", "relu", "swiglu"],
+    "norm": ["identity", "layernorm", "rmsnorm", "rmsnorm_offset"],
+    "sublayer": ["post_norm", "pre_norm", "sandwich_norm"],
+    "layer": ["decoder", "encoder", "parallel"],
+    "adapter": ["lora"],
 }
 
 THROWAWAY = "test_registry_throwaway_kind"
@@ -54,6 +56,7 @@ def test_names_include_the_documented_components(kind: str) -> None:
         ("attention_backend", "chunked", blocks.backends.chunked_attention),
         ("attention_backend", "flex", blocks.backends.flex_attention_backend),
         ("attention", "mha", blocks.MultiHeadAttention),
+        ("adapter", "lora", blocks.adapters.LoRA),
         ("mask", "causal", blocks.causal_mask),
         ("mask", "sliding_window", blocks.sliding_window_mask),
         ("mask", "prefix_lm", blocks.prefix_lm_mask),

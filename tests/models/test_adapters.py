@@ -542,3 +542,20 @@ def test_an_adapter_finds_its_family_among_those_that_represent_the_model(tmp_pa
     with pytest.raises(ValueError, match="'gpt2' cannot represent this EncoderLM"):
         model.save_adapter(tmp_path / "nowhere", model_type="gpt2")
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_writing_a_model_with_unmerged_adapters_is_refused(tmp_path) -> None:
+    """save_pretrained / to_transformers would drop the adapter or store names no loader reads: refuse, name the fix."""
+    model = DecoderLM.from_preset("llama-tiny").eval()
+    model.add_adapter("lora", r=2, alpha=4, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="merge_and_unload"):
+        model.save_pretrained(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(ValueError, match="merge_and_unload"):
+        to_transformers(model, "llama")
+    model.merge_adapter()  # the weights now hold the adapter: the export computes what the model computes
+    config, state = to_transformers(model, "llama")
+    assert not any("lora" in key or "adapters" in key for key in state)
+    model.merge_and_unload()
+    model.save_pretrained(tmp_path / "ckpt")
+    assert DecoderLM.from_pretrained(tmp_path / "ckpt").config == model.config

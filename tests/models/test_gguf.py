@@ -8,13 +8,12 @@ import math
 import sys
 from pathlib import Path
 
+import accelerate  # noqa: E402, F401  (transformers' GGUF loader needs it; a dev dependency: missing fails)
+import gguf  # noqa: E402
 import numpy as np
 import pytest
 import torch
-
-gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+import transformers  # noqa: E402
 
 from models.gguf import SUPPORTED_TYPES, read_gguf  # noqa: E402
 
@@ -535,23 +534,6 @@ def test_missing_gguf_package(monkeypatch, f32_file):
 
 
 # --------------------------------------------------------------------------------------------- end to end
-def _has_llama_converter() -> bool:
-    from models.convert import supported_model_types
-
-    return "llama" in supported_model_types()
-
-
-def _auto_reads_gguf() -> bool:
-    import inspect
-
-    import models.auto
-
-    return "read_gguf" in inspect.getsource(models.auto)
-
-
-needs_converter = pytest.mark.skipif(not _has_llama_converter(), reason="no llama converter (models/convert/llama.py)")
-
-
 def zoo_from_gguf(path: Path):
     from models.auto import load_state_into
     from models.convert import from_transformers
@@ -563,7 +545,6 @@ def zoo_from_gguf(path: Path):
     return zoo.eval()
 
 
-@needs_converter
 @pytest.mark.parametrize("type_name, variant", [("F32", "gqa"), ("Q8_0", "gqa"), ("Q4_K", "wide"), ("F16", "tied")])
 def test_zoo_logits_match_transformers_from_the_same_file(tmp_path, model, wide_model, type_name, variant):
     if variant == "tied":  # tied embeddings, head_dim 32 on d_model 64 with 4 heads
@@ -578,7 +559,6 @@ def test_zoo_logits_match_transformers_from_the_same_file(tmp_path, model, wide_
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-@needs_converter
 def test_zoo_logits_with_biases(tmp_path):
     """transformers' GGUF loader drops q/k/v/o and MLP biases; the model the file came from is the reference."""
     source = tiny_llama(attention_bias=True, mlp_bias=True)
@@ -592,7 +572,6 @@ def test_zoo_logits_with_biases(tmp_path):
         torch.testing.assert_close(zoo_from_gguf(path)(ids).logits, source(ids).logits, atol=1e-4, rtol=0)
 
 
-@needs_converter
 def test_zoo_logits_with_llama3_rope_scaling(tmp_path):
     """transformers' GGUF loader drops rope_freqs; the model it came from is the reference here."""
     scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 16.0, "original_max_position_embeddings": 64}
@@ -604,8 +583,6 @@ def test_zoo_logits_with_llama3_rope_scaling(tmp_path):
         torch.testing.assert_close(zoo_from_gguf(path)(ids).logits, original(ids).logits, atol=1e-4, rtol=0)
 
 
-@needs_converter
-@pytest.mark.skipif(not _auto_reads_gguf(), reason="models.from_pretrained has no .gguf branch yet")
 def test_from_pretrained_gguf(tmp_path, model):
     import models
 
