@@ -129,13 +129,25 @@ class SamplingParams:
 
         Shapes: logits ``(B, V)``, seen ``(B, V)`` -> ``(B,)``.
         """
-        scores = logits.float()
-        if self.uses_history:
-            if seen is None:
-                raise ValueError("repetition_penalty needs the tokens already seen (seen=None given)")
-            scores = apply_repetition_penalty(scores, seen, self.repetition_penalty)
         if not self.do_sample:
-            return scores.argmax(dim=-1)
+            return self._penalised(logits, seen).argmax(dim=-1)
+        return torch.multinomial(self.probabilities(logits, seen), 1, generator=generator).squeeze(-1)
+
+    def probabilities(self, logits: Tensor, seen: Tensor | None = None) -> Tensor:
+        """The distribution sampling draws from: repetition penalty, temperature, top-k, top-p, then softmax.
+
+        Speculative decoding needs these probabilities themselves (for the rejection rule), not only a draw.
+
+        Args:
+            logits: next-token logits, any leading shape.
+            seen: bool, True where a token already occurs in the row (needed if ``uses_history``).
+
+        Returns:
+            float32 probabilities summing to 1 over the last dimension.
+
+        Shapes: logits ``(..., V)`` -> ``(..., V)``.
+        """
+        scores = self._penalised(logits, seen)
         if self.temperature != 1.0:
             # Shift each row's maximum to 0 before dividing: raw logits over a tiny temperature overflow to inf
             # and the softmax to NaN, while shifted ones go to -inf except the maximum (sampling tends to greedy
@@ -147,8 +159,15 @@ class SamplingParams:
             scores = top_k_filter(scores, self.top_k)
         if self.top_p is not None:
             scores = top_p_filter(scores, self.top_p)
-        probs = scores.softmax(dim=-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return scores.softmax(dim=-1)
+
+    def _penalised(self, logits: Tensor, seen: Tensor | None) -> Tensor:
+        scores = logits.float()
+        if self.uses_history:
+            if seen is None:
+                raise ValueError("repetition_penalty needs the tokens already seen (seen=None given)")
+            scores = apply_repetition_penalty(scores, seen, self.repetition_penalty)
+        return scores
 
 
 def seen_tokens(ids: Tensor, mask: Tensor | None, vocab_size: int) -> Tensor:

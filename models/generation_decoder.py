@@ -1,0 +1,236 @@
+"""``DecoderLM.generate`` / ``stream``: greedy or sampled continuation of (left-padded) prompts with a KV cache.
+
+Every step runs the model on one new token per row. See ``models.generation`` for what the families share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from . import generation as _shared
+from .generation import (
+    CONFIG_DEFAULT,
+    _check_count,
+    _check_generator,
+    _each_step_in_eval_mode,
+    _eval_mode,
+    _make_room,
+    _resolve_eos_pad,
+    _sampling_params,
+    _Step,
+    _token_loop,
+)
+from .sampling import SamplingParams, seen_tokens
+
+
+@dataclasses.dataclass
+class _LMRequest:
+    """A validated ``DecoderLM.generate`` request."""
+
+    prompt: Tensor  # (B, L), L >= 1
+    mask: Tensor | None  # (B, L) bool, None when nothing is padded
+    max_new_tokens: int
+    params: SamplingParams
+    eos: int | None
+    pad: int
+    generator: torch.Generator | None
+
+
+
+class DecoderLMGenerationMixin:
+    """``generate`` and ``stream`` for ``DecoderLM``."""
+
+    def generate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        eos_token_id: int | None = CONFIG_DEFAULT,
+        pad_token_id: int | None = CONFIG_DEFAULT,
+        generator: torch.Generator | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+        draft_model: DecoderLMGenerationMixin | None = None,
+        num_draft_tokens: int = 4,
+    ) -> Tensor:
+        """Continue each prompt by up to ``max_new_tokens`` tokens.
+
+        Prompts of different lengths are left-padded and come with an ``attention_mask``; positions count real
+        tokens only, so each row gets the tokens it would get alone. A row stops at its first EOS and is padded
+        with ``pad_token_id`` after it; generation ends when every row has stopped or after ``max_new_tokens``.
+
+        Args:
+            input_ids: ``(B, L)`` prompt ids; ``L = 0`` starts every row from ``config.bos_token_id`` (which
+                then appears in the output as the prompt).
+            attention_mask: ``(B, L)`` bool or 0/1, True = real token; padding must be on the left.
+            max_new_tokens: the most tokens to add (>= 0).
+            do_sample: sample from the distribution instead of taking the arg-max.
+            temperature: logits are divided by it before sampling (> 0 when sampling).
+            top_k: sample among the k most likely tokens only.
+            top_p: sample from the smallest set of tokens holding probability ``top_p`` (in (0, 1]).
+            repetition_penalty: CTRL's penalty (> 0) on tokens already in the row, prompt included.
+            eos_token_id: stop token (default ``config.eos_token_id``; None disables stopping).
+            pad_token_id: written after a row's EOS (default ``config.pad_token_id``, else the EOS id).
+            generator: the random generator for sampling, for reproducible samples.
+            sampling: all the sampling settings as one ``SamplingParams`` (instead of ``do_sample``,
+                ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``; giving both is an error).
+            draft_model: a smaller ``DecoderLM`` with the same vocabulary for speculative decoding (Leviathan et
+                al. 2023): it proposes ``num_draft_tokens`` tokens, this model checks them in one forward pass.
+                Greedy output is identical to plain greedy decoding; sampled output follows this model's
+                distribution exactly. See ``models.speculative``.
+            num_draft_tokens: tokens the draft proposes per round (>= 1), with ``draft_model``.
+
+        Returns:
+            ``(B, L + n)`` long: the prompt followed by the ``n <= max_new_tokens`` generated positions.
+
+        Raises:
+            ValueError: bad ids or mask, right padding, ``temperature <= 0`` with sampling, ``top_p`` outside
+                (0, 1], ``top_k < 1``, ``repetition_penalty <= 0``, token ids outside the vocabulary, or a
+                prompt + ``max_new_tokens`` longer than learned positions can represent (``max_len``).
+
+        Shapes: ``input_ids (B, L)`` -> ``(B, L + n)``.
+        """
+        request = self._lm_request(
+            input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+            eos_token_id, pad_token_id, generator, sampling,
+        )
+        if draft_model is not None:
+            from .speculative import check_draft, speculative_steps
+
+            check_draft(self, draft_model, num_draft_tokens, request)
+            with _eval_mode(self), _eval_mode(draft_model):
+                return speculative_steps(self, draft_model, request, int(num_draft_tokens)).sequences
+        # Tokens are collected, not written into a (B, L + max_new_tokens) buffer: generation may stop at EOS
+        # long before max_new_tokens, which may be huge.
+        with _eval_mode(self):
+            tokens = [step.tokens for step in self._lm_steps(request)]
+        # Built outside inference mode: the result must stay usable in autograd (e.g. as training input).
+        return torch.cat([request.prompt, *(t[:, None] for t in tokens)], dim=1)
+
+    def stream(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        eos_token_id: int | None = CONFIG_DEFAULT,
+        pad_token_id: int | None = CONFIG_DEFAULT,
+        generator: torch.Generator | None = None,
+        *,
+        sampling: SamplingParams | None = None,
+    ) -> Iterator[Tensor]:
+        """Like ``generate``, but yield each step's tokens as soon as they are chosen.
+
+        The arguments are checked when ``stream`` is called. Each step runs in eval mode, and the model's
+        training flags are restored before each token is yielded: between tokens the model is as the caller left
+        it, whatever other streams are open.
+
+        Returns:
+            An iterator of ``(B,)`` long tensors, one per generated position (``pad_token_id`` for rows that
+            have stopped); stacking them along dim 1 gives ``generate(...)[:, L:]``.
+
+        Raises:
+            ValueError: as ``generate``.
+        """
+        request = self._lm_request(
+            input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+            eos_token_id, pad_token_id, generator, sampling,
+        )
+        return (step.tokens.clone() for step in _each_step_in_eval_mode(self, self._lm_steps(request)))
+
+    def _lm_request(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        max_new_tokens: int,
+        do_sample: bool,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        repetition_penalty: float | None,
+        eos_token_id: int | None,
+        pad_token_id: int | None,
+        generator: torch.Generator | None,
+        sampling: SamplingParams | None = None,
+    ) -> _LMRequest:
+        """Check every argument before any computation and resolve the defaults."""
+        config = self.config
+        self.check_ids(input_ids, "input_ids")
+        b, length = input_ids.shape
+        mask = self.check_mask(attention_mask, (b, length), "attention_mask")
+        _check_count(max_new_tokens, "max_new_tokens")
+        params = _sampling_params(sampling, do_sample, temperature, top_k, top_p, repetition_penalty)
+        eos, pad = _resolve_eos_pad(eos_token_id, pad_token_id, config)
+        _check_generator(generator, input_ids.device)
+        if length == 0:
+            bos = config.bos_token_id
+            if bos is None:
+                raise ValueError("the prompt is empty (L=0) and config.bos_token_id is None; give a prompt")
+            input_ids = torch.full((b, 1), bos, dtype=torch.long, device=input_ids.device)
+            mask = None
+        if mask is not None:
+            if not bool(mask[:, -1].all()):
+                rows = (~mask[:, -1]).nonzero().flatten().tolist()
+                raise ValueError(
+                    f"attention_mask rows {rows} end in padding; pad prompts on the left so that new tokens "
+                    "follow the last real token"
+                )
+            if bool(mask.all()):
+                mask = None  # nothing padded: the unmasked path is cheaper at every step
+        longest = input_ids.shape[1] if mask is None else int(mask.sum(dim=-1).max())
+        capacity = self.positional.max_positions
+        if capacity is not None and longest + max_new_tokens > capacity:
+            raise ValueError(
+                f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} = {longest + max_new_tokens} "
+                f"positions, but the model's {self.config.positional} positions go up to max_len={capacity}"
+            )
+        return _LMRequest(input_ids, mask, max_new_tokens, params, eos, pad, generator)
+
+    @torch.inference_mode()
+    def _lm_steps(self, request: _LMRequest) -> Iterator[_Step]:
+        """Prefill the prompt into a cache, then decode one token per row per step (the caller sets eval mode)."""
+        if request.max_new_tokens == 0:
+            return
+        prompt, mask = request.prompt, request.mask
+        b, length = prompt.shape
+        # Positions ever cached: the prompt and the generated tokens (the last one is not fed back, but a spare
+        # position costs little and keeps the size the plain prompt + max_new_tokens).
+        limit = length + request.max_new_tokens
+        cache = _shared.new_caches(len(self.layers), min(limit, length + _shared.CACHE_CHUNK))
+        mask_buffer = None
+        if mask is not None:
+            # The mask of every step is a prefix of one buffer: generated tokens are always real.
+            mask_buffer = torch.ones((b, cache[0].self_attn.max_len), dtype=torch.bool, device=mask.device)
+            mask_buffer[:, :length] = mask
+        logits = self(prompt, attention_mask=mask, cache=cache, logits_to_keep=1).logits[:, -1]
+        filled = length
+
+        def step(tokens: Tensor) -> Tensor:
+            nonlocal filled, mask_buffer
+            _make_room(cache, 1, limit)
+            filled += 1
+            step_mask = None
+            if mask_buffer is not None:
+                if mask_buffer.shape[1] < filled:
+                    mask_buffer = torch.cat([mask_buffer, torch.ones_like(mask_buffer)], dim=1)
+                step_mask = mask_buffer[:, :filled]
+            return self(tokens[:, None], attention_mask=step_mask, cache=cache).logits[:, -1]
+
+        seen = seen_tokens(prompt, mask, self.config.vocab_size) if request.params.uses_history else None
+        yield from _token_loop(
+            logits, step, request.params, request.generator, request.eos, request.pad, request.max_new_tokens, seen
+        )
+
