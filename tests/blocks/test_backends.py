@@ -407,3 +407,41 @@ def test_other_bad_shapes_raise(name: str) -> None:
         backend(name)(q, torch.randn(3, 2, 3, 4), torch.randn(3, 2, 3, 4))
     with pytest.raises(ValueError, match="agree"):
         backend(name)(q, torch.randn(2, 2, 3, 4), torch.randn(2, 2, 4, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_flex_gradients_equal_math_on_cuda(softcap: float | None) -> None:
+    """PyTorch has no flex backward on CPU (the CPU gradient test skips); on CUDA the compiled kernel's gradients
+    must equal the reference's, with a mask, a bias, GQA and soft-capping."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 48, 32, device="cuda", requires_grad=True)
+    k = torch.randn(2, 2, 64, 32, device="cuda", requires_grad=True)
+    v = torch.randn(2, 2, 64, 32, device="cuda", requires_grad=True)
+    mask = torch.rand(2, 1, 48, 64, device="cuda") > 0.3
+    bias = torch.randn(1, 4, 48, 64, device="cuda")
+    grads = []
+    for name in ("math", "flex"):
+        out = backend(name)(q, k, v, mask=mask, bias=bias, is_causal=True, softcap=softcap)
+        grads.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+    for ref, got in zip(*grads, strict=True):
+        torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@given(data=st.data())
+@settings(max_examples=5)
+def test_softcap_equals_the_formula(name: str, data: st.DataObject) -> None:
+    """Gemma 2's capping: softmax(cap · tanh(q·k·scale / cap) + bias) V, written out in float64."""
+    case = data.draw(attention_cases())
+    q, k, v, mask = case["q"], case["k"], case["v"], case["mask"]
+    cap = data.draw(st.sampled_from([0.5, 2.0, 30.0]))
+    h, hkv = q.shape[1], k.shape[1]
+    kv_head = torch.arange(h) // (h // hkv)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()[:, kv_head]) / math.sqrt(q.shape[-1])
+    scores = cap * torch.tanh(scores / cap)
+    allowed = torch.ones_like(scores, dtype=torch.bool) if mask is None else mask.expand_as(scores)
+    weights = torch.nan_to_num(torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1), nan=0.0)
+    expected = (weights @ v.double()[:, kv_head]).float()
+    with torch.no_grad():
+        torch.testing.assert_close(call(name, q, k, v, mask=mask, softcap=cap), expected, atol=1e-4, rtol=1e-4)

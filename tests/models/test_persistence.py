@@ -41,7 +41,7 @@ def tiny(name: str, **overrides) -> torch.nn.Module:
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(4, 100, (2, 6), generator=gen)
+    ids = torch.randint(4, 100, (2, 6), generator=gen).to(next(model.parameters()).device)
     with torch.no_grad():
         if isinstance(model, Seq2SeqTransformer):
             return model(ids, ids[:, :4]).logits
