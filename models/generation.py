@@ -191,6 +191,30 @@ def _check_generator(generator: Any, device: torch.device) -> None:
         raise ValueError(f"generator is on {generator.device}, but the inputs are on {device}")
 
 
+class QuantizeMixin:
+    """``quantize`` for every family: weight-only int8 decoding (see ``blocks.quantized``)."""
+
+    def quantize(self, scheme: str = "int8") -> nn.Module:
+        """Store every linear layer's weight as int8 with a float32 scale per output channel, in place.
+
+        Meant for inference (decoding reads each weight once per token, so a quarter of the bytes is read);
+        the quantized layers hold buffers, not trainable parameters. A head tied to the embedding gets its own
+        int8 copy; the embedding stays float.
+
+        Args:
+            scheme: a name of ``blocks.names("quantization")`` (``"int8"``).
+
+        Returns:
+            The model itself.
+
+        Raises:
+            ValueError: unknown ``scheme``.
+        """
+        from blocks.quantized import quantize_linears
+
+        return quantize_linears(self, scheme)
+
+
 def _sampling_params(
     sampling: SamplingParams | None,
     do_sample: bool,

@@ -14,6 +14,7 @@ from torch import Tensor
 from . import generation as _shared
 from .generation import (
     CONFIG_DEFAULT,
+    QuantizeMixin,
     _check_count,
     _check_generator,
     _each_step_in_eval_mode,
@@ -41,7 +42,7 @@ class _LMRequest:
 
 
 
-class DecoderLMGenerationMixin:
+class DecoderLMGenerationMixin(QuantizeMixin):
     """``generate`` and ``stream`` for ``DecoderLM``."""
 
     def generate(

@@ -16,6 +16,7 @@ from . import generation as _shared
 from .beam_search import beam_search, gnmt_length_penalty
 from .generation import (
     CONFIG_DEFAULT,
+    QuantizeMixin,
     _check_count,
     _check_generator,
     _eval_mode,
@@ -28,7 +29,7 @@ from .generation import (
 from .sampling import SamplingParams, seen_tokens
 
 
-class Seq2SeqGenerationMixin:
+class Seq2SeqGenerationMixin(QuantizeMixin):
     """``generate`` (beam search / greedy) for ``Seq2SeqTransformer``."""
 
     def generate(
