@@ -4,17 +4,7 @@
 Importing this package registers every component.
 """
 
-from . import (  # noqa: F401  (registers components)
-    adapters,
-    backends,
-    ffn,
-    masks,
-    norm,
-    patch_embedding,
-    positional,
-    quantized,  # noqa: F401  (registers the int8 linear layer)
-    sublayer,
-)
+from . import adapters, backends, ffn, masks, norm, patch_embedding, positional, quantized, sublayer  # noqa: F401  (registers components)
 from .attention import MultiHeadAttention
 from .kv_cache import KVCache, LayerCache, StaticKVCache, reorder_caches
 from .layers import DecoderLayer, EncoderLayer, decoder_layer, encoder_layer
