@@ -137,8 +137,8 @@ class MultiHeadAttention(nn.Module):
         return F.linear(x, weight, bias).split(sizes, dim=-1)
 
     def _split(self, x: Tensor, n_heads: int) -> Tensor:
-        b, length, _ = x.shape
-        return x.view(b, length, n_heads, -1).transpose(1, 2)  # (B, H, L, D)
+        b, length, width = x.shape
+        return x.view(b, length, n_heads, width // n_heads).transpose(1, 2)  # (B, H, L, D); B or L may be 0
 
     def forward(
         self,

@@ -223,7 +223,23 @@ def cached_length(cache: list[LayerCache] | None) -> int:
 
 
 def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean cross-entropy over positions whose label is not -100."""
-    return nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
-    )
+    """Mean cross-entropy over positions whose label is not -100.
+
+    With every label ignored (an empty micro-batch) the loss is 0 with zero gradient, not NaN, so one such batch
+    cannot poison a run.
+
+    Raises:
+        ValueError: labels that are not integers, or ids outside ``[0, vocab_size)`` other than -100 (named).
+    """
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+        raise ValueError(f"labels must hold integer token ids (or -100), got dtype {labels.dtype}")
+    vocab = logits.shape[-1]
+    flat_logits, flat_labels = logits.reshape(-1, vocab).float(), labels.reshape(-1)
+    kept = flat_labels != -100
+    if not torch.compiler.is_compiling():  # (reads tensor data: one host sync, skipped inside a compiled graph)
+        outside = kept & ((flat_labels < 0) | (flat_labels >= vocab))
+        if bool(outside.any()):
+            bad = int(flat_labels[outside][0])
+            raise ValueError(f"labels contain {bad}, outside the vocabulary [0, vocab_size={vocab}) and not -100")
+    total = nn.functional.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
+    return total / kept.sum().clamp(min=1)

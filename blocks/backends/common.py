@@ -28,6 +28,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Ten
         raise ValueError(f"q and k head dims differ: {d} vs {dk}")
     if v.shape[1] != hkv or v.shape[2] != lk:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in heads and length")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if hkv < 1 or h % hkv != 0:
         raise ValueError(f"query heads H={h} must be a multiple of key/value heads Hkv={hkv}")
     full = (b, h, q.shape[2], lk)

@@ -445,3 +445,12 @@ def test_softcap_equals_the_formula(name: str, data: st.DataObject) -> None:
     expected = (weights @ v.double()[:, kv_head]).float()
     with torch.no_grad():
         torch.testing.assert_close(call(name, q, k, v, mask=mask, softcap=cap), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_zero_keys_give_zero_rows_and_mixed_dtypes_are_refused(name: str) -> None:
+    q = torch.randn(1, 2, 3, 4)
+    empty = torch.randn(1, 2, 0, 4)
+    assert torch.equal(backend(name)(q, empty, empty), torch.zeros(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="one dtype"):
+        backend(name)(q, q.double(), q)

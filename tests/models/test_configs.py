@@ -195,3 +195,42 @@ def test_labels_and_segments_are_checked():
         tiny(DecoderLM)(x, labels=torch.tensor([[1, 2]]))
     with pytest.raises(ValueError, match="labels must have shape"):
         tiny(Seq2SeqTransformer)(x, x, labels=torch.tensor([[1, 2]]))
+
+
+@pytest.mark.parametrize("cls", MODELS)
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0)])
+def test_empty_batches_and_sequences_give_empty_logits(cls, shape):
+    model = cls.from_preset("tiny", vocab_size=50, d_model=16, n_heads=2, d_ff=32).eval()
+    ids = torch.zeros(shape, dtype=torch.long)
+    out = model(ids, ids) if cls is Seq2SeqTransformer else model(ids)
+    assert out.logits.shape == (*shape, 50)
+
+
+@pytest.mark.parametrize("cls", MODELS)
+def test_bad_labels_raise_and_all_ignored_labels_give_zero_loss(cls):
+    model = cls.from_preset("tiny", vocab_size=50, d_model=16, n_heads=2, d_ff=32)
+    ids = torch.randint(0, 50, (2, 6))
+
+    def loss(labels):
+        return (model(ids, ids, labels=labels) if cls is Seq2SeqTransformer else model(ids, labels=labels)).loss
+
+    for bad, message in ((50, "contain 50, outside"), (-3, "contain -3, outside")):
+        labels = ids.clone()
+        labels[1, 2] = bad
+        with pytest.raises(ValueError, match=message):
+            loss(labels)
+    with pytest.raises(ValueError, match="integer token ids"):
+        loss(ids.float())
+    ignored = loss(torch.full_like(ids, -100))
+    assert ignored.item() == 0.0
+    ignored.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    # and one real label is the plain cross-entropy at that position
+    labels = torch.full_like(ids, -100)
+    labels[0, 3] = 7
+    model.eval()
+    with torch.no_grad():
+        out = model(ids, ids) if cls is Seq2SeqTransformer else model(ids)
+        position = (0, 2) if cls is DecoderLM else (0, 3)  # DecoderLM predicts labels[t + 1] from position t
+        expected = -torch.log_softmax(out.logits[position], -1)[7]
+        torch.testing.assert_close(loss(labels), expected)
