@@ -94,3 +94,40 @@ def reorder_caches(caches: list[LayerCache], index: Tensor) -> None:
     index = index.to(torch.long)
     for cache in caches:
         cache.reorder(index)
+
+
+class BucketKVCache:
+    """A fixed-shape self-attention cache for compiled decoding: every step has the same shapes.
+
+    The buffers hold ``bucket`` positions; ``length`` always reports ``bucket - 1`` so that a one-token step sees
+    ``bucket`` keys, and a ``(B, bucket)`` padding mask (True = written, real slot, the current one included) hides
+    the slots not written yet. New keys/values are written at the slot held in the long tensor ``index``: the
+    caller moves it (in place) between steps, so neither the write position nor any shape is a Python number
+    that a compiled graph would specialise on — one graph serves every step and every prompt length of the bucket.
+
+    Args:
+        k, v: ``(B, Hkv, bucket, D)`` buffers (written in place).
+        index: ``(1,)`` long, the slot of the next write (shared by all layers).
+    """
+
+    def __init__(self, k: Tensor, v: Tensor, index: Tensor) -> None:
+        if k.shape[:3] != v.shape[:3] or index.shape != (1,) or index.dtype != torch.long:
+            raise ValueError(
+                f"BucketKVCache needs k, v (B, Hkv, bucket, D) of one shape and a (1,) long index, got "
+                f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(index.shape)} {index.dtype}"
+            )
+        self.k, self.v, self.index = k, v, index
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2] - 1
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write one position ``k, v`` ``(B, Hkv, 1, D)`` at ``index``; return the whole buffers."""
+        self.k.index_copy_(2, self.index, k)
+        self.v.index_copy_(2, self.index, v)
+        return self.k, self.v

@@ -39,6 +39,7 @@ class _LMRequest:
     eos: int | None
     pad: int
     generator: torch.Generator | None
+    compile: bool = False  # decode with the compiled static-shape step
 
 
 
@@ -62,6 +63,7 @@ class DecoderLMGenerationMixin(QuantizeMixin):
         sampling: SamplingParams | None = None,
         draft_model: DecoderLMGenerationMixin | None = None,
         num_draft_tokens: int = 4,
+        compile: bool = False,  # noqa: A002 - the name torch uses for this switch
     ) -> Tensor:
         """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -89,6 +91,9 @@ class DecoderLMGenerationMixin(QuantizeMixin):
                 Greedy output is identical to plain greedy decoding; sampled output follows this model's
                 distribution exactly. See ``models.speculative``.
             num_draft_tokens: tokens the draft proposes per round (>= 1), with ``draft_model``.
+            compile: decode with a compiled static-shape step over a bucketed cache
+                (``models.generation_compiled``): the first call per model and bucket pays the compile, later
+                calls and other prompt lengths of the bucket reuse the graph. Not with ``draft_model``.
 
         Returns:
             ``(B, L + n)`` long: the prompt followed by the ``n <= max_new_tokens`` generated positions.
@@ -102,11 +107,13 @@ class DecoderLMGenerationMixin(QuantizeMixin):
         """
         request = self._lm_request(
             input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
-            eos_token_id, pad_token_id, generator, sampling,
+            eos_token_id, pad_token_id, generator, sampling, compile,
         )
         if draft_model is not None:
             from .speculative import check_draft, speculative_steps
 
+            if compile:
+                raise ValueError("compile=True cannot be combined with draft_model (speculative decoding)")
             check_draft(self, draft_model, num_draft_tokens, request)
             with _eval_mode(self), _eval_mode(draft_model):
                 return speculative_steps(self, draft_model, request, int(num_draft_tokens)).sequences
@@ -132,12 +139,16 @@ class DecoderLMGenerationMixin(QuantizeMixin):
         generator: torch.Generator | None = None,
         *,
         sampling: SamplingParams | None = None,
+        compile: bool = False,  # noqa: A002 - the name torch uses for this switch
     ) -> Iterator[Tensor]:
         """Like ``generate``, but yield each step's tokens as soon as they are chosen.
 
         The arguments are checked when ``stream`` is called. Each step runs in eval mode, and the model's
         training flags are restored before each token is yielded: between tokens the model is as the caller left
         it, whatever other streams are open.
+
+        Args:
+            compile: as ``generate``; the other arguments too.
 
         Returns:
             An iterator of ``(B,)`` long tensors, one per generated position (``pad_token_id`` for rows that
@@ -148,7 +159,7 @@ class DecoderLMGenerationMixin(QuantizeMixin):
         """
         request = self._lm_request(
             input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
-            eos_token_id, pad_token_id, generator, sampling,
+            eos_token_id, pad_token_id, generator, sampling, compile,
         )
         return (step.tokens.clone() for step in _each_step_in_eval_mode(self, self._lm_steps(request)))
 
@@ -166,6 +177,7 @@ class DecoderLMGenerationMixin(QuantizeMixin):
         pad_token_id: int | None,
         generator: torch.Generator | None,
         sampling: SamplingParams | None = None,
+        compile: bool = False,  # noqa: A002
     ) -> _LMRequest:
         """Check every argument before any computation and resolve the defaults."""
         config = self.config
@@ -198,11 +210,23 @@ class DecoderLMGenerationMixin(QuantizeMixin):
                 f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} = {longest + max_new_tokens} "
                 f"positions, but the model's {self.config.positional} positions go up to max_len={capacity}"
             )
-        return _LMRequest(input_ids, mask, max_new_tokens, params, eos, pad, generator)
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
+        request = _LMRequest(input_ids, mask, max_new_tokens, params, eos, pad, generator, compile)
+        if compile:
+            from .generation_compiled import check_compilable
+
+            check_compilable(self, request)
+        return request
 
     @torch.inference_mode()
     def _lm_steps(self, request: _LMRequest) -> Iterator[_Step]:
         """Prefill the prompt into a cache, then decode one token per row per step (the caller sets eval mode)."""
+        if request.compile:
+            from .generation_compiled import compiled_steps
+
+            yield from compiled_steps(self, request)
+            return
         if request.max_new_tokens == 0:
             return
         prompt, mask = request.prompt, request.mask

@@ -1,0 +1,145 @@
+"""A compiled, static-shape decode step for ``DecoderLM.generate(..., compile=True)``.
+
+Decoding one token at a time is dispatch-bound in eager mode (hundreds of small operators per token). Here the
+one-token step is compiled once (``torch.compile``: inductor on CPU; CUDA graphs, ``mode="reduce-overhead"``, on
+CUDA) over a cache whose shapes never change:
+
+- the cache (``blocks.kv_cache.BucketKVCache``) is preallocated in *buckets* of length (powers of two from
+  ``MIN_BUCKET``), so prompts of different lengths with the same bucket reuse one graph;
+- the write slot is a long tensor and the visible slots are a ``(B, bucket)`` mask, both updated in place between
+  steps: positions (counted from the mask, as for left padding) and the write index are tensors, never Python
+  numbers a graph would specialise on;
+- the buffers of a ``(model, batch, bucket)`` are kept and reused by later calls, so a later call reuses the
+  graph (dynamo guards on the objects it reads).
+
+The prompt is prefilled eagerly (its length varies) into an ordinary cache whose contents are copied into the
+bucket. Token choice (greedy, sampling, repetition penalty, EOS) runs outside the graph on the step's logits, so
+every ``generate`` option works; tokens are identical to the eager path for greedy decoding up to float
+rounding (inductor may reorder reductions; the test checks identity on its models).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from blocks.kv_cache import BucketKVCache, LayerCache
+
+from . import generation as _shared
+from .generation import _Step, _token_loop
+from .sampling import seen_tokens
+
+if TYPE_CHECKING:
+    from .generation_decoder import _LMRequest
+
+#: The smallest cache bucket; buckets double from here.
+MIN_BUCKET = 64
+
+# Per model: {(batch, bucket, dtype, device): (caches, mask, index)} — reused so that the graph's guards hold.
+_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def bucket_length(needed: int, capacity: int | None) -> int:
+    """The smallest bucket (``MIN_BUCKET`` · 2^n) holding ``needed`` positions, capped at ``capacity``."""
+    bucket = MIN_BUCKET
+    while bucket < needed:
+        bucket *= 2
+    return bucket if capacity is None else max(needed, min(bucket, capacity))
+
+
+def check_compilable(model: Any, request: _LMRequest) -> None:
+    """Reject what the compiled path does not support, before any work.
+
+    Raises:
+        ValueError: naming the unsupported setting — a model whose attention backend is not ``"sdpa"`` or
+            ``"math"`` (the others are not traced here).
+    """
+    backend = getattr(model.config, "attention_backend", "sdpa")
+    if backend not in ("sdpa", "math", None):
+        raise ValueError(
+            f"compile=True supports the 'sdpa' and 'math' attention backends, the model uses {backend!r}; "
+            "use compile=False"
+        )
+
+
+def _step(model: Any, tokens: Tensor, mask: Tensor, caches: list[LayerCache]) -> Tensor:
+    return model(tokens, attention_mask=mask, cache=caches).logits[:, -1]
+
+
+#: The ``torch.compile`` backend (tests use ``"aot_eager"`` to count graphs without paying inductor's C++ build).
+BACKEND = "inductor"
+
+_COMPILED: dict[tuple[str, str], Any] = {}
+
+
+def _compiled_step(device: torch.device) -> Any:
+    """One compiled step function per device kind (dynamo keeps one graph per model and bucket under it)."""
+    key = (device.type, BACKEND)
+    if key not in _COMPILED:
+        mode = "reduce-overhead" if device.type == "cuda" and BACKEND == "inductor" else None
+        _COMPILED[key] = torch.compile(_step, dynamic=False, backend=BACKEND, mode=mode)
+    return _COMPILED[key]
+
+
+def _buffers(model: Any, caches: list[LayerCache], b: int, bucket: int) -> tuple[list[LayerCache], Tensor, Tensor]:
+    """The kept bucket buffers for this model and shape (made on first use), filled with ``caches``' prompt."""
+    first = caches[0].self_attn.k
+    key = (b, bucket, first.dtype, first.device)
+    per_model = _BUFFERS.setdefault(model, {})
+    if key not in per_model:
+        index = torch.zeros(1, dtype=torch.long, device=first.device)
+        kept = []
+        for layer_cache in caches:
+            kv = layer_cache.self_attn
+            k = kv.k.new_zeros((*kv.k.shape[:2], bucket, kv.k.shape[3]))
+            v = kv.v.new_zeros((*kv.v.shape[:2], bucket, kv.v.shape[3]))
+            if first.device.type == "cuda":
+                # CUDA graphs replay fixed addresses: the buffers must never move.
+                torch._dynamo.mark_static_address(k)
+                torch._dynamo.mark_static_address(v)
+            holder = LayerCache(1)
+            holder.self_attn = BucketKVCache(k, v, index)
+            kept.append(holder)
+        mask = torch.zeros((b, bucket), dtype=torch.bool, device=first.device)
+        per_model[key] = (kept, mask, index)
+    kept, mask, index = per_model[key]
+    for src, dst in zip(caches, kept, strict=True):
+        n = src.self_attn.length
+        dst.self_attn.k[:, :, :n] = src.self_attn.k[:, :, :n]
+        dst.self_attn.v[:, :, :n] = src.self_attn.v[:, :, :n]
+    return kept, mask, index
+
+
+@torch.inference_mode()
+def compiled_steps(model: Any, request: _LMRequest) -> Iterator[_Step]:
+    """Prefill eagerly, then decode with the compiled bucket step (the caller sets eval mode)."""
+    if request.max_new_tokens == 0:
+        return
+    prompt, prompt_mask = request.prompt, request.mask
+    b, length = prompt.shape
+    bucket = bucket_length(length + request.max_new_tokens, model.positional.max_positions)
+    prefill = _shared.new_caches(len(model.layers), length)
+    logits = model(prompt, attention_mask=prompt_mask, cache=prefill, logits_to_keep=1).logits[:, -1]
+    caches, mask, index = _buffers(model, prefill, b, bucket)
+    mask.zero_()
+    mask[:, :length] = True if prompt_mask is None else prompt_mask
+    filled = length
+    run = _compiled_step(prompt.device)
+
+    def step(tokens: Tensor) -> Tensor:
+        nonlocal filled
+        # The new token goes to slot `filled`: visible from now on, and the write index of this step.
+        mask[:, filled] = True
+        index.fill_(filled)
+        filled += 1
+        # Clone: CUDA graphs reuse their output buffer at the next replay.
+        return run(model, tokens[:, None], mask, caches).clone()
+
+    seen = seen_tokens(prompt, prompt_mask, model.config.vocab_size) if request.params.uses_history else None
+    yield from _token_loop(
+        logits, step, request.params, request.generator, request.eos, request.pad, request.max_new_tokens, seen
+    )

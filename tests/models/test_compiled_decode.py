@@ -1,0 +1,76 @@
+"""Compiled static-shape decoding: one graph for every step, prompt length of a bucket and call; eager tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import models.generation_compiled as compiled
+from models import DecoderLM, DecoderLMConfig
+from tests.models.test_kv_cache import build
+
+
+def decoder(**overrides: object) -> DecoderLM:
+    config = dict(vocab_size=64, d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=128, dropout=0.0)
+    return build(DecoderLM, DecoderLMConfig(**{**config, **overrides}), 0)
+
+
+@pytest.fixture
+def graph_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Dynamo's graph capture and guards are what decide recompilation; "aot_eager" runs the same captured graph
+    # without inductor's C++ build (which takes ~15 s even for this model on one core).
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.mark.parametrize("positional", ["learned", "rotary"])
+def test_one_graph_for_three_prompt_lengths_and_repeated_calls(graph_backend: None, positional: str) -> None:
+    model = decoder(positional=positional)
+    g = torch.Generator().manual_seed(0)
+    for call, length in enumerate([5, 9, 14, 9]):  # one bucket (64); the last call repeats a length
+        prompt = torch.randint(4, 64, (2, length), generator=g)
+        out = model.generate(prompt, max_new_tokens=12, eos_token_id=None, compile=True)
+        assert torch.equal(out, model.generate(prompt, max_new_tokens=12, eos_token_id=None))
+        if call == 0:
+            graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
+            assert graphs == 1  # the step compiled once, at the first call
+    assert counters["stats"]["unique_graphs"] == graphs and counters["frames"]["total"] == frames
+
+
+def test_left_padded_batches_sampling_and_stream_match_eager(graph_backend: None) -> None:
+    model = decoder(positional="rotary")
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    prompt = torch.randint(4, 64, (2, 5)).masked_fill(~mask, 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=9, eos_token_id=7)
+    eager = model.generate(prompt, **kwargs)
+    assert torch.equal(model.generate(prompt, compile=True, **kwargs), eager)
+    assert torch.equal(torch.stack(list(model.stream(prompt, compile=True, **kwargs)), 1), eager[:, 5:])
+    sampled = dict(do_sample=True, top_k=8, repetition_penalty=1.2, max_new_tokens=9, eos_token_id=None)
+    a = model.generate(prompt[1:], generator=torch.Generator().manual_seed(1), compile=True, **sampled)
+    b = model.generate(prompt[1:], generator=torch.Generator().manual_seed(1), **sampled)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_inductor_tokens_equal_eager() -> None:
+    model = decoder()
+    prompt = torch.randint(4, 64, (1, 7))
+    eager = model.generate(prompt, max_new_tokens=10, eos_token_id=None)
+    assert torch.equal(model.generate(prompt, max_new_tokens=10, eos_token_id=None, compile=True), eager)
+
+
+def test_unsupported_combinations_raise() -> None:
+    model, prompt = decoder(), torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="compile=True cannot be combined with draft_model"):
+        model.generate(prompt, compile=True, draft_model=decoder())
+    with pytest.raises(ValueError, match="compile must be True or False, got 'yes'"):
+        model.generate(prompt, compile="yes")
+    with pytest.raises(ValueError, match="attention backends, the model uses 'flex'"):
+        decoder(attention_backend="flex").generate(prompt, compile=True)
+
+
+def test_buckets() -> None:
+    assert [compiled.bucket_length(n, None) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
+    assert compiled.bucket_length(100, 110) == 110  # learned positions end before the bucket would
