@@ -216,9 +216,9 @@ def publish(staging: Path, target: Path) -> None:
         if path.is_symlink() or not path.is_file():
             raise ValueError(f"{path} is not a plain file; a checkpoint folder is published file by file")
     for path in files:
-        _fsync(path)
+        fsync(path)
         _step(f"fsync {path.name}")
-    _fsync(staging)
+    fsync(staging)
     _step("fsync staging folder")
     if not target.exists():
         try:
@@ -229,7 +229,7 @@ def publish(staging: Path, target: Path) -> None:
             # A concurrent first save got there first: replace its files, as any later save does.
         else:
             _step("rename staging folder to target")
-            _fsync(target.parent)
+            fsync(target.parent)
             _step("fsync parent folder")
             return
     if not target.is_dir():
@@ -240,7 +240,7 @@ def publish(staging: Path, target: Path) -> None:
             _switch(dead, target)  # finish a dead writer's save before committing over it
         os.rename(staging, commit)
         _step("commit")
-        _fsync(target.parent)
+        fsync(target.parent)
         _step("fsync parent folder")
         try:
             _switch(commit, target)
@@ -318,11 +318,11 @@ def _switch(commit: Path, target: Path) -> None:
     for name in sorted(names, key=lambda n: (n == CONFIG_NAME, n)):
         os.replace(commit / name, target / name)
         _step(f"replace {name}")
-    _fsync(target)
+    fsync(target)
     _step("fsync target folder")
     os.rmdir(commit)
     _step("remove commit folder")
-    _fsync(target.parent)
+    fsync(target.parent)
 
 
 def _leftovers(target: Path, kinds: tuple[str, ...]) -> list[Path]:
@@ -405,7 +405,7 @@ def _flock(fd: int, *, exclusive: bool, blocking: bool = True) -> bool:
     return True
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     """Flush a file or folder to disk (best effort: some platforms cannot open folders)."""
     try:
         fd = os.open(path, os.O_RDONLY)

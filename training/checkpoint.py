@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from models.checkpoint_io import fsync
+
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported when used: it takes seconds to import
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -243,20 +245,6 @@ def load_torch(path: Path, what: str) -> Any:
         raise ValueError(f"{path} ({what}) is missing") from err
     except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError ... for a damaged file
         raise ValueError(f"{path} ({what}) is damaged: {type(err).__name__}: {err}") from err
-
-
-def fsync(path: Path) -> None:
-    """Flush a file or folder to disk (best effort: some platforms cannot open folders)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------- folders

