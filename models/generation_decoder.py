@@ -161,7 +161,10 @@ class DecoderLMGenerationMixin(QuantizeMixin):
             input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
             eos_token_id, pad_token_id, generator, sampling, compile,
         )
-        return (step.tokens.clone() for step in _each_step_in_eval_mode(self, self._lm_steps(request)))
+        # The caller's code runs between the steps of a stream (it may change the model), so every compiled step
+        # checks all of dynamo's guards.
+        steps = self._lm_steps(request, steady=False)
+        return (step.tokens.clone() for step in _each_step_in_eval_mode(self, steps))
 
     def _lm_request(
         self,
@@ -220,12 +223,15 @@ class DecoderLMGenerationMixin(QuantizeMixin):
         return request
 
     @torch.inference_mode()
-    def _lm_steps(self, request: _LMRequest) -> Iterator[_Step]:
-        """Prefill the prompt into a cache, then decode one token per row per step (the caller sets eval mode)."""
+    def _lm_steps(self, request: _LMRequest, steady: bool = True) -> Iterator[_Step]:
+        """Prefill the prompt into a cache, then decode one token per row per step (the caller sets eval mode).
+
+        ``steady``: nothing but this generator touches the model between steps (see ``compiled_steps``).
+        """
         if request.compile:
             from .generation_compiled import compiled_steps
 
-            yield from compiled_steps(self, request)
+            yield from compiled_steps(self, request, steady)
             return
         if request.max_new_tokens == 0:
             return

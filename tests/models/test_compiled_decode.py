@@ -74,3 +74,15 @@ def test_unsupported_combinations_raise() -> None:
 def test_buckets() -> None:
     assert [compiled.bucket_length(n, None) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
     assert compiled.bucket_length(100, 110) == 110  # learned positions end before the bucket would
+
+
+def test_two_models_alternating_keep_their_own_graphs(graph_backend: None) -> None:
+    # Steps after the first skip dynamo's guard checks; a second model (same shapes, other weights, other
+    # positions) must still get its own graph and its own tokens.
+    first, second = decoder(), build(DecoderLM, DecoderLMConfig(
+        vocab_size=64, d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=128, dropout=0.0, positional="rotary"), 1)
+    prompt = torch.randint(4, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    for model in (first, second, first, second):
+        kwargs = dict(max_new_tokens=10, eos_token_id=None)
+        assert torch.equal(model.generate(prompt, compile=True, **kwargs), model.generate(prompt, **kwargs))
+

@@ -1,0 +1,93 @@
+"""Linear layers for a handful of rows (decoding), written so that inductor reads each weight once, fast.
+
+Decoding multiplies a few rows (one token per sequence, a few beams, a few draft tokens) by every weight
+matrix: the work is reading the weights. The BLAS kernels behind ``F.linear`` are tuned for large products and
+read a ``(out, in)`` weight slowly when there are 1–4 rows (measured on 2 CPU cores, fp32, the weights of a
+6 × 512 decoder: 11 GB/s for 1 row, worse for 2–4, against 50 GB/s for ``tensor.sum``). Written as a broadcast
+multiply and a sum over ``in``, the same product is one reduction that inductor compiles into a single
+vectorised pass over the weight (35 GB/s) and fuses with what surrounds it (an int8 → float conversion, a
+scale, a bias).
+
+``small_rows_linear`` is that product; ``SmallRowsLinear`` is a ``TorchFunctionMode`` that routes every
+``F.linear`` (so every ``nn.Linear`` and every tied head) with at most ``MAX_ROWS`` rows through it. It is meant
+to be entered *inside* a function given to ``torch.compile`` (dynamo traces the mode away); in eager mode the
+broadcast form would materialise ``rows × out × in`` floats, so there ``F.linear`` is the better choice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+#: Rows up to which the reduction form is used (measured: faster than BLAS up to 8 rows; equal at 16).
+MAX_ROWS = 8
+#: Rows up to which the weight row is held while every input row passes it (loop order out, then rows).
+_WEIGHT_OUTER_ROWS = 4
+
+
+def small_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+    """``x @ (weight · scale[:, None]).T + bias`` as a multiply-reduce (for compiled decoding).
+
+    Args:
+        x: ``(..., in)`` activations.
+        weight: ``(out, in)``, any dtype (an int8 weight is converted inside the fused kernel).
+        bias: optional ``(out,)``.
+        scale: optional ``(out,)`` per-output-channel scale (weight-only quantization).
+
+    Returns:
+        ``(..., out)`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: ``x``'s last dimension is not ``weight``'s ``in``.
+    """
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"small_rows_linear needs x (..., {weight.shape[-1]}) and a 2-d weight, got x "
+                         f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
+    rows = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    w = weight.to(x.dtype)
+    if flat.shape[0] <= _WEIGHT_OUTER_ROWS:
+        # (out, rows, in) summed over in: each weight row is loaded once and used for every input row.
+        y = (flat[None, :, :] * w[:, None, :]).sum(-1).t()
+    else:
+        y = (flat[:, None, :] * w[None, :, :]).sum(-1)
+    if scale is not None:
+        y = y * scale.to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y.reshape(*rows, weight.shape[0])
+
+
+def _rows(x: Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+
+
+class SmallRowsLinear(TorchFunctionMode):
+    """Route ``F.linear`` calls with at most ``max_rows`` rows through ``small_rows_linear``.
+
+    Enter it inside the function given to ``torch.compile``::
+
+        def step(model, tokens):
+            with SmallRowsLinear():
+                return model(tokens)
+
+    Args:
+        max_rows: the most rows (product of the leading dimensions) that take the reduction form.
+    """
+
+    def __init__(self, max_rows: int = MAX_ROWS) -> None:
+        super().__init__()
+        self.max_rows = max_rows
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if weight.dim() == 2 and 0 < _rows(x) <= self.max_rows and not torch.is_grad_enabled():
+                return small_rows_linear(x, weight, bias)
+        return func(*args, **kwargs)
