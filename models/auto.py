@@ -3,7 +3,8 @@
 Every class that mixes in ``PersistenceMixin`` registers itself here under its class name, so
 ``models.auto.from_pretrained(path_or_repo_id)`` can rebuild any saved model without being told its class.
 Checkpoints written by ``transformers`` (a ``config.json`` with ``model_type``) are converted on the fly by
-``models.convert.from_transformers``.
+``models.convert.from_transformers``. A quantized checkpoint (a ``quantization`` entry in ``config.json``, see
+``models.persistence``) is loaded into a freshly built model whose recorded layers were quantized first.
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ import torch
 from torch import Tensor, nn
 
 import blocks
+from blocks.quantized import quantization_mismatch, quantized_modules, quantized_skeleton
 
 from . import checkpoint_io as io
 
 logger = logging.getLogger(__name__)
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {}
+
+#: byte alignment of the blocks PyTorch's CPU allocator returns (c10's gAlignment); quantized tensors get it.
+_ALIGNMENT = 64
+
+#: the top-level ``config.json`` key recording a quantized checkpoint's scheme and layers (``models.persistence``).
+QUANTIZATION_KEY = "quantization"
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -149,6 +157,7 @@ def load_pretrained(
     opts = _parse_options(options)
     gguf_file = _gguf_file(path_or_repo_id)
     allow_missing: frozenset[str] = frozenset()
+    quantization: tuple[str, list[str]] | None = None
     if gguf_file is not None:
         if opts.revision is not None:
             raise ValueError(f"revision={opts.revision!r} only applies to Hub repos, but {gguf_file} is a local file")
@@ -164,6 +173,7 @@ def load_pretrained(
             if io.is_zoo_config(raw):
                 # Config first: a checkpoint of the wrong class is refused before its weights are downloaded.
                 cls, config = _zoo_class_and_config(raw, expected_class, location.source)
+                quantization = _quantization(raw, location.source)
                 files = io.checkpoint_files(location)
                 state = io.read_weights(files)
             elif io.is_transformers_config(raw):
@@ -185,6 +195,15 @@ def load_pretrained(
             config = config.replace(mask_token_id=tokenizer.mask_token_id)
 
     model = cls(config)
+    if quantization is not None:
+        # Give the fresh model the saved model's quantized layers, then load the int8 tensors into them.
+        scheme, layers = quantization
+        try:
+            quantized_skeleton(model, scheme, layers)
+        except ValueError as e:
+            raise ValueError(
+                f"{source}: config.json's {QUANTIZATION_KEY!r} entry does not fit {cls.__name__}: {e}"
+            ) from e
     load_state_into(model, state, allow_missing=allow_missing, dtype=opts.dtype, source=source)
     if opts.attention_backend is not None:
         model.set_attention_backend(opts.attention_backend)
@@ -219,9 +238,13 @@ def load_state_into(
         source: how to name the checkpoint in messages.
 
     Raises:
-        ValueError: missing, unexpected or mis-shaped tensors (every one listed), or tied names whose
-            tensors in ``state`` differ.
+        ValueError: missing, unexpected or mis-shaped tensors (every one listed), integer tensors of another
+            dtype than the model's (int8 weights stored wider), tied names whose tensors in ``state`` differ, or
+            quantized weights for a model whose layers are unquantized, or the reverse (the scheme is named).
     """
+    mismatch = quantization_mismatch(model, state)
+    if mismatch is not None:
+        raise ValueError(f"the weights in {source} do not fit {type(model).__name__}: {mismatch}")
     targets = model.state_dict(keep_vars=True)
     groups: dict[int, list[str]] = {}
     for name, tensor in targets.items():
@@ -230,7 +253,7 @@ def load_state_into(
     unexpected = sorted(set(state) - set(targets))
     missing: list[str] = []
     mismatched: list[str] = []
-    assignments: list[tuple[Tensor, Tensor]] = []
+    assignments: list[tuple[str, Tensor, Tensor]] = []
     for names in groups.values():
         present = [n for n in names if n in state]
         if not present:
@@ -246,7 +269,10 @@ def load_state_into(
         target = targets[names[0]]
         if tuple(loaded.shape) != tuple(target.shape):
             mismatched.append(f"{present[0]}: checkpoint {tuple(loaded.shape)} vs model {tuple(target.shape)}")
-        elif loaded.is_floating_point() != target.is_floating_point():
+        elif loaded.is_floating_point() != target.is_floating_point() or (
+            not target.is_floating_point() and loaded.dtype != target.dtype
+        ):
+            # Integer tensors are never cast: int8 weights stored in a wider type are a different format.
             mismatched.append(f"{present[0]}: checkpoint dtype {loaded.dtype} vs model dtype {target.dtype}")
         else:
             assignments.append((present[0], target, loaded))
@@ -271,11 +297,21 @@ def load_state_into(
                 source, len(cast), str(model_dtype).removeprefix("torch."), _listing(cast),
             )
     used_storages: set[int] = set()
+    quantized = tuple(f"{name}." for name in quantized_modules(model))
+    # Looked up again: casting replaces floating buffers (a quantized layer's scale) by new tensor objects, while
+    # parameters keep theirs.
+    targets = model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for _, target, loaded in assignments:
+        for name, _, loaded in assignments:
+            target = targets[name]
             if loaded.is_floating_point() and model_dtype is not None:
                 loaded = loaded.to(dtype=model_dtype)
             loaded = loaded.to(device=target.device).contiguous()
+            if name.startswith(quantized) and loaded.data_ptr() % _ALIGNMENT:
+                # safetensors hands out views of one file buffer at 8-byte offsets; the CPU int8 kernel
+                # (torch._weight_int8pack_mm, bfloat16 path) crashes with a segfault on an int8 weight that is not
+                # 64-byte aligned. A copy gets an aligned block from the allocator.
+                loaded = loaded.clone()
             if loaded.untyped_storage().data_ptr() in used_storages:
                 # One tensor given for two untied parameters (a converter may do this): copy it, or training
                 # one parameter would silently change the other.
@@ -326,6 +362,34 @@ def _zoo_class_and_config(
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: config.json does not hold a valid {cls.config_class.__name__}: {e}") from e
     return cls, config
+
+
+def _quantization(raw: dict[str, Any], source: str) -> tuple[str, list[str]] | None:
+    """The ``(scheme, layer names)`` of ``config.json``'s ``quantization`` entry, or ``None`` when it has none.
+
+    Checked before any weights are read or downloaded.
+
+    Raises:
+        ValueError: a malformed entry (not an object of exactly ``scheme`` and ``modules``), an unknown scheme,
+            or ``modules`` that is not a non-empty list of distinct names.
+    """
+    entry = raw.get(QUANTIZATION_KEY)
+    if entry is None:
+        return None
+    where = f"{source}: config.json's {QUANTIZATION_KEY!r} entry"
+    if not isinstance(entry, dict) or set(entry) != {"scheme", "modules"}:
+        got = sorted(entry) if isinstance(entry, dict) else entry
+        raise ValueError(f"{where} must be an object with keys ['modules', 'scheme'], got {got!r}")
+    scheme, layers = entry["scheme"], entry["modules"]
+    schemes = blocks.names("quantization")
+    if scheme not in schemes:
+        raise ValueError(f"{where} names quantization scheme {scheme!r}; this transformer-zoo knows {schemes}")
+    if not isinstance(layers, list) or not layers or not all(isinstance(n, str) and n for n in layers):
+        raise ValueError(f"{where} must list the quantized layers in 'modules' (non-empty strings), got {layers!r}")
+    if len(set(layers)) != len(layers):
+        twice = sorted({n for n in layers if layers.count(n) > 1})
+        raise ValueError(f"{where} lists layers more than once: {twice}")
+    return scheme, layers
 
 
 def _convert_transformers(

@@ -5,6 +5,17 @@
 ``README.md`` model card, atomically. ``Model.from_pretrained(path_or_repo_id)`` reads a folder or a Hub repo
 at any revision; ``model.push_to_hub(repo_id)`` uploads the same folder in one commit. All Hub traffic goes
 through ``huggingface_hub``.
+
+Quantized models (``model.quantize("int8")``, see ``blocks.quantized``) are saved as they are: the safetensors
+file holds each quantized layer's ``weight_int8`` (int8, one byte per weight), ``scale`` (float32, one per output
+channel) and ``bias``, and ``config.json`` gets a top-level entry beside ``dtype``::
+
+    "quantization": {"scheme": "int8", "modules": ["layers.0.self_attn.q_proj", ..., "lm_head"]}
+
+``scheme`` is a name of ``blocks.names("quantization")`` (its registered layer defines the tensors and the formula
+``w = scale[o] · q[o, i]``); ``modules`` lists the quantized layers, so a partly quantized model loads too. Loading
+builds the model from ``config``, quantizes exactly those layers, then loads the tensors strictly. The entry is
+absent for an unquantized model, so its ``config.json`` is unchanged.
 """
 
 from __future__ import annotations
@@ -19,9 +30,11 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCardData
 from huggingface_hub.utils import validate_repo_id
 
+from blocks.quantized import quantized_modules, scheme_of
+
 from . import checkpoint_io as io
 from .adapters import check_exportable
-from .auto import LoadOptions, load_pretrained, register_architecture
+from .auto import QUANTIZATION_KEY, LoadOptions, load_pretrained, register_architecture
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -62,14 +75,19 @@ class PersistenceMixin:
         Returns:
             The folder's path.
 
+        A quantized model is saved quantized (int8 weights, one byte each) and ``config.json`` records the scheme
+        and the quantized layers (see the module docstring); ``from_pretrained`` rebuilds it quantized.
+
         Raises:
             TypeError: ``save_directory`` is not a path, or ``tokenizer`` has no ``save`` method.
-            ValueError: the model carries adapters (``merge_and_unload()`` first, or ``save_adapter()``).
+            ValueError: the model carries adapters (``merge_and_unload()`` first, or ``save_adapter()``), or mixes
+                quantization schemes.
             NotADirectoryError: ``save_directory`` exists and is a file.
         """
         if not isinstance(save_directory, (str, os.PathLike)):
             raise TypeError(f"save_directory must be a folder path, got {type(save_directory).__name__}")
         check_exportable(self, "save_pretrained", allow_merged=False)
+        _quantization_entry(self)  # refuse a model mixing quantization schemes before anything is written
         tokenizer = self._tokenizer_to_save(tokenizer)
         target = Path(save_directory).expanduser().resolve()  # leftovers are found beside the real folder
         if target.exists() and not target.is_dir():
@@ -83,7 +101,8 @@ class PersistenceMixin:
     def from_pretrained(cls: type[M], path_or_repo_id: str | os.PathLike[str], **options: Unpack[LoadOptions]) -> M:
         """Load a checkpoint of this class from a local folder, a ``.gguf`` file or a Hub repo (any revision).
 
-        The weights must fit the config exactly: missing, unexpected or mis-shaped tensors are an error.
+        The weights must fit the config exactly: missing, unexpected or mis-shaped tensors are an error. A quantized
+        checkpoint (``config.json`` has a ``quantization`` entry) gives a quantized model with the saved int8 weights.
         Checkpoints written by ``transformers`` (and GGUF files) are converted when ``models.convert`` supports
         them. The keyword arguments (``revision``, ``device``, ``dtype``, ``attention_backend``, ``token``,
         ``endpoint``) are those of ``models.auto.LoadOptions``.
@@ -92,8 +111,9 @@ class PersistenceMixin:
             The model in eval mode; ``model.tokenizer`` holds the checkpoint's tokenizer if it has one.
 
         Raises:
-            ValueError: a checkpoint of another architecture (both are named), weights that do not fit,
-                corrupted files, a pickle that is not plain tensors, or bad option values.
+            ValueError: a checkpoint of another architecture (both are named), weights that do not fit (quantized
+                weights without a ``quantization`` entry or the reverse: the scheme is named), a malformed
+                ``quantization`` entry, corrupted files, a pickle that is not plain tensors, or bad option values.
             TypeError: an unknown keyword argument.
             FileNotFoundError: a local folder without ``config.json`` or weights.
             huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: from
@@ -129,12 +149,14 @@ class PersistenceMixin:
             When nothing changed since the last push, no commit is made and the current head is returned.
 
         Raises:
-            ValueError: an invalid ``repo_id`` or ``revision``.
+            ValueError: an invalid ``repo_id`` or ``revision``; a model carrying adapters or mixing quantization
+                schemes.
             TypeError: ``private`` is not a bool, or ``tokenizer`` has no ``save`` method.
             huggingface_hub.errors.HfHubHTTPError: the Hub refused (e.g. no write access).
         """
         validate_repo_id(repo_id)
         check_exportable(self, "push_to_hub", allow_merged=False)
+        _quantization_entry(self)
         if not isinstance(private, bool):
             raise TypeError(f"private must be a bool, got {private!r}")
         if revision is not None and (not isinstance(revision, str) or not revision.strip()):
@@ -170,7 +192,14 @@ class PersistenceMixin:
         summary = " ".join(line.strip() for line in summary.splitlines())
         rows = "\n".join(f"| `{key}` | `{value!r}` |" for key, value in config.items())
         reference = reference or "path/to/checkpoint"
-        n_params = sum(p.numel() for p in self.parameters())
+        quantization = _quantization_entry(self)
+        # Quantized weights are buffers, not parameters; they are still the model's weights.
+        n_params = sum(p.numel() for p in self.parameters()) + sum(
+            m.in_features * m.out_features for m in self.modules() if scheme_of(m) is not None
+        )
+        if quantization is not None:
+            n = len(quantization["modules"])
+            dtype += f"; {n} linear layer(s) quantized as `{quantization['scheme']}` (weight-only, see `config.json`)"
         has_tokenizer = (tokenizer if tokenizer is not None else self.tokenizer) is not None
         tokenizer_line = "included (`tokenizer.json`)" if has_tokenizer else "not included"
         # Import from the package when it re-exports the class (``from models import DecoderLM``).
@@ -220,17 +249,36 @@ model = {name}.from_pretrained({json.dumps(reference)})
         if tokenizer is not None:
             tokenizer.save(str(folder / io.TOKENIZER_NAME))
         (folder / io.CARD_NAME).write_text(self.model_card(card_reference, tokenizer), encoding="utf-8")
-        io.write_json(
-            {
-                "architecture": name,
-                "format_version": io.FORMAT_VERSION,
-                "config": self.config.to_dict(),
-                "library": io.LIBRARY_NAME,
-                "library_version": io.library_version(),
-                "dtype": _dtype_name(self),
-            },
-            folder / io.CONFIG_NAME,
+        config = {
+            "architecture": name,
+            "format_version": io.FORMAT_VERSION,
+            "config": self.config.to_dict(),
+            "library": io.LIBRARY_NAME,
+            "library_version": io.library_version(),
+            "dtype": _dtype_name(self),
+        }
+        quantization = _quantization_entry(self)
+        if quantization is not None:  # only then: an unquantized model's config.json stays byte-identical
+            config[QUANTIZATION_KEY] = quantization
+        io.write_json(config, folder / io.CONFIG_NAME)
+
+
+def _quantization_entry(model: Any) -> dict[str, Any] | None:
+    """``config.json``'s ``quantization`` entry for ``model`` (see the module docstring), ``None`` if unquantized.
+
+    Raises:
+        ValueError: the model mixes quantization schemes (one entry records one scheme).
+    """
+    layers = quantized_modules(model)
+    if not layers:
+        return None
+    schemes = sorted(set(layers.values()))
+    if len(schemes) > 1:
+        raise ValueError(
+            f"cannot save a {type(model).__name__} whose layers mix quantization schemes {schemes}; a checkpoint "
+            "records one scheme: dequantize (model.dequantize()) and quantize it with one scheme"
         )
+    return {"scheme": schemes[0], "modules": list(layers)}
 
 
 def _dtype_name(model: Any) -> str:
