@@ -124,71 +124,154 @@ def check_draft(target: Any, draft: Any, num_draft_tokens: Any, request: _LMRequ
         raise ValueError(f"the draft model's positions go up to max_len={capacity}, the request needs {needed}")
 
 
+class _EagerDraft:
+    """The draft's next-token logits, run eagerly over a growing KV cache.
+
+    ``logits(end)`` feeds ``ids[:, seen:end]`` — only the tokens the cache has not seen: the whole prompt at
+    first, then one token per draft step (two after a round that accepted every proposal) — and returns the
+    logits after ``ids[:, end - 1]``. ``rollback(n)`` forgets every position from ``n`` on.
+    """
+
+    def __init__(self, draft: Any, ids: Tensor, size: int, limit: int) -> None:
+        self.draft, self.ids, self.limit = draft, ids, limit
+        self.cache = _shared.new_caches(len(draft.layers), size)
+
+    def logits(self, end: int) -> Tensor:
+        start = self.cache[0].self_attn.length
+        _make_room(self.cache, end - start, self.limit)
+        return self.draft(self.ids[:, start:end], cache=self.cache, logits_to_keep=1).logits[:, -1]  # (1, V)
+
+    def rollback(self, n: int) -> None:
+        for layer_cache in self.cache:
+            kv = layer_cache.self_attn
+            kv.length = min(kv.length, n)
+
+
+class _CompiledDraft:
+    """``_EagerDraft``'s interface over the compiled static-shape one-token step of ``models.generation_compiled``.
+
+    The prompt is prefilled eagerly (its logits serve the first proposal); every later token runs the compiled
+    step over the draft's bucket cache, whose write slot and visible-slot mask are moved in place, so one graph
+    serves every step, round and call. Rolling back hides the dropped slots in the mask; they are overwritten
+    when written again.
+    """
+
+    def __init__(self, draft: Any, ids: Tensor, length: int, limit: int) -> None:
+        from .generation_compiled import _buffers, _step, bucket_length, compile_step
+
+        self.draft, self.ids = draft, ids
+        prefill = _shared.new_caches(len(draft.layers), length)
+        self.pending: Tensor | None = draft(ids[:, :length], cache=prefill, logits_to_keep=1).logits[:, -1]
+        bucket = bucket_length(limit, draft.positional.max_positions)
+        self.caches, self.mask, self.index = _buffers(draft, prefill, 1, bucket)
+        self.mask.zero_()
+        self.mask[:, :length] = True
+        self.filled = length
+        # A fixed input buffer: the graph sees the same tensor at every step, not a moving view of ``ids``.
+        self.token = ids.new_empty((1, 1))
+        self.run = compile_step(_step, ids.device)
+        self.checked = False  # the first compiled call of a decoding checks every guard (and may compile)
+
+    def logits(self, end: int) -> Tensor:
+        if self.pending is not None:
+            logits, self.pending = self.pending, None
+            return logits
+        logits = None
+        while self.filled < end:
+            pos = self.filled
+            self.mask[:, pos] = True  # the new token's slot: visible from now on, and this step's write index
+            self.index.fill_(pos)
+            self.token.copy_(self.ids[:, pos : pos + 1])
+            if self.checked:
+                # Only this model's graph runs here, on the same buffers and shapes every step: the full guard
+                # check is redundant after the first step (as in ``compiled_steps``).
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    logits = self.run(self.draft, self.token, self.mask, self.caches)
+            else:
+                logits = self.run(self.draft, self.token, self.mask, self.caches)
+                self.checked = True
+            self.filled += 1
+        # Used before the next step runs (CUDA graphs overwrite their output buffer at the next replay).
+        return logits
+
+    def rollback(self, n: int) -> None:
+        if n < self.filled:
+            self.mask[:, n:] = False
+            self.filled = n
+
+
 @torch.inference_mode()
 def speculative_steps(target: Any, draft: Any, request: _LMRequest, k: int) -> SpeculativeOutput:
-    """Run speculative decoding for a checked request (the caller sets eval mode on both models)."""
+    """Run speculative decoding for a checked request (the caller sets eval mode on both models).
+
+    Every token lives in one preallocated ``(1, L + max_new_tokens)`` buffer: draft proposals are written after
+    the accepted tokens and simply overwritten when rejected, so a round allocates no sequence and each model is
+    fed a slice of the buffer — only the tokens its cache has not seen (the draft never re-runs accepted tokens:
+    1 new token per draft step, 2 after a round that accepted everything). The target checks all proposals in
+    one forward pass of ``k + 1`` tokens.
+    """
     prompt, params, generator = request.prompt, request.params, request.generator
-    limit = prompt.shape[1] + request.max_new_tokens
-    caches = {
-        "target": _shared.new_caches(len(target.layers), min(limit, prompt.shape[1] + _shared.CACHE_CHUNK)),
-        "draft": _shared.new_caches(len(draft.layers), min(limit, prompt.shape[1] + _shared.CACHE_CHUNK)),
-    }
-    seq = prompt
-    proposed = accepted_total = rounds = 0
-    done = request.max_new_tokens == 0
+    length = prompt.shape[1]
+    limit = length + request.max_new_tokens
+    ids = prompt.new_empty((1, limit))
+    ids[:, :length] = prompt
+    size = min(limit, length + _shared.CACHE_CHUNK)
+    target_cache = _shared.new_caches(len(target.layers), size)
+    drafter = (_CompiledDraft(draft, ids, length, limit) if request.compile
+               else _EagerDraft(draft, ids, size, limit))
+    sample = params.do_sample
+    # The draft distributions of one round, for the rejection rule (sampling only).
+    draft_probs = ids.new_empty((1, k, target.config.vocab_size), dtype=torch.float32) if sample else None
+    n = length  # tokens known: the prompt and the tokens emitted so far
+    proposed = accepted = rounds = 0
 
-    def run(model: Any, cache: list, tokens: Tensor, keep: int) -> Tensor:
-        _make_room(cache, tokens.shape[1], limit)
-        return model(tokens, cache=cache, logits_to_keep=keep).logits  # (1, keep, V)
-
-    def distribution(logits: Tensor) -> Tensor:
-        if params.do_sample:
-            return params.probabilities(logits)
-        # Greedy: the arg-max as a one-hot distribution, so the same rule keeps a draft token iff it is the
-        # target's arg-max and otherwise emits the target's arg-max.
-        scores = logits.float()
-        return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float()
-
-    while not done:
-        generated = seq.shape[1] - prompt.shape[1]
-        # A round emits up to k + 1 tokens; never propose past max_new_tokens.
-        n_draft = min(k, request.max_new_tokens - generated - 1)
-        draft_tokens, draft_probs = [], []
-        for _ in range(n_draft):
-            cache = caches["draft"]
-            fed = torch.cat([seq, *draft_tokens], dim=1)[:, cache[0].self_attn.length :]
-            q = distribution(run(draft, cache, fed, 1)[:, -1])  # (1, V)
-            token = torch.multinomial(q, 1, generator=generator) if params.do_sample else q.argmax(-1, keepdim=True)
-            draft_tokens.append(token)
-            draft_probs.append(q)
-        cache = caches["target"]
-        past = cache[0].self_attn.length
-        fed = torch.cat([seq, *draft_tokens], dim=1)[:, past:]
-        p = distribution(run(target, cache, fed, n_draft + 1))  # (1, n_draft + 1, V)
-        if n_draft:
-            drafts = torch.cat(draft_tokens, dim=1)  # (1, n_draft)
-            n_ok, nxt = verify_draft(p, torch.stack(draft_probs, dim=1), drafts, generator)
-            n_ok = int(n_ok)
-            new = torch.cat([drafts[:, :n_ok], nxt[:, None]], dim=1)
+    while n < limit:
+        # A round emits up to n_draft + 1 tokens; never propose past max_new_tokens.
+        n_draft = min(k, limit - n - 1)
+        for i in range(n_draft):
+            logits = drafter.logits(n + i)  # (1, V)
+            if sample:
+                q = params.probabilities(logits)
+                draft_probs[:, i] = q
+                ids[:, n + i] = torch.multinomial(q, 1, generator=generator)[:, 0]
+            else:
+                ids[:, n + i] = logits.argmax(-1)
+        # The target sees the last accepted token and every proposal: one forward pass of n_draft + 1 tokens.
+        past = target_cache[0].self_attn.length
+        _make_room(target_cache, n + n_draft - past, limit)
+        logits = target(ids[:, past : n + n_draft], cache=target_cache, logits_to_keep=n_draft + 1).logits[0]
+        if sample:
+            p = params.probabilities(logits)
+            if n_draft:
+                n_ok_t, nxt = verify_draft(p[None], draft_probs[:, :n_draft], ids[:, n : n + n_draft], generator)
+                n_ok = int(n_ok_t)
+            else:
+                n_ok, nxt = 0, torch.multinomial(p, 1, generator=generator)[0]
         else:
-            n_ok, drafts = 0, None
-            new = (torch.multinomial(p[:, 0], 1, generator=generator) if params.do_sample
-                   else p[:, 0].argmax(-1, keepdim=True))
+            # Greedy is the rejection rule with one-hot p and q: a proposal is kept iff it is the target's
+            # arg-max, and the first disagreement (or the bonus position) takes the target's arg-max.
+            best = logits.argmax(-1)  # (n_draft + 1,)
+            n_ok = int((best[:n_draft] == ids[0, n : n + n_draft]).cumprod(0).sum())
+            nxt = best[n_ok]
+        ids[:, n + n_ok] = nxt
         proposed += n_draft
-        accepted_total += n_ok
+        accepted += n_ok
         rounds += 1
-        if request.eos is not None and bool((new == request.eos).any()):
-            new = new[:, : int((new[0] == request.eos).nonzero()[0]) + 1]
-            done = True
-        seq = torch.cat([seq, new], dim=1)
-        if seq.shape[1] - prompt.shape[1] >= request.max_new_tokens:
-            done = True
+        new = n_ok + 1
+        if request.eos is not None:
+            emitted = ids[0, n : n + new].tolist()
+            if request.eos in emitted:
+                n += emitted.index(request.eos) + 1
+                break
+        n += new
         # Keep in each cache only positions of tokens that stay (the newest token is fed in the next round).
-        for name in ("target", "draft"):
-            for layer_cache in caches[name]:
-                kv = layer_cache.self_attn
-                kv.length = min(kv.length, seq.shape[1] - 1)
-    return SpeculativeOutput(seq.clone(), proposed, accepted_total, rounds)
+        for layer_cache in target_cache:
+            layer_cache.self_attn.length = n - 1
+        drafter.rollback(n - 1)
+    # Built outside inference mode: the result must stay usable in autograd, as plain generate's.
+    with torch.inference_mode(False):
+        sequences = ids[:, :n].clone()
+    return SpeculativeOutput(sequences, proposed, accepted, rounds)
 
 
 def speculative_decode(
@@ -201,6 +284,7 @@ def speculative_decode(
     sampling: SamplingParams | None = None,
     eos_token_id: int | None = _shared.CONFIG_DEFAULT,
     generator: torch.Generator | None = None,
+    compile: bool = False,  # noqa: A002 - the name torch uses for this switch
 ) -> SpeculativeOutput:
     """``target.generate(input_ids, draft_model=draft, ...)``, also returning the acceptance statistics.
 
@@ -213,12 +297,16 @@ def speculative_decode(
         sampling: how tokens are chosen (default greedy).
         eos_token_id: stop token (default ``target.config.eos_token_id``).
         generator: the random generator for sampling.
+        compile: run the draft's one-token steps with the compiled static-shape step of
+            ``models.generation_compiled`` (the first call per draft model and cache bucket pays the compile). The
+            target's verification pass stays eager: it sees 1 to k + 1 new tokens, a shape that changes.
 
     Returns:
         ``SpeculativeOutput``.
 
     Raises:
-        ValueError: as ``DecoderLM.generate`` and ``check_draft``.
+        ValueError: as ``DecoderLM.generate`` and ``check_draft`` (with ``compile``: a draft whose attention
+            backend the compiled step does not support, or ``compile`` not a bool).
 
     Shapes: ``input_ids (1, L)`` -> ``sequences (1, L + n)``.
     """
@@ -227,6 +315,13 @@ def speculative_decode(
         input_ids, None, max_new_tokens, False, 1.0, None, None, None, eos_token_id, _shared.CONFIG_DEFAULT,
         generator, sampling,
     )
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
     check_draft(target, draft, num_draft_tokens, request)
+    if compile:
+        from .generation_compiled import check_compilable
+
+        check_compilable(draft, request)  # the draft is what compiles here, not the target
+        request = dataclasses.replace(request, compile=True)
     with _shared._eval_mode(target), _shared._eval_mode(draft):
         return speculative_steps(target, draft, request, int(num_draft_tokens))

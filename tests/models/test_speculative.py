@@ -7,7 +7,9 @@ import itertools
 import pytest
 import torch
 from scipy import stats
+from torch._dynamo.utils import counters
 
+import models.generation_compiled as compiled
 from models import DecoderLM, DecoderLMConfig
 from models.sampling import SamplingParams
 from models.speculative import speculative_decode, verify_draft
@@ -153,3 +155,62 @@ def test_bad_draft_or_request_raises() -> None:
         target.generate(prompt, draft_model=torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="max_len=8"):
         target.generate(prompt, max_new_tokens=10, draft_model=decoder(1, max_len=8))
+
+
+def test_one_target_pass_per_round_and_the_draft_never_reruns_accepted_tokens() -> None:
+    # The cost model of the paper (§3.2): per round the target runs once over the last token + every proposal,
+    # the draft runs once per proposal over tokens its cache has not seen.
+    target = decoder(0)
+    prompt = torch.randint(4, 40, (1, 6), generator=torch.Generator().manual_seed(0))
+    # A draft with some rejections, and an exact copy of the target (all accepted: the draft gets 2 new tokens
+    # per round, the last proposal and the target's bonus token).
+    for draft in (perturbed(target, 0.1), perturbed(target, 0.0)):
+        fed: dict[str, list[int]] = {"target": [], "draft": []}
+        hooks = [model.register_forward_pre_hook(
+                     lambda m, args, kw, fed=fed, name=name: fed[name].append(args[0].shape[1]), with_kwargs=True)
+                 for name, model in (("target", target), ("draft", draft))]
+        out = speculative_decode(target, draft, prompt, max_new_tokens=30, num_draft_tokens=4, eos_token_id=None)
+        for hook in hooks:
+            hook.remove()
+        n = out.sequences.shape[1] - prompt.shape[1]
+        assert n == 30 and 0 < out.accepted and len(fed["target"]) == out.rounds
+        # Round 1 feeds the prompt + its proposals; every later round the previous round's last token + proposals.
+        assert sum(fed["target"]) == prompt.shape[1] - 1 + out.rounds + out.proposed
+        # Each position once, except proposals after a rejection (fed to the draft, then dropped).
+        assert sum(fed["draft"]) <= prompt.shape[1] + n + out.proposed - out.accepted
+        assert len(fed["draft"]) == out.proposed and max(fed["draft"][1:]) <= 2
+    assert out.acceptance_rate == 1.0 and fed["draft"][1:].count(2) == out.rounds - 1
+
+
+@pytest.fixture
+def graph_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    # "aot_eager" captures the same graph as inductor without its C++ build (as tests/models/test_compiled_decode).
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def test_compiled_draft_keeps_greedy_identity_with_one_graph(graph_backend: None) -> None:
+    target = decoder(0, positional="rotary")
+    draft = perturbed(target, 0.1)
+    g = torch.Generator().manual_seed(0)
+    for length, k in [(1, 1), (5, 3), (9, 6), (5, 3)]:  # one cache bucket; the last call repeats a shape
+        prompt = torch.randint(4, 40, (1, length), generator=g)
+        for eos in (None, target.config.eos_token_id):
+            plain = target.generate(prompt, max_new_tokens=23, eos_token_id=eos)
+            fast = speculative_decode(target, draft, prompt, 23, k, eos_token_id=eos, compile=True)
+            assert torch.equal(fast.sequences, plain)
+        assert 0.0 < fast.acceptance_rate < 1.0
+    # One graph for every step, rollback, prompt length, k and call.
+    assert counters["stats"]["unique_graphs"] == 1 and counters["frames"]["total"] == 1
+    sampled = speculative_decode(target, draft, prompt, 23, 3, eos_token_id=None, compile=True,
+                                 sampling=SamplingParams(do_sample=True), generator=torch.Generator().manual_seed(0))
+    assert sampled.sequences.shape == (1, 5 + 23) and sampled.proposed > 0
+
+
+def test_bad_compile_request_raises() -> None:
+    target, prompt = decoder(0), torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="compile must be True or False, got 'yes'"):
+        speculative_decode(target, decoder(1), prompt, compile="yes")
+    with pytest.raises(ValueError, match="attention backends, the model uses 'flex'"):
+        speculative_decode(target, decoder(1, attention_backend="flex"), prompt, compile=True)

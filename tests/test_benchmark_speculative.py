@@ -1,0 +1,64 @@
+"""``python -m benchmarks.speculative``: --quick prints a full table; the measuring loop checks greedy identity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import benchmarks.speculative as bench
+from models.speculative import SpeculativeOutput
+from tests.models.test_speculative import decoder, perturbed
+
+
+def test_quick_run_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None:
+    # End to end: the example trains a (tiny) target, the script trains a draft with its tokenizer and measures.
+    table = bench.main(["--quick"])
+    printed = capsys.readouterr().out
+    modes = ["greedy", "sample T=0.8"]
+    # Per mode: the plain row and one row per k (--quick: one draft, k = 2 and 3).
+    assert [(r[0], r[1], r[2]) for r in table.rows] == [
+        (m, d, k) for m in modes for d, k in [("-", "-"), ("1x16", "2"), ("1x16", "3")]
+    ]
+    for row in table.rows:
+        assert float(row[5]) > 0 and row[6].endswith("x")  # tokens/s and speed-up measured
+        if row[1] != "-":
+            assert 0.0 <= float(row[3].rstrip("%")) <= 100.0 and 1.0 <= float(row[4]) <= int(row[2]) + 1
+    assert table.render() in printed and "greedy speculative output was checked" in printed
+
+
+def test_measure_counts_and_checks_greedy_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = decoder(0)
+    draft = perturbed(target, 0.3)
+    prompts = [torch.tensor([[1, 5, 6, 7]]), torch.tensor([[1, 9, 3]])]
+    results = bench.measure(target, {"d": draft}, prompts, [1, 3], new_tokens=10, temperature=0.8, repeats=2,
+                            seed=0)
+    greedy = results[("greedy", "d", 3)]
+    assert len(greedy.tokens_per_s) == 2 and greedy.proposed > 0 and 0 < greedy.accepted <= greedy.proposed
+    # Two repeats of the same greedy decoding: twice one pass's counts, and one target pass per round.
+    assert greedy.tokens == 2 * sum(target.generate(p, max_new_tokens=10).shape[1] - p.shape[1] for p in prompts)
+    table = bench.table(results, "t", [])
+    assert len(table.rows) == 2 * (1 + 2) and table.rows[0][6] == "1.00x"
+
+    # A speculative decoder that changes a greedy token must stop the script.
+    real = bench.speculative_decode
+
+    def wrong(*args: object, **kwargs: object) -> SpeculativeOutput:
+        out = real(*args, **kwargs)
+        out.sequences[0, -1] = (out.sequences[0, -1] + 1) % target.config.vocab_size
+        return out
+
+    monkeypatch.setattr(bench, "speculative_decode", wrong)
+    with pytest.raises(SystemExit, match="differs from plain greedy output on prompt 0"):
+        bench.measure(target, {"d": draft}, prompts, [2], new_tokens=6, temperature=0.8, repeats=1, seed=0)
+
+
+def test_bad_arguments_exit() -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--draft", "1by64"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ks", "0"])
+    with pytest.raises(ValueError, match="LAYERSxD_MODEL"):
+        bench.parse_shape("x64")
+    with pytest.raises(ValueError, match="multiple of 16 .*got 40"):
+        bench.parse_shape("1x40")
+    assert bench.parse_shape("2X64") == (2, 64)
