@@ -1,6 +1,8 @@
 """``Seq2SeqTransformer.generate``: beam search (GNMT length penalty, paper §6.1) or greedy/sampled decoding.
 
-The source is encoded once and its cross-attention keys/values are computed at the first step and reused.
+The source is encoded once and its cross-attention keys/values are computed at the first step and reused. With
+``compile=True`` the decoder steps after the first run one compiled static-shape graph
+(``models.generation_seq2seq_compiled``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
         generator: torch.Generator | None = None,
         return_scores: bool = False,
         sampling: SamplingParams | None = None,
+        compile: bool = False,  # noqa: A002 - the name torch uses for this switch
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Translate each source: beam search as in the paper (§6.1: 4 beams, length penalty 0.6, at most
         source length + 50 tokens), or greedy/sampled decoding with ``num_beams=1``.
@@ -76,6 +79,11 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
             sampling: the sampling settings as one ``SamplingParams`` (instead of the separate keywords).
             return_scores: also return each output's length-normalised log-probability (the beam score; for
                 ``num_beams=1`` the same formula on the model's log-probabilities).
+            compile: decode with a compiled static-shape step (``models.generation_seq2seq_compiled``): the
+                encoder and the start token's step run eagerly, every later step (and the beam reorder) runs one
+                graph over bucketed caches. The first call per model, batch, beam count and bucket pays the
+                compile; later calls, and other source and target lengths of the bucket, reuse the graph. Needs
+                the ``"sdpa"`` or ``"math"`` attention backend.
 
         Returns:
             ``(B, 1 + T)`` long target ids starting with the decoder start token (and ``(B,)`` float scores
@@ -84,7 +92,8 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
         Raises:
             ValueError: bad ids or masks, ``num_beams < 1``, sampling or a repetition penalty with
                 ``num_beams > 1``, ``temperature <= 0`` with sampling, ``top_p`` outside (0, 1], token ids
-                outside the vocabulary, or ``1 + max_new_tokens`` beyond learned decoder positions.
+                outside the vocabulary, ``1 + max_new_tokens`` beyond learned decoder positions, ``compile`` not
+                a bool, or ``compile=True`` with an attention backend other than ``"sdpa"``/``"math"``.
 
         Shapes: ``src_ids (B, S)`` -> ``(B, 1 + T)``, ``T <= max_new_tokens``.
         """
@@ -112,6 +121,12 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
         if start is None:
             raise ValueError("decoder_start_token_id is None (and so is config.decoder_start_token_id)")
         _check_generator(generator, src_ids.device)
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
+        if compile:
+            from .generation_seq2seq_compiled import check_compilable
+
+            check_compilable(self)
         capacity = self.decoder_positional.max_positions
         if max_new_tokens is None:
             longest = src_len if src_mask is None else int(src_mask.sum(dim=-1).max())
@@ -136,10 +151,15 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
             memory = self.encode(src_ids, src_mask)  # (B, S, d_model), once per source
             if num_beams == 1:
                 sequences, scores = self._greedy(
-                    memory, src_mask, start, max_new_tokens, params, generator, eos, pad, length_penalty
+                    memory, src_mask, start, max_new_tokens, params, generator, eos, pad, length_penalty, compile
                 )
             else:
-                step = self._beam_step(memory, src_mask, max_new_tokens)
+                if compile:
+                    from .generation_seq2seq_compiled import beam_step
+
+                    step = beam_step(self, memory, src_mask, max_new_tokens, num_beams)
+                else:
+                    step = self._beam_step(memory, src_mask, max_new_tokens)
                 found = beam_search(
                     step, batch_size=b, start_token_id=start, num_beams=num_beams, max_new_tokens=max_new_tokens,
                     eos_token_id=eos, pad_token_id=pad, length_penalty=float(length_penalty),
@@ -161,18 +181,25 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
         eos: int | None,
         pad: int,
         alpha: float,
+        compile: bool = False,  # noqa: A002
     ) -> tuple[Tensor, Tensor]:
         """Greedy or sampled decoding with a cache; returns ``(ids (B, 1 + T), normalised scores (B,))``."""
         b = memory.shape[0]
         first = torch.full((b, 1), start, dtype=torch.long, device=memory.device)
         log_prob = torch.zeros(b, device=memory.device)
         lengths = torch.zeros(b, dtype=torch.long, device=memory.device)
-        cache = _shared.new_caches(len(self.decoder_layers), min(max_new_tokens, _shared.CACHE_CHUNK), cross=True)
-        logits = self.decode(memory, first, src_mask, cache=cache)[:, -1]
+        if compile:
+            from .generation_seq2seq_compiled import greedy_step
 
-        def step(tokens: Tensor) -> Tensor:
-            _make_room(cache, 1, max_new_tokens)
-            return self.decode(memory, tokens[:, None], src_mask, cache=cache)[:, -1]
+            logits, step = greedy_step(self, memory, src_mask, start, max_new_tokens)
+        else:
+            cache = _shared.new_caches(len(self.decoder_layers), min(max_new_tokens, _shared.CACHE_CHUNK),
+                                       cross=True)
+            logits = self.decode(memory, first, src_mask, cache=cache)[:, -1]
+
+            def step(tokens: Tensor) -> Tensor:
+                _make_room(cache, 1, max_new_tokens)
+                return self.decode(memory, tokens[:, None], src_mask, cache=cache)[:, -1]
 
         seen = seen_tokens(first, None, self.config.vocab_size) if params.uses_history else None
         out = [first]

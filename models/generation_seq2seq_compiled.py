@@ -1,0 +1,256 @@
+"""A compiled, static-shape decode step for ``Seq2SeqTransformer.generate(..., compile=True)``.
+
+The encoder runs once, eagerly (``generate`` does that for both paths). The first decoder step (the start token)
+also runs eagerly over an ordinary cache: it computes every layer's cross-attention keys/values once. Its
+contents are then copied into buffers whose shapes never change, and every later step runs one compiled graph
+(``models.generation_compiled.compile_step``: inductor on CPU, CUDA graphs on CUDA) over them:
+
+- decoder self-attention uses a ``BucketKVCache`` of ``bucket`` slots (powers of two from ``MIN_BUCKET``), with the
+  write slot a long tensor and the visible slots a ``(R, bucket)`` mask, both updated in place between steps;
+- cross-attention keys/values live in a ``(R, Hkv, source_bucket, D)`` buffer per layer, the slots past the real
+  source hidden by the memory mask, so sources of different lengths in one bucket reuse the graph;
+- beam search keeps ``R = B · num_beams`` rows for the whole search: source ``s`` owns rows
+  ``s·num_beams … s·num_beams + num_beams − 1``. Which beams survive a step is a
+  ``(R,)`` long tensor ``perm`` (new row ``r`` continues old row ``perm[r]``), applied inside the graph to the
+  self-attention buffers in place (``copy_`` of an ``index_select``). Beams never change sources, so the
+  cross-attention buffers are never reordered; rows of sources that have finished keep computing (their
+  logits are dropped) instead of changing the batch size, so the same graph serves every step of every call.
+
+Token choice (greedy, sampling, repetition penalty, the beam bookkeeping of ``models.beam_search``) runs outside
+the graph on the step's logits. The buffers of a ``(model, rows, bucket, source bucket)`` are kept for later
+calls, so that the graph's guards (which check the objects it reads) keep holding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from blocks.kv_cache import BucketKVCache, LayerCache, StaticKVCache
+
+from . import generation_compiled as _compiled
+from .base import new_caches
+from .beam_search import StepFn
+
+# Per model: {(rows, bucket, source bucket, dtype, device): _Static} — reused so that the graph's guards hold.
+_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass
+class _Static:
+    """The fixed-shape inputs of the compiled step (``R`` rows)."""
+
+    caches: list[LayerCache]  # self_attn: BucketKVCache (R, Hkv, bucket, D); cross_attn: filled (R, Hkv, Sb, D)
+    self_mask: Tensor  # (R, bucket) bool, True = slot written (the current one included)
+    index: Tensor  # (1,) long, the slot the step writes
+    memory: Tensor  # (R, Sb, d_model) zero-stride placeholder: cross K/V are cached, only the shape is read
+    memory_mask: Tensor  # (R, Sb) bool, True = real source token
+    perm: Tensor  # (R,) long, the beam reorder of this step
+
+
+def check_compilable(model: Any) -> None:
+    """Reject what the compiled seq2seq path does not support, before any work.
+
+    Raises:
+        ValueError: a model whose attention backend is not ``"sdpa"`` or ``"math"`` (named), as for
+            ``DecoderLM`` (``models.generation_compiled.check_compilable``).
+    """
+    _compiled.check_compilable(model, None)
+
+
+def _step(
+    model: Any,
+    tokens: Tensor,
+    self_mask: Tensor,
+    caches: list[LayerCache],
+    memory: Tensor,
+    memory_mask: Tensor,
+    perm: Tensor | None,
+) -> Tensor:
+    """Reorder the self-attention buffers by ``perm`` (beam search), then decode one token per row.
+
+    Shapes: tokens ``(R, 1)``, self_mask ``(R, bucket)``, memory_mask ``(R, Sb)``, perm ``(R,)`` -> ``(R, V)``.
+    """
+    if perm is not None:
+        for layer_cache in caches:
+            kv = layer_cache.self_attn
+            # In place, into the same buffers: the graph reads and writes fixed tensors at every step.
+            kv.k.copy_(kv.k.index_select(0, perm))
+            kv.v.copy_(kv.v.index_select(0, perm))
+    return model.decode(memory, tokens, memory_mask, self_mask, cache=caches)[:, -1]
+
+
+def _static_buffers(
+    model: Any, prefill: list[LayerCache], src_mask: Tensor | None, width: int, bucket: int
+) -> _Static:
+    """The kept buffers for this model and shape (made on first use), filled from the eager first step.
+
+    ``prefill`` holds the start token's self-attention keys/values (slot 0) and the cross-attention keys/values
+    of ``B`` sources; each is repeated for the ``width`` rows of its source.
+    """
+    first_self, first_cross = prefill[0].self_attn.k, prefill[0].cross_attn.k
+    b, src_len = first_cross.shape[0], first_cross.shape[2]
+    rows, src_bucket = b * width, _compiled.bucket_length(src_len, None)
+    device = first_self.device
+    key = (rows, bucket, src_bucket, first_self.dtype, device)
+    per_model = _BUFFERS.setdefault(model, {})
+    if key not in per_model:
+        index = torch.zeros(1, dtype=torch.long, device=device)
+        kept = []
+        for layer_cache in prefill:
+            kv, cross = layer_cache.self_attn, layer_cache.cross_attn
+            holder = LayerCache(1, cross=True)
+            self_kv = [t.new_zeros((rows, t.shape[1], bucket, t.shape[3])) for t in (kv.k, kv.v)]
+            cross_kv = [t.new_zeros((rows, t.shape[1], src_bucket, t.shape[3])) for t in (cross.k, cross.v)]
+            if device.type == "cuda":
+                # CUDA graphs replay fixed addresses: the buffers must never move.
+                for t in (*self_kv, *cross_kv):
+                    torch._dynamo.mark_static_address(t)
+            holder.self_attn = BucketKVCache(*self_kv, index)
+            holder.cross_attn = StaticKVCache()
+            holder.cross_attn.set(*cross_kv)
+            kept.append(holder)
+        d_model = model.config.d_model
+        per_model[key] = _Static(
+            caches=kept,
+            self_mask=torch.zeros((rows, bucket), dtype=torch.bool, device=device),
+            index=index,
+            memory=first_self.new_zeros(()).expand(rows, src_bucket, d_model),
+            memory_mask=torch.zeros((rows, src_bucket), dtype=torch.bool, device=device),
+            perm=torch.arange(rows, device=device),
+        )
+    static = per_model[key]
+    for src, dst in zip(prefill, static.caches, strict=True):
+        for s, d in ((src.self_attn.k, dst.self_attn.k), (src.self_attn.v, dst.self_attn.v)):
+            d[:, :, :1] = s[:, :, :1].repeat_interleave(width, dim=0)
+        for s, d in ((src.cross_attn.k, dst.cross_attn.k), (src.cross_attn.v, dst.cross_attn.v)):
+            d[:, :, :src_len] = s.repeat_interleave(width, dim=0)
+            d[:, :, src_len:] = 0  # hidden by the memory mask; zeros keep stale values out of 0 · x products
+    static.memory_mask.zero_()
+    static.memory_mask[:, :src_len] = True if src_mask is None else src_mask.repeat_interleave(width, dim=0)
+    static.self_mask.zero_()
+    static.self_mask[:, 0] = True  # the start token
+    return static
+
+
+def _call(run: Any, first: bool, *args: Any) -> Tensor:
+    """``run(*args)``; after the first step of a call, checking only the guards that tell its graphs apart.
+
+    Later steps of one call pass the same objects and shapes, so re-checking every guard (~0.5 ms per token on
+    2 CPU cores) cannot change which graph runs.
+    """
+    if first:
+        return run(*args)
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        return run(*args)
+
+
+def _prefill(model: Any, memory: Tensor, tokens: Tensor, src_mask: Tensor | None) -> tuple[Tensor, list[LayerCache]]:
+    """The start token's step, eager: next-token logits ``(B, V)`` and the caches it filled."""
+    prefill = new_caches(len(model.decoder_layers), 1, cross=True)
+    logits = model.decode(memory, tokens, src_mask, cache=prefill)[:, -1]
+    return logits, prefill
+
+
+def _bucket(model: Any, max_new_tokens: int) -> int:
+    # The start token and every generated token but the last are cached: max_new_tokens slots.
+    return _compiled.bucket_length(max_new_tokens, model.decoder_positional.max_positions)
+
+
+def greedy_step(
+    model: Any, memory: Tensor, src_mask: Tensor | None, start: int, max_new_tokens: int
+) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """The start token's logits and the compiled one-token ``step`` for greedy or sampled decoding.
+
+    Args:
+        model: a ``Seq2SeqTransformer`` in eval mode (the caller runs under ``torch.inference_mode``).
+        memory: the encoder output ``(B, S, d_model)``.
+        src_mask: ``(B, S)`` bool, True = real token, or None.
+        start: the decoder start token.
+        max_new_tokens: the most tokens to generate (>= 1).
+
+    Returns:
+        ``(logits (B, V), step)``: ``step(tokens (B,)) -> logits (B, V)`` for the token after ``tokens``.
+    """
+    b = memory.shape[0]
+    first = torch.full((b, 1), start, dtype=torch.long, device=memory.device)
+    logits, prefill = _prefill(model, memory, first, src_mask)
+    static = _static_buffers(model, prefill, src_mask, 1, _bucket(model, max_new_tokens))
+    run = _compiled.compile_step(_step, memory.device)  # kept per (fn, device): compiled once
+    filled = 1
+
+    def step(tokens: Tensor) -> Tensor:
+        nonlocal filled
+        # The new token goes to slot `filled`: visible from now on, and the write index of this step.
+        static.self_mask[:, filled] = True
+        static.index.fill_(filled)
+        filled += 1
+        out = _call(run, filled == 2, model, tokens[:, None], static.self_mask, static.caches, static.memory,
+                    static.memory_mask, None)
+        return out.clone()  # CUDA graphs reuse their output buffer at the next replay
+
+    return logits, step
+
+
+def beam_step(
+    model: Any, memory: Tensor, src_mask: Tensor | None, max_new_tokens: int, num_beams: int
+) -> StepFn:
+    """The ``models.beam_search`` step function over the compiled static-shape decoder.
+
+    The first call (the start tokens, ``B`` rows) runs eagerly and fills the buffers; later calls map the
+    search's rows (``A`` active sources × up to ``num_beams`` beams, grouped by source) onto the
+    ``R = B · num_beams`` fixed rows, turn ``parents`` into the in-graph reorder ``perm`` and return the logits
+    of the search's rows.
+
+    Args:
+        model, memory, src_mask, max_new_tokens: as ``greedy_step``.
+        num_beams: beams per source (>= 2).
+
+    Returns:
+        ``step(tokens (N, 1), parents (N,) | None, sources_changed) -> logits (N, V)`` (see
+        ``models.beam_search.StepFn``).
+
+    Shapes: ``memory (B, S, d_model)``; the graph runs ``(B · num_beams, 1)`` tokens at every step.
+    """
+    k = num_beams
+    vocab = model.config.vocab_size
+    bucket = _bucket(model, max_new_tokens)
+    run = _compiled.compile_step(_step, memory.device)  # kept per (fn, device): compiled once
+    state: dict[str, Any] = {}
+
+    def step(tokens: Tensor, parents: Tensor | None, sources_changed: bool) -> Tensor:
+        del sources_changed  # a source's rows are fixed: cross-attention buffers never need reordering
+        if parents is None:  # the start tokens, one row per source
+            logits, prefill = _prefill(model, memory, tokens, src_mask)
+            static = _static_buffers(model, prefill, src_mask, k, bucket)
+            state.update(
+                static=static, filled=1, width=1, identity=torch.arange(static.perm.shape[0], device=memory.device),
+                phys=torch.arange(tokens.shape[0], device=memory.device) * k,  # search row -> fixed row
+            )
+            return logits
+        static, filled, phys = state["static"], state["filled"], state["phys"]
+        n = tokens.shape[0]
+        # beam_search keeps min(k, candidates) beams per source, with min(2k, beams · vocab) candidates: k
+        # unless the vocabulary is smaller than k, when the first steps keep fewer.
+        width = state["width"] = min(k, state["width"] * vocab)
+        if n % width:
+            raise RuntimeError(f"beam search gave {n} rows, not a multiple of {width} beams per source")
+        parent_rows = phys.index_select(0, parents)  # (N,) fixed rows the new beams continue
+        # Search row i is beam i % width of its source; the source is the parent's (beams never change sources).
+        new_phys = parent_rows // k * k + torch.arange(n, device=tokens.device) % width
+        static.perm.copy_(state["identity"]).index_copy_(0, new_phys, parent_rows)
+        full = torch.zeros((static.perm.shape[0], 1), dtype=torch.long, device=tokens.device)
+        full.index_copy_(0, new_phys, tokens)  # rows of finished sources decode token 0; their logits are unused
+        static.self_mask[:, filled] = True
+        static.index.fill_(filled)
+        state["filled"], state["phys"] = filled + 1, new_phys
+        out = _call(run, filled == 1, model, full, static.self_mask, static.caches, static.memory,
+                    static.memory_mask, static.perm)
+        return out.index_select(0, new_phys)  # a copy: safe from the next CUDA-graph replay
+
+    return step
