@@ -222,6 +222,26 @@ def quantized_modules(module: nn.Module) -> dict[str, str]:
     return found
 
 
+def check_unquantized(module: nn.Module, action: str) -> None:
+    """Refuse ``action`` (an export to a float format, e.g. ``transformers``) for a module holding quantized layers.
+
+    Args:
+        module: the model.
+        action: what is refused, for the message (``"export to transformers"``).
+
+    Raises:
+        ValueError: naming the scheme, the layers and the fix (``model.dequantize()``).
+    """
+    layers = quantized_modules(module)
+    if layers:
+        schemes = _listing(sorted({repr(s) for s in layers.values()}))
+        raise ValueError(
+            f"cannot {action}: this {type(module).__name__} has {len(layers)} layer(s) quantized as {schemes} "
+            f"({_listing(list(layers), 3)}), which that format has no place for; call model.dequantize() first "
+            "(float layers holding scale · q, the same function up to float rounding)"
+        )
+
+
 def quantization_mismatch(module: nn.Module, keys: Iterable[str]) -> str | None:
     """Why a state dict with ``keys`` cannot load into ``module`` because of quantization, or ``None`` if it can.
 

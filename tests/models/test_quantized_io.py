@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import blocks
-from blocks.quantized import Int8Linear, quantize_linears, quantized_modules
+from blocks.quantized import Int8Linear, check_unquantized, quantize_linears, quantized_modules
 from models import (
     DecoderLM,
     DecoderLMConfig,
@@ -146,6 +146,19 @@ def test_partly_quantized_model_reloads_with_the_same_layers(tmp_path: Path) -> 
     assert sorted(quantized_modules(loaded)) == sorted(chosen)
     assert loaded.lm_head.weight is loaded.embed_tokens.weight  # the untouched head is still tied
     assert torch.equal(logits(loaded), logits(model))
+
+
+def test_any_saved_model_class_round_trips_its_quantized_layers(tmp_path: Path) -> None:
+    # The vision transformer has no quantize() method; quantize_linears and the checkpoint path are generic.
+    from models.vit import VisionTransformer
+
+    model = VisionTransformer.from_preset("tiny").eval()
+    quantize_linears(model, "int8")
+    loaded = VisionTransformer.from_pretrained(model.save_pretrained(tmp_path / "vit"))
+    assert quantized_modules(loaded) == quantized_modules(model) and len(quantized_modules(model)) > 0
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(pixels).logits, model(pixels).logits)
 
 
 def test_int8_checkpoint_loaded_as_bfloat16_runs_with_aligned_int8_weights(tmp_path: Path) -> None:
@@ -280,6 +293,15 @@ def test_int8_weights_stored_in_another_dtype_are_refused(stored: torch.dtype, t
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"lm_head\.weight_int8: checkpoint dtype {stored} vs model dtype torch.int8"):
         DecoderLM.from_pretrained(folder)
+
+
+def test_check_unquantized_names_the_scheme_and_the_fix() -> None:
+    check_unquantized(tiny("decoder"), "export to transformers")  # a float model passes
+    model = tiny("decoder").quantize("int8")
+    expected = r"cannot export to transformers: this DecoderLM has 13 layer\(s\) quantized as 'int8' \(layers\.0\."
+    with pytest.raises(ValueError, match=expected + r".*call model\.dequantize\(\) first"):
+        check_unquantized(model, "export to transformers")
+    check_unquantized(model.dequantize(), "export to transformers")
 
 
 @pytest.mark.xfail(strict=True, reason="needs the one-line check in models/convert/export.py (see the int8 report)")
