@@ -269,25 +269,29 @@ def quantization_mismatch(module: nn.Module, keys: Iterable[str]) -> str | None:
                     break
     model = type(module).__name__
     if quantized_in_state:
-        schemes = sorted(set(quantized_in_state.values()))
-        first = next(iter(quantized_in_state))
-        state_names = ", ".join(f"{first}.{n}" for n in get("quantization", schemes[0]).state_names)
+        schemes, tensors, scheme = _summary(quantized_in_state)
         return (
-            f"it holds {len(quantized_in_state)} layer(s) quantized as {_listing([repr(s) for s in schemes])} "
-            f"({state_names}, ...), but those layers of the {model} are unquantized nn.Linear layers: quantize the "
-            f"model first (model.quantize({schemes[0]!r})); from_pretrained does this when config.json records "
-            "the quantization"
+            f"it holds {len(quantized_in_state)} layer(s) quantized as {schemes} ({tensors}, ...), but those layers "
+            f"of the {model} are unquantized nn.Linear layers: quantize the model first (model.quantize({scheme!r})); "
+            "from_pretrained does this when config.json records the quantization"
         )
     if float_in_state:
-        schemes = sorted(set(float_in_state.values()))
-        first = next(iter(float_in_state))
-        state_names = ", ".join(f"{first}.{n}" for n in get("quantization", schemes[0]).state_names)
+        schemes, tensors, _ = _summary(float_in_state)
         return (
-            f"it holds float weights, not the quantized tensors ({state_names}, ...), for {len(float_in_state)} "
-            f"layer(s) that the {model} has quantized as {_listing([repr(s) for s in schemes])}: load them into an "
-            "unquantized model (and quantize it after loading), or call model.dequantize() first"
+            f"it holds float weights, not the quantized tensors ({tensors}, ...), for {len(float_in_state)} "
+            f"layer(s) that the {model} has quantized as {schemes}: load them into an unquantized model (and "
+            "quantize it after loading), or call model.dequantize() first"
         )
     return None
+
+
+def _summary(layers: dict[str, str]) -> tuple[str, str, str]:
+    """For messages about ``layers`` (name -> scheme): the schemes listed, the first layer's quantized tensor names,
+    and the first scheme."""
+    schemes = sorted(set(layers.values()))
+    first = next(iter(layers))
+    tensors = ", ".join(f"{first}.{n}" for n in get("quantization", schemes[0]).state_names)
+    return _listing([repr(s) for s in schemes]), tensors, schemes[0]
 
 
 def _listing(items: list[str], limit: int = 10) -> str:
