@@ -60,6 +60,9 @@ def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[di
     from ..adapters import check_exportable  # (models.adapters imports models.convert lazily, and so on)
 
     check_exportable(model, "export to transformers", allow_merged=True)
+    from blocks.quantized import check_unquantized
+
+    check_unquantized(model, "export to transformers")
     if model_type is not None:
         exporter = blocks.get(EXPORTER_KIND, model_type)
         try:

@@ -304,7 +304,6 @@ def test_check_unquantized_names_the_scheme_and_the_fix() -> None:
     check_unquantized(model.dequantize(), "export to transformers")
 
 
-@pytest.mark.xfail(strict=True, reason="needs the one-line check in models/convert/export.py (see the int8 report)")
 def test_export_to_transformers_of_a_quantized_model_names_the_fix(tmp_path: Path) -> None:
     from models.convert.export import save_transformers
 
