@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +43,7 @@ class Shapes:
     seq: int = 256
     s2s_seq: int = 128
     src_len: int = 32
-    new_tokens: int = 128
+    new_tokens: int = 96
     s2s_new_tokens: int = 32
     prompt: int = 32
     attn_lengths: tuple[int, ...] = (512, 2048, 8192)
@@ -102,6 +104,14 @@ def copy_bandwidth(n_bytes: int = 512 * 2**20, reps: int = 5) -> float:
     dst.copy_(src)
     best = min(_time(lambda: dst.copy_(src)) for _ in range(reps))
     return 2 * n_bytes / best
+
+
+def read_bandwidth(n_bytes: int = 512 * 2**20, reps: int = 5) -> float:
+    """Memory read bandwidth in bytes/s: a sum over a tensor far larger than the caches (best of ``reps``)."""
+    src = torch.ones(n_bytes // 4)
+    src.sum()
+    best = min(_time(src.sum) for _ in range(reps))
+    return n_bytes / best
 
 
 def _time(fn: Callable[[], object]) -> float:
@@ -252,26 +262,6 @@ def train_step(name: str, model: torch.nn.Module, s: Shapes) -> Callable[[], Non
     return step
 
 
-def decode_step(name: str, model: torch.nn.Module, s: Shapes, batch: int, beams: int = 1) -> Callable[[], None]:
-    """One full generation call (greedy or beam search), exactly ``new`` tokens."""
-    g = torch.Generator().manual_seed(0)
-    model.eval()
-    if name in ("zoo_decoder", "hf_gpt2"):
-        ids = torch.randint(1, s.vocab, (batch, s.prompt), generator=g)
-        if name == "zoo_decoder":
-            return lambda: model.generate(ids, max_new_tokens=s.new_tokens, eos_token_id=None)
-        mask = torch.ones_like(ids)
-        return lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=s.new_tokens,
-                                      min_new_tokens=s.new_tokens, do_sample=False, num_beams=1)
-    src = torch.randint(2, s.vocab, (batch, s.src_len), generator=g)
-    n = s.s2s_new_tokens
-    if name == "zoo_seq2seq":
-        return lambda: model.generate(src, max_new_tokens=n, num_beams=beams, eos_token_id=None)
-    mask = torch.ones_like(src)
-    return lambda: model.generate(input_ids=src, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                  num_beams=beams, do_sample=False, early_stopping=False, length_penalty=0.6)
-
-
 def training_flops_per_token(model: torch.nn.Module, n_layers: int, d_model: int, seq: int, embed: int) -> float:
     """6·N (matmul parameters, embeddings lookups excluded) + 12·layers·d_model·seq for attention scores."""
     return 6 * (n_params(model) - embed) + 12 * n_layers * d_model * seq
@@ -302,92 +292,138 @@ def row_training(title: str, names: list[str], s: Shapes, tokens: int, seq: int,
     return table
 
 
-def row_decoding(s: Shapes, bandwidth: float) -> Table:
+def first_and_steady(fns: dict[str, Callable[[], object]], steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds of each function's first call (a compiled variant compiles there), then interleaved medians."""
+    first = {}
+    with torch.inference_mode():
+        for name, fn in fns.items():
+            first[name] = _time(fn)
+        return first, interleaved(fns, steps, 0)
+
+
+def hf_decode(model: torch.nn.Module, ids: torch.Tensor, new: int, beams: int = 1, compiled: bool = False,
+              **extra: object) -> Callable[[], object]:
+    """``transformers`` ``generate``, exactly ``new`` tokens; ``compiled``: static cache and its compiled step."""
+    from transformers import CompileConfig
+
+    kwargs: dict = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False, num_beams=beams, **extra)
+    if compiled:
+        config = CompileConfig()
+        config._compile_all_devices = True  # transformers compiles only on accelerators unless told so
+        kwargs.update(cache_implementation="static", compile_config=config)
+    model.eval()
+    return lambda: model.generate(**kwargs)
+
+
+def _ms(secs: float, tokens: int) -> str:
+    return f"{secs / tokens * 1e3:.2f}"
+
+
+def row_decoding(s: Shapes, bandwidth: float, hf_compiled: bool) -> Table:
+    """GPT-2-shape greedy decoding, batch 1 and 8: the zoo eager and compiled against transformers eager and
+    transformers' static-cache compiled step, with first-call cost, break-even and the weight-read floor."""
     torch.manual_seed(0)
-    zoo, hf = zoo_decoder(s), hf_gpt2(s)
-    table = Table("4. Decoding (greedy, DecoderLM vs GPT2LMHeadModel.generate)",
-                  ["batch", "zoo ms/token", "transformers ms/token", "speed-up", "bandwidth floor ms/token",
-                   "zoo / floor"])
+    zoo, hf = zoo_decoder(s).eval(), hf_gpt2(s).eval()
+    n = s.new_tokens
     weight_bytes = sum(p.numel() * p.element_size() for p in zoo.parameters())
-    floor = weight_bytes / bandwidth * 1e3
+    floor = weight_bytes / bandwidth
+    table = Table(f"4. Decoding (greedy, DecoderLM vs GPT2LMHeadModel.generate, {s.prompt}-token prompt, {n} new "
+                  "tokens)",
+                  ["batch", "variant", "ms/token", "vs transformers eager", "vs transformers compiled",
+                   "÷ weight-read floor", "first call s", "compile s", "break-even tokens"])
     for batch in (1, 8):
-        fns = {"zoo": decode_step("zoo_decoder", zoo, s, batch), "hf": decode_step("hf_gpt2", hf, s, batch)}
-        with torch.inference_mode():
-            secs = interleaved(fns, s.steps, s.warmup)
-        zoo_ms, hf_ms = (secs[k] / s.new_tokens * 1e3 for k in ("zoo", "hf"))
-        table.rows.append([str(batch), f"{zoo_ms:.2f}", f"{hf_ms:.2f}", f"{hf_ms / zoo_ms:.2f}x", f"{floor:.2f}",
-                           f"{zoo_ms / floor:.2f}x"])
-    table.notes.append(f"{s.prompt}-token prompt, {s.new_tokens} new tokens, no early stop; floor = weight bytes "
-                       f"({weight_bytes / 2**20:.0f} MiB) ÷ measured copy bandwidth.")
+        ids = torch.randint(1, s.vocab, (batch, s.prompt), generator=torch.Generator().manual_seed(batch))
+        fns = {"transformers eager": hf_decode(hf, ids, n)}
+        if hf_compiled:
+            fns["transformers compiled"] = hf_decode(hf, ids, n, compiled=True)
+        fns["zoo eager"] = lambda ids=ids: zoo.generate(ids, max_new_tokens=n, eos_token_id=None)
+        fns["zoo compiled"] = lambda ids=ids: zoo.generate(ids, max_new_tokens=n, eos_token_id=None, compile=True)
+        first, secs = first_and_steady(fns, s.steps)
+        add_variants(table, str(batch), fns, first, secs, n, floor)
+    table.notes.append(f"ms/token = ms per decoding step (one new token for each of the batch's rows); floor = "
+                       f"weight bytes ({weight_bytes / 2**20:.0f} MiB, read once per step) ÷ measured read "
+                       f"bandwidth = {floor * 1e3:.2f} ms.")
+    table.notes.append("first call = a fresh process's first generate (compiled variants compile there; the "
+                       "inductor cache starts empty); compile s = first call − steady call; break-even = compile s "
+                       "÷ ms saved per token against the same library's eager path.")
+    if not hf_compiled:
+        table.notes.append("transformers' compiled step skipped (--quick).")
     return table
 
 
-def row_fast_decoding(s: Shapes, bandwidth: float) -> Table:
-    """Batch-1 greedy decoding: eager, compiled (static-shape step), int8 weights, against transformers eager.
+def add_variants(table: Table, label: str, fns: dict, first: dict, secs: dict, tokens: int, floor: float | None,
+                 ) -> None:
+    """One table row per variant (see ``row_decoding`` for the columns)."""
+    base = secs["transformers eager"]
+    for name in fns:
+        compile_s = first[name] - secs[name]
+        eager = secs.get(name.replace("compiled", "eager"), secs[name])
+        saved = (eager - secs[name]) / tokens
+        even = f"{compile_s / saved:.0f}" if "compiled" in name and saved > 0 else "-"
+        versus = f"{secs['transformers compiled'] / secs[name]:.2f}x" if "transformers compiled" in secs else "-"
+        table.rows.append([label, name, _ms(secs[name], tokens), f"{base / secs[name]:.2f}x", versus,
+                           "-" if floor is None else f"{secs[name] / tokens / floor:.2f}x", f"{first[name]:.2f}",
+                           f"{compile_s:.1f}" if "compiled" in name else "-", even])
 
-    The first call of a compiled variant pays the compile; it is reported beside the steady state, with the
-    number of tokens after which the compiled variant has paid for itself.
-    """
+
+def row_int8_decoding(s: Shapes, bandwidth: float) -> Table:
+    """Batch-1 greedy decoding with int8 weights against the fp32 model, both compiled."""
     from models import DecoderLMConfig
 
     torch.manual_seed(0)
-    zoo, hf = zoo_decoder(s), hf_gpt2(s)
+    zoo = zoo_decoder(s).eval()
     int8 = DecoderLM(DecoderLMConfig(**{**zoo.config.__dict__})).eval()
     int8.load_state_dict(zoo.state_dict())
     int8.quantize("int8")
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, s.vocab, (1, s.prompt), generator=g)
+    ids = torch.randint(1, s.vocab, (1, s.prompt), generator=torch.Generator().manual_seed(0))
     n = s.new_tokens
     fns = {
-        "transformers eager": decode_step("hf_gpt2", hf, s, 1),
-        "zoo eager": lambda: zoo.generate(ids, max_new_tokens=n, eos_token_id=None),
-        "zoo compiled": lambda: zoo.generate(ids, max_new_tokens=n, eos_token_id=None, compile=True),
-        "zoo int8 eager": lambda: int8.generate(ids, max_new_tokens=n, eos_token_id=None),
-        "zoo int8 compiled": lambda: int8.generate(ids, max_new_tokens=n, eos_token_id=None, compile=True),
+        "fp32 compiled": lambda: zoo.generate(ids, max_new_tokens=n, eos_token_id=None, compile=True),
+        "int8 compiled": lambda: int8.generate(ids, max_new_tokens=n, eos_token_id=None, compile=True),
+        "int8 eager": lambda: int8.generate(ids, max_new_tokens=n, eos_token_id=None),
     }
-    first = {}
-    for name, fn in fns.items():  # first calls (compiles included), timed once each
-        start = time.perf_counter()
-        with torch.inference_mode():
-            fn()
-        first[name] = time.perf_counter() - start
-    with torch.inference_mode():
-        secs = interleaved(fns, s.steps, 0)
+    first, secs = first_and_steady(fns, s.steps)
     fp32_bytes = sum(p.numel() * p.element_size() for p in zoo.parameters())
-    int8_bytes = sum(t.numel() * t.element_size() for t in [*int8.parameters(), *int8.buffers()])
-    table = Table(f"6. Fast decoding (batch 1, greedy, {s.prompt}-token prompt, {n} new tokens)",
-                  ["variant", "ms/token", "speed-up vs transformers eager", "first call s", "break-even tokens",
-                   "floor ms/token", "ms/token ÷ floor"])
-    base = secs["transformers eager"] / n * 1e3
-    eager_ms = secs["zoo eager"] / n * 1e3
+    # What a step reads: every linear weight (int8 + scale) and the float norms/biases; of the float embedding
+    # tables, one row each (the head has its own int8 copy).
+    embeddings = {id(m.weight) for m in int8.modules() if isinstance(m, torch.nn.Embedding)}
+    int8_bytes = sum(t.numel() * t.element_size() for t in [*int8.parameters(), *int8.buffers()]
+                     if id(t) not in embeddings)
+    weights = {"fp32 compiled": fp32_bytes, "int8 compiled": int8_bytes, "int8 eager": int8_bytes}
+    table = Table(f"6. int8 weights (batch 1, greedy, {s.prompt}-token prompt, {n} new tokens)",
+                  ["variant", "ms/token", "vs fp32 compiled", "weights read MiB", "÷ weight-read floor",
+                   "first call s"])
     for name in fns:
-        ms = secs[name] / n * 1e3
-        weight = int8_bytes if "int8" in name else fp32_bytes
-        floor = weight / bandwidth * 1e3
-        extra = first[name] - secs[name]  # what the first call costs beyond a warm one
-        saved = (eager_ms - ms) / 1e3  # per token, against the zoo's eager path
-        even = f"{extra / saved:.0f}" if "compiled" in name and saved > 0 else "-"
-        table.rows.append([name, f"{ms:.2f}", f"{base / ms:.2f}x", f"{first[name]:.2f}", even, f"{floor:.2f}",
-                           f"{ms / floor:.2f}x"])
-    table.notes.append("floor = bytes of weights read per token (int8 weights + float embeddings/norms for the "
-                       "int8 rows) ÷ measured copy bandwidth; break-even = extra first-call seconds ÷ seconds "
-                       "saved per token against zoo eager.")
+        floor = weights[name] / bandwidth
+        table.rows.append([name, _ms(secs[name], n), f"{secs['fp32 compiled'] / secs[name]:.2f}x",
+                           f"{weights[name] / 2**20:.1f}", f"{secs[name] / n / floor:.2f}x", f"{first[name]:.1f}"])
+    table.notes.append("weights read = int8 weights and scales + float norms and biases (the fp32 row counts every "
+                       "parameter once, the tied head included); floor = that ÷ measured read bandwidth.")
     return table
 
 
 def row_seq2seq_decoding(s: Shapes) -> Table:
+    """Marian-shape decoding, batch 1: greedy and beam-4, zoo eager and compiled against MarianMTModel.generate."""
     torch.manual_seed(0)
-    zoo, hf = zoo_seq2seq(s), hf_marian(s)
-    table = Table("3b. Seq2Seq decoding (Seq2SeqTransformer vs MarianMTModel.generate, batch 1)",
-                  ["search", "zoo ms/token", "transformers ms/token", "speed-up"])
+    zoo, hf = zoo_seq2seq(s).eval(), hf_marian(s).eval()
+    n = s.s2s_new_tokens
+    src = torch.randint(2, s.vocab, (1, s.src_len), generator=torch.Generator().manual_seed(0))
+    table = Table(f"3b. Seq2Seq decoding (Seq2SeqTransformer vs MarianMTModel.generate, batch 1, {s.src_len}-token "
+                  f"source, {n} new tokens)",
+                  ["search", "variant", "ms/token", "vs transformers eager", "vs transformers compiled",
+                   "÷ weight-read floor", "first call s", "compile s", "break-even tokens"])
     for beams in (1, 4):
-        fns = {"zoo": decode_step("zoo_seq2seq", zoo, s, 1, beams), "hf": decode_step("hf_marian", hf, s, 1, beams)}
-        with torch.inference_mode():
-            secs = interleaved(fns, s.steps, s.warmup)
-        zoo_ms, hf_ms = (secs[k] / s.s2s_new_tokens * 1e3 for k in ("zoo", "hf"))
-        table.rows.append(["greedy" if beams == 1 else f"beam-{beams}", f"{zoo_ms:.2f}", f"{hf_ms:.2f}",
-                           f"{hf_ms / zoo_ms:.2f}x"])
-    table.notes.append(f"{s.src_len}-token source, {s.s2s_new_tokens} new tokens, no early stop.")
+        beam_options = dict(early_stopping=False, length_penalty=0.6) if beams > 1 else {}
+        fns = {
+            "transformers eager": hf_decode(hf, src, n, beams, **beam_options),
+            "zoo eager": lambda b=beams: zoo.generate(src, max_new_tokens=n, num_beams=b, eos_token_id=None),
+            "zoo compiled": lambda b=beams: zoo.generate(src, max_new_tokens=n, num_beams=b, eos_token_id=None,
+                                                         compile=True),
+        }
+        first, secs = first_and_steady(fns, s.steps)
+        add_variants(table, "greedy" if beams == 1 else f"beam-{beams}", fns, first, secs, n, None)
+    table.notes.append("no early stop; ms/token includes encoding the source once per call.")
     return table
 
 
@@ -448,11 +484,20 @@ def main(argv: list[str] | None = None) -> None:
         print(memory_probe(json.loads(args.memory_probe)))
         return
     s = QUICK if args.quick else Shapes()
+    if args.quick:
+        # A smoke run: dynamo captures the same graphs, without inductor's C++ build (minutes on 2 cores).
+        import models.generation_compiled
+
+        models.generation_compiled.BACKEND = "aot_eager"
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        # First calls are reported: compile from an empty cache, as a user's first run does.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="zoo-bench-inductor-")
     memory = not args.no_memory
-    peak, bandwidth = matmul_peak(), copy_bandwidth()
+    peak, bandwidth, read = matmul_peak(), copy_bandwidth(), read_bandwidth()
     print(f"# transformer-zoo benchmarks\n\nmachine: {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, fp32\n"
-          f"fp32 matmul peak: {peak / 1e9:.0f} GFLOP/s; copy bandwidth: {bandwidth / 1e9:.1f} GB/s\n", flush=True)
+          f"fp32 matmul peak: {peak / 1e9:.0f} GFLOP/s; copy bandwidth: {bandwidth / 1e9:.1f} GB/s; "
+          f"read bandwidth: {read / 1e9:.1f} GB/s\n", flush=True)
     if 1 in args.rows:
         print(row_training(f"1. Training: DecoderLM vs GPT2LMHeadModel vs x-transformers "
                            f"({s.n_layers} layers, d_model {s.d_model}, batch {s.batch}×{s.seq})",
@@ -469,11 +514,11 @@ def main(argv: list[str] | None = None) -> None:
                            3 * s.n_layers, memory, flop_tokens=s.batch * s.s2s_seq).render(), "\n", flush=True)
         print(row_seq2seq_decoding(s).render(), "\n", flush=True)
     if 4 in args.rows:
-        print(row_decoding(s, bandwidth).render(), "\n", flush=True)
+        print(row_decoding(s, read, hf_compiled=not args.quick).render(), "\n", flush=True)
     if 5 in args.rows:
         print(row_backends(s, memory).render(), "\n", flush=True)
     if 6 in args.rows:
-        print(row_fast_decoding(s, bandwidth).render(), "\n", flush=True)
+        print(row_int8_decoding(s, read).render(), "\n", flush=True)
 
 
 if __name__ == "__main__":
