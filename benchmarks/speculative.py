@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64, help="max new tokens per prompt")
     parser.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampling rows")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved measured repeats (after one warm-up)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="leave out the compiled rows (plain generate(compile=True), compiled draft steps)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -108,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--temperature must be > 0, got {args.temperature}")
     if args.quick:
         args.draft_steps, args.prompts, args.new_tokens, args.repeats = 4, 2, 12, 1
-        args.prompt_tokens, args.ks = 6, args.ks[:2]
+        args.prompt_tokens, args.ks, args.no_compile = 6, args.ks[:2], True
     return args
 
 
@@ -227,38 +229,53 @@ def held_out_prompts(tokenizer: Tokenizer, val_docs: list[str], n: int, length: 
 
 
 def measure(target: DecoderLM, drafts: dict[str, DecoderLM], prompts: list[torch.Tensor], ks: list[int],
-            new_tokens: int, temperature: float, repeats: int, seed: int) -> dict[tuple[str, str, int], Result]:
+            new_tokens: int, temperature: float, repeats: int, seed: int,
+            compiled: bool = False) -> dict[tuple[str, str, int, bool], Result]:
     """Interleave every configuration over the prompts for one warm-up and ``repeats`` measured rounds.
 
-    Returns ``{(mode, draft name or "-", k or 0): Result}``. Raises ``SystemExit`` if speculative greedy output
-    differs from plain greedy output on any prompt.
+    With ``compiled``, each mode also gets plain decoding with ``generate(compile=True)`` and speculative decoding
+    with the draft's compiled step (``compile=True``); the warm-up round pays the compiles.
+
+    Returns:
+        ``{(mode, draft name or "-", k or 0, compiled): Result}``, in table order.
+
+    Raises:
+        SystemExit: speculative greedy output differs from plain greedy output on some prompt.
     """
     modes = {"greedy": SamplingParams(), f"sample T={temperature}": SamplingParams(True, temperature)}
-    configs = [c for mode in modes for c in [(mode, "-", 0), *((mode, name, k) for name in drafts for k in ks)]]
+    flags = [False, True] if compiled else [False]
+    configs = [c for mode in modes for c in [
+        *((mode, "-", 0, f) for f in flags), *((mode, name, k, f) for f in flags for name in drafts for k in ks)]]
     plain_greedy = [target.generate(p, max_new_tokens=new_tokens) for p in prompts]
+    compiled_plain_differs: set[int] = set()
 
-    def run(config: tuple[str, str, int], rep: int) -> tuple[int, float, int, int, int]:
-        mode, name, k = config
+    def run(config: tuple[str, str, int, bool], rep: int) -> tuple[int, float, int, int, int]:
+        mode, name, k, compile_ = config
         params = modes[mode]
         generator = torch.Generator().manual_seed(seed + rep)
         tokens = proposed = accepted = rounds = 0
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
             if name == "-":
-                out = target.generate(prompt, max_new_tokens=new_tokens, sampling=params, generator=generator)
+                out = target.generate(prompt, max_new_tokens=new_tokens, sampling=params, generator=generator,
+                                      compile=compile_)
             else:
                 spec = speculative_decode(target, drafts[name], prompt, new_tokens, k, sampling=params,
-                                          generator=generator)
+                                          generator=generator, compile=compile_)
                 out = spec.sequences
                 proposed, accepted, rounds = proposed + spec.proposed, accepted + spec.accepted, rounds + spec.rounds
+            if name == "-" and compile_:
+                # Inductor may reorder float reductions: compiled plain greedy is the lead's contract, not ours.
                 if not params.do_sample and not torch.equal(out, plain_greedy[i]):
-                    raise SystemExit(f"speculative greedy output (draft {name}, k={k}) differs from plain greedy "
-                                     f"output on prompt {i}: {out.tolist()} != {plain_greedy[i].tolist()}")
+                    compiled_plain_differs.add(i)
+            elif not params.do_sample and not torch.equal(out, plain_greedy[i]):
+                raise SystemExit(f"greedy output of draft {name}, k={k}, compiled={compile_} differs from plain "
+                                 f"greedy output on prompt {i}: {out.tolist()} != {plain_greedy[i].tolist()}")
             tokens += out.shape[1] - prompt.shape[1]
         return tokens, time.perf_counter() - start, proposed, accepted, rounds
 
     results = {c: Result() for c in configs}
-    for rep in range(-1, repeats):  # rep -1: warm-up (and the identity check), not recorded
+    for rep in range(-1, repeats):  # rep -1: warm-up (compiles, and the identity check), not recorded
         for config in configs:
             tokens, seconds, proposed, accepted, rounds = run(config, rep)
             if rep >= 0:
@@ -266,22 +283,30 @@ def measure(target: DecoderLM, drafts: dict[str, DecoderLM], prompts: list[torch
                 r.tokens_per_s.append(tokens / seconds)
                 r.tokens, r.proposed, r.accepted, r.rounds = (r.tokens + tokens, r.proposed + proposed,
                                                               r.accepted + accepted, r.rounds + rounds)
+    if compiled_plain_differs:
+        print(f"note: plain generate(compile=True) greedy output differs from eager on prompts "
+              f"{sorted(compiled_plain_differs)} (float rounding in the compiled graph)")
     return results
 
 
-def table(results: dict[tuple[str, str, int], Result], title: str, notes: list[str]) -> Table:
+def table(results: dict[tuple[str, str, int, bool], Result], title: str, notes: list[str]) -> Table:
     """The results as a ``benchmarks.compare.Table``: one row per configuration."""
-    out = Table(title, ["mode", "draft", "k", "acceptance", "tokens / target pass", "tokens/s", "speed-up"],
-                notes=notes)
-    for (mode, name, k), r in results.items():
-        base = results[(mode, "-", 0)].median
+    columns = ["mode", "draft", "k", "compiled", "acceptance", "tokens / target pass", "tokens/s", "speed-up"]
+    if any(key[3] for key in results):
+        columns.append("vs compiled plain")
+    out = Table(title, columns, notes=notes)
+    for (mode, name, k, compiled), r in results.items():
         speculative = name != "-"
-        out.rows.append([
-            mode, name, str(k) if speculative else "-",
+        row = [
+            mode, name, str(k) if speculative else "-", "draft" if compiled and speculative else
+            "yes" if compiled else "no",
             f"{r.accepted / r.proposed:.1%}" if speculative and r.proposed else "-",
             f"{r.tokens / r.rounds:.2f}" if speculative and r.rounds else "1.00",
-            f"{r.median:.0f}", f"{r.median / base:.2f}x",
-        ])
+            f"{r.median:.0f}", f"{r.median / results[(mode, '-', 0, False)].median:.2f}x",
+        ]
+        if len(columns) > len(row):
+            row.append(f"{r.median / results[(mode, '-', 0, True)].median:.2f}x")
+        out.rows.append(row)
     return out
 
 
@@ -300,15 +325,16 @@ def main(argv: list[str] | None = None) -> Table:
         print(f"measuring: {len(prompts)} held-out prompts of {args.prompt_tokens} tokens, up to {args.new_tokens} "
               f"new tokens, 1 warm-up + {args.repeats} interleaved repeats ...", flush=True)
         results = measure(target, drafts, prompts, args.ks, args.new_tokens, args.temperature, args.repeats,
-                          args.seed)
+                          args.seed, compiled=not args.no_compile)
     sizes = ", ".join(f"{n} {m.num_parameters():,}" for n, m in {"target": target, **drafts}.items())
     notes = [
         f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, fp32, batch 1",
         f"parameters: {sizes} (target: {target.config.n_layers} layers x d_model {target.config.d_model})",
         "tokens/s: median over interleaved repeats of new tokens / seconds summed over the prompts; "
-        "speed-up: that median / the plain row's median of the same mode",
+        "speed-up: that median / the plain eager row's median of the same mode; vs compiled plain: / the "
+        "plain generate(compile=True) row's; compiled 'draft': the draft's one-token step compiled, target eager",
         "acceptance: accepted / proposed draft tokens; tokens / target pass: new tokens per target forward",
-        "greedy speculative output was checked equal to plain greedy output on every prompt",
+        "greedy speculative output was checked equal to plain (eager) greedy output on every prompt",
     ]
     result = table(results, "Speculative decoding on the demo model (DecoderLM.generate(draft_model=...))", notes)
     print()

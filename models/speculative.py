@@ -8,7 +8,12 @@ distribution exactly (Appendix A.1), so a round emits between 1 and ``k + 1`` to
 decoding is the limit where p and q are one-hot: a draft token is kept iff it is the target's arg-max.
 
 Both models keep a KV cache; rejected positions are dropped by rolling the caches' fill length back (the cache
-buffers are written in place, so the stale entries are simply overwritten later).
+buffers are written in place, so the stale entries are simply overwritten later). A round costs k one-token draft
+steps and one target pass over k + 1 tokens; on a CPU both are dispatch-bound (a one-token step of a 1-layer draft
+costs a fifth of the 4-layer target's, not the ratio of their weights), so ``compile=True`` runs the draft's
+one-token step as the compiled static-shape step of ``models.generation_compiled`` over a bucket cache, where
+rolling back hides the dropped slots in the cache's mask. ``python -m benchmarks.speculative`` measures the
+acceptance rate and the speed-up on the demo model.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import benchmarks.speculative as bench
+import models.generation_compiled as compiled
 from models.speculative import SpeculativeOutput
 from tests.models.test_speculative import decoder, perturbed
 
@@ -20,9 +21,9 @@ def test_quick_run_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None:
         (m, d, k) for m in modes for d, k in [("-", "-"), ("1x16", "2"), ("1x16", "3")]
     ]
     for row in table.rows:
-        assert float(row[5]) > 0 and row[6].endswith("x")  # tokens/s and speed-up measured
+        assert row[3] == "no" and float(row[6]) > 0 and row[7].endswith("x")  # tokens/s and speed-up measured
         if row[1] != "-":
-            assert 0.0 <= float(row[3].rstrip("%")) <= 100.0 and 1.0 <= float(row[4]) <= int(row[2]) + 1
+            assert 0.0 <= float(row[4].rstrip("%")) <= 100.0 and 1.0 <= float(row[5]) <= int(row[2]) + 1
     assert table.render() in printed and "greedy speculative output was checked" in printed
 
 
@@ -32,12 +33,12 @@ def test_measure_counts_and_checks_greedy_identity(monkeypatch: pytest.MonkeyPat
     prompts = [torch.tensor([[1, 5, 6, 7]]), torch.tensor([[1, 9, 3]])]
     results = bench.measure(target, {"d": draft}, prompts, [1, 3], new_tokens=10, temperature=0.8, repeats=2,
                             seed=0)
-    greedy = results[("greedy", "d", 3)]
+    greedy = results[("greedy", "d", 3, False)]
     assert len(greedy.tokens_per_s) == 2 and greedy.proposed > 0 and 0 < greedy.accepted <= greedy.proposed
     # Two repeats of the same greedy decoding: twice one pass's counts, and one target pass per round.
     assert greedy.tokens == 2 * sum(target.generate(p, max_new_tokens=10).shape[1] - p.shape[1] for p in prompts)
     table = bench.table(results, "t", [])
-    assert len(table.rows) == 2 * (1 + 2) and table.rows[0][6] == "1.00x"
+    assert len(table.rows) == 2 * (1 + 2) and table.rows[0][7] == "1.00x"
 
     # A speculative decoder that changes a greedy token must stop the script.
     real = bench.speculative_decode
@@ -48,7 +49,7 @@ def test_measure_counts_and_checks_greedy_identity(monkeypatch: pytest.MonkeyPat
         return out
 
     monkeypatch.setattr(bench, "speculative_decode", wrong)
-    with pytest.raises(SystemExit, match="differs from plain greedy output on prompt 0"):
+    with pytest.raises(SystemExit, match="compiled=False differs from plain greedy output on prompt 0"):
         bench.measure(target, {"d": draft}, prompts, [2], new_tokens=6, temperature=0.8, repeats=1, seed=0)
 
 
@@ -62,3 +63,16 @@ def test_bad_arguments_exit() -> None:
     with pytest.raises(ValueError, match="multiple of 16 .*got 40"):
         bench.parse_shape("1x40")
     assert bench.parse_shape("2X64") == (2, 64)
+
+
+def test_compiled_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # "aot_eager": the same captured graphs as inductor without its C++ build (timings are not the point here).
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    target = decoder(0)
+    results = bench.measure(target, {"d": perturbed(target, 0.3)}, [torch.tensor([[1, 5, 6, 7]])], [2],
+                            new_tokens=6, temperature=0.8, repeats=1, seed=0, compiled=True)
+    table = bench.table(results, "t", [])
+    assert table.columns[-1] == "vs compiled plain"
+    assert [(r[1], r[3]) for r in table.rows[:4]] == [("-", "no"), ("-", "yes"), ("d", "no"), ("d", "draft")]
+    assert table.rows[1][-1] == "1.00x" and all(float(r[6]) > 0 for r in table.rows)
