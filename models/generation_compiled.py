@@ -52,7 +52,7 @@ def bucket_length(needed: int, capacity: int | None) -> int:
     return bucket if capacity is None else max(needed, min(bucket, capacity))
 
 
-def check_compilable(model: Any, request: _LMRequest) -> None:
+def check_compilable(model: Any, request: _LMRequest | None = None) -> None:
     """Reject what the compiled path does not support, before any work.
 
     Raises:

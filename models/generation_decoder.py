@@ -93,7 +93,8 @@ class DecoderLMGenerationMixin(QuantizeMixin):
             num_draft_tokens: tokens the draft proposes per round (>= 1), with ``draft_model``.
             compile: decode with a compiled static-shape step over a bucketed cache
                 (``models.generation_compiled``): the first call per model and bucket pays the compile, later
-                calls and other prompt lengths of the bucket reuse the graph. Not with ``draft_model``.
+                calls and other prompt lengths of the bucket reuse the graph. With ``draft_model``, the draft's
+                one-token steps compile (the verification pass of k + 1 tokens stays eager).
 
         Returns:
             ``(B, L + n)`` long: the prompt followed by the ``n <= max_new_tokens`` generated positions.
@@ -112,9 +113,11 @@ class DecoderLMGenerationMixin(QuantizeMixin):
         if draft_model is not None:
             from .speculative import check_draft, speculative_steps
 
-            if compile:
-                raise ValueError("compile=True cannot be combined with draft_model (speculative decoding)")
             check_draft(self, draft_model, num_draft_tokens, request)
+            if compile:
+                from .generation_compiled import check_compilable
+
+                check_compilable(draft_model, request)  # the draft's one-token step is what compiles
             with _eval_mode(self), _eval_mode(draft_model):
                 return speculative_steps(self, draft_model, request, int(num_draft_tokens)).sequences
         # Tokens are collected, not written into a (B, L + max_new_tokens) buffer: generation may stop at EOS

@@ -63,8 +63,8 @@ def test_inductor_tokens_equal_eager() -> None:
 
 def test_unsupported_combinations_raise() -> None:
     model, prompt = decoder(), torch.tensor([[5, 6, 7]])
-    with pytest.raises(ValueError, match="compile=True cannot be combined with draft_model"):
-        model.generate(prompt, compile=True, draft_model=decoder())
+    with pytest.raises(ValueError, match="attention backends, the model uses 'flex'"):
+        model.generate(prompt, compile=True, draft_model=decoder(attention_backend="flex"))
     with pytest.raises(ValueError, match="compile must be True or False, got 'yes'"):
         model.generate(prompt, compile="yes")
     with pytest.raises(ValueError, match="attention backends, the model uses 'flex'"):
@@ -74,6 +74,15 @@ def test_unsupported_combinations_raise() -> None:
 def test_buckets() -> None:
     assert [compiled.bucket_length(n, None) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
     assert compiled.bucket_length(100, 110) == 110  # learned positions end before the bucket would
+
+
+def test_compiled_draft_in_generate_gives_plain_greedy(graph_backend: None) -> None:
+    target, draft = decoder(), decoder(n_layers=1)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    kwargs = dict(max_new_tokens=10, eos_token_id=None)
+    fast = target.generate(prompt, draft_model=draft, num_draft_tokens=3, compile=True, **kwargs)
+    assert torch.equal(fast, target.generate(prompt, **kwargs))
+    assert counters["stats"]["unique_graphs"] == 1  # the draft's step
 
 
 def test_two_models_alternating_keep_their_own_graphs(graph_backend: None) -> None:
@@ -86,3 +95,18 @@ def test_two_models_alternating_keep_their_own_graphs(graph_backend: None) -> No
         kwargs = dict(max_new_tokens=10, eos_token_id=None)
         assert torch.equal(model.generate(prompt, compile=True, **kwargs), model.generate(prompt, **kwargs))
 
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_tokens_equal_eager_across_calls_and_lengths() -> None:
+    # On CUDA the step runs under CUDA graphs (inductor, mode="reduce-overhead"): fixed buffer addresses, outputs
+    # overwritten by the next replay. Tokens must equal the eager path, for several prompt lengths and calls.
+    torch._dynamo.reset()
+    counters.clear()
+    model = decoder(positional="rotary").cuda()
+    g = torch.Generator().manual_seed(0)
+    for length in (5, 9, 14, 9):
+        prompt = torch.randint(4, 64, (2, length), generator=g).cuda()
+        kwargs = dict(max_new_tokens=12, eos_token_id=None)
+        assert torch.equal(model.generate(prompt, compile=True, **kwargs), model.generate(prompt, **kwargs))
+    assert counters["stats"]["unique_graphs"] == 1
