@@ -106,7 +106,7 @@ def copy_bandwidth(n_bytes: int = 512 * 2**20, reps: int = 5) -> float:
     return 2 * n_bytes / best
 
 
-def read_bandwidth(n_bytes: int = 512 * 2**20, reps: int = 5) -> float:
+def read_bandwidth(n_bytes: int = 512 * 2**20, reps: int = 10) -> float:
     """Memory read bandwidth in bytes/s: a sum over a tensor far larger than the caches (best of ``reps``)."""
     src = torch.ones(n_bytes // 4)
     src.sum()
