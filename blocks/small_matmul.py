@@ -3,10 +3,12 @@
 Decoding multiplies a few rows (one token per sequence, a few beams, a few draft tokens) by every weight
 matrix: the work is reading the weights. The BLAS kernels behind ``F.linear`` are tuned for large products and
 read a ``(out, in)`` weight slowly when there are 1–4 rows (measured on 2 CPU cores, fp32, the weights of a
-6 × 512 decoder: 11 GB/s for 1 row, worse for 2–4, against 50 GB/s for ``tensor.sum``). Written as a broadcast
-multiply and a sum over ``in``, the same product is one reduction that inductor compiles into a single
-vectorised pass over the weight (35 GB/s) and fuses with what surrounds it (an int8 → float conversion, a
-scale, a bias).
+6 × 512 decoder: 11 GB/s for 1 row, worse for 2–4, against 50 GB/s for ``tensor.sum``). So, by rows:
+
+- 1 row (float weight): a broadcast multiply and a sum over ``in``, which inductor compiles into a single
+  vectorised pass over the weight (35 GB/s), fused with what surrounds it (a scale, a bias);
+- 2–4 rows (float weight): BLAS as ``weight @ x.T`` with ``x.T`` left strided, which streams the weight fast;
+- otherwise (5–8 rows, or an int8 weight whose conversion is fused into the pass): a row-outer multiply-reduce.
 
 ``small_rows_linear`` is that product; ``SmallRowsLinear`` is a ``TorchFunctionMode`` that routes every
 ``F.linear`` (so every ``nn.Linear`` and every tied head) with at most ``MAX_ROWS`` rows through it. It is meant
@@ -38,7 +40,7 @@ _WEIGHT_TIMES_COLUMNS_ROWS = 4
 
 
 def small_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    """``x @ (weight · scale[:, None]).T + bias`` as a multiply-reduce (for compiled decoding).
+    """``x @ (weight · scale[:, None]).T + bias`` in the form that reads ``weight`` fastest (compiled decoding).
 
     Args:
         x: ``(..., in)`` activations.
@@ -87,12 +89,17 @@ class SmallRowsLinear(TorchFunctionMode):
                 return model(tokens)
 
     Args:
-        max_rows: the most rows (product of the leading dimensions) that take the reduction form (default:
+        max_rows: the most rows (product of the leading dimensions) routed to ``small_rows_linear`` (default:
             the module's ``MAX_ROWS``, read when the mode is made).
+
+    Raises:
+        ValueError: ``max_rows`` is not a non-negative int.
     """
 
     def __init__(self, max_rows: int | None = None) -> None:
         super().__init__()
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0):
+            raise ValueError(f"max_rows must be an int >= 0 or None, got {max_rows!r}")
         self.max_rows = MAX_ROWS if max_rows is None else max_rows
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

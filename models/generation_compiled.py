@@ -80,8 +80,8 @@ _COMPILED: dict[tuple[Any, str, str], Any] = {}
 def compile_step(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
     """``fn`` compiled for decoding on ``device``: static shapes, small-row linear layers as fused reductions.
 
-    Inside the graph every ``F.linear`` with at most ``blocks.small_matmul.MAX_ROWS`` rows becomes a
-    multiply-reduce that inductor compiles into one pass over the weight (see ``blocks.small_matmul``). On CUDA
+    Inside the graph every ``F.linear`` with at most ``blocks.small_matmul.MAX_ROWS`` rows takes the form that
+    reads its weight fastest for that many rows (``blocks.small_matmul.small_rows_linear``). On CUDA
     the graph runs under CUDA graphs (``mode="reduce-overhead"``), so outputs are overwritten by the next call:
     clone what is kept. One compiled function per ``(fn, device kind, BACKEND)``; dynamo keeps one graph per
     model and shape under it.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -33,29 +35,13 @@ def tables(markdown: str) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def quick_output(tmp_path_factory: pytest.TempPathFactory) -> str:
-    with pytest.MonkeyPatch.context() as patch, _Capture() as out:
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
         patch.setattr(models.generation_compiled, "BACKEND", models.generation_compiled.BACKEND)  # restored after
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
         compare.main(["--quick", "--no-memory"])
     torch._dynamo.reset()
-    return out.text
-
-
-class _Capture:
-    """Collects what ``print`` writes while entered (the benchmark prints its tables)."""
-
-    def __enter__(self) -> _Capture:
-        import contextlib
-        import io
-
-        self.buffer = io.StringIO()
-        self._redirect = contextlib.redirect_stdout(self.buffer)
-        self._redirect.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._redirect.__exit__(*exc)
-        self.text = self.buffer.getvalue()
+    return out.getvalue()
 
 
 def test_quick_run_prints_every_row_with_figures(quick_output: str) -> None:

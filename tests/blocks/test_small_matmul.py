@@ -31,6 +31,9 @@ def test_int8_weight_and_scale() -> None:
 def test_bad_shapes_raise() -> None:
     with pytest.raises(ValueError, match=r"x \(\.\.\., 8\) .* got x \(2, 7\)"):
         small_rows_linear(torch.randn(2, 7), torch.randn(4, 8))
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match=f"max_rows must be an int >= 0 or None, got {bad!r}"):
+            SmallRowsLinear(bad)
 
 
 def test_mode_routes_small_rows_without_grad_only(monkeypatch: pytest.MonkeyPatch) -> None:
