@@ -144,10 +144,7 @@ def _call(run: Any, first: bool, *args: Any) -> Tensor:
     Later steps of one call pass the same objects and shapes, so re-checking every guard (~0.5 ms per token on
     2 CPU cores) cannot change which graph runs.
     """
-    if first:
-        return run(*args)
-    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-        return run(*args)
+    return run(*args, skip_guards=not first)
 
 
 def _prefill(model: Any, memory: Tensor, tokens: Tensor, src_mask: Tensor | None) -> tuple[Tensor, list[LayerCache]]:
@@ -181,7 +178,7 @@ def greedy_step(
     first = torch.full((b, 1), start, dtype=torch.long, device=memory.device)
     logits, prefill = _prefill(model, memory, first, src_mask)
     static = _static_buffers(model, prefill, src_mask, 1, _bucket(model, max_new_tokens))
-    run = _compiled.compile_step(_step, memory.device)  # kept per (fn, device): compiled once
+    run = _compiled.compile_step(_step, model, memory.device)  # kept per (model, fn, device)
     filled = 1
 
     def step(tokens: Tensor) -> Tensor:
@@ -220,7 +217,7 @@ def beam_step(
     k = num_beams
     vocab = model.config.vocab_size
     bucket = _bucket(model, max_new_tokens)
-    run = _compiled.compile_step(_step, memory.device)  # kept per (fn, device): compiled once
+    run = _compiled.compile_step(_step, model, memory.device)  # kept per (model, fn, device)
     state: dict[str, Any] = {}
 
     def step(tokens: Tensor, parents: Tensor | None, sources_changed: bool) -> Tensor:

@@ -174,7 +174,7 @@ class _CompiledDraft:
         self.filled = length
         # A fixed input buffer: the graph sees the same tensor at every step, not a moving view of ``ids``.
         self.token = ids.new_empty((1, 1))
-        self.run = compile_step(_step, ids.device)
+        self.run = compile_step(_step, draft, ids.device)
         self.checked = False  # the first compiled call of a decoding checks every guard (and may compile)
 
     def logits(self, end: int) -> Tensor:
@@ -187,14 +187,10 @@ class _CompiledDraft:
             self.mask[:, pos] = True  # the new token's slot: visible from now on, and this step's write index
             self.index.fill_(pos)
             self.token.copy_(self.ids[:, pos : pos + 1])
-            if self.checked:
-                # Only this model's graph runs here, on the same buffers and shapes every step: the full guard
-                # check is redundant after the first step (as in ``compiled_steps``).
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    logits = self.run(self.draft, self.token, self.mask, self.caches)
-            else:
-                logits = self.run(self.draft, self.token, self.mask, self.caches)
-                self.checked = True
+            # Only this model's graph runs here, on the same buffers and shapes every step: the full guard check
+            # is redundant after the first step (as in ``compiled_steps``).
+            logits = self.run(self.draft, self.token, self.mask, self.caches, skip_guards=self.checked)
+            self.checked = True
             self.filled += 1
         # Used before the next step runs (CUDA graphs overwrite their output buffer at the next replay).
         return logits

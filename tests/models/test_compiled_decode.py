@@ -97,6 +97,54 @@ def test_two_models_alternating_keep_their_own_graphs(graph_backend: None) -> No
 
 
 
+def test_frozen_cpu_step_batches_and_follows_weight_changes() -> None:
+    # Inductor on CPU freezes a float model's weights into the graph (packed GEMMs for the batch's rows); the
+    # step must give eager's tokens for a left-padded batch, and eager's tokens again after the weights change
+    # in place (a stale frozen graph would keep the old weights' tokens).
+    torch.manual_seed(0)
+    model = decoder(positional="rotary")
+    assert compiled._freezes(model, torch.device("cpu"))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    prompt = torch.randint(4, 64, (3, 5), generator=torch.Generator().manual_seed(2)).masked_fill(~mask, 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, eos_token_id=None)
+    before = model.generate(prompt, **kwargs)
+    assert torch.equal(model.generate(prompt, compile=True, **kwargs), before)
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    after = model.generate(prompt, **kwargs)
+    assert not torch.equal(after, before)
+    assert torch.equal(model.generate(prompt, compile=True, **kwargs), after)
+    # load_state_dict copies in place too: the next call compiles again (not run here: ~7 s of inductor).
+    cpu = torch.device("cpu")
+    step = compiled.compile_step(compiled._step, model, cpu)
+    assert compiled.compile_step(compiled._step, model, cpu) is step
+    model.load_state_dict(old)
+    assert compiled.compile_step(compiled._step, model, cpu) is not step
+
+
+def test_int8_models_are_not_frozen() -> None:
+    # Freezing would fold the int8 -> float conversion into a float constant: the step would read 4-byte weights.
+    model = decoder()
+    assert compiled._freezes(model, torch.device("cpu"))
+    assert not compiled._freezes(model.quantize("int8"), torch.device("cpu"))
+    assert not compiled._freezes(decoder(), torch.device("meta"))
+
+
+def test_compiled_steps_are_freed_with_their_model(graph_backend: None) -> None:
+    import gc
+    import weakref
+
+    model = decoder()
+    model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, eos_token_id=None, compile=True)
+    assert len(compiled._COMPILED) >= 1
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_tokens_equal_eager_across_calls_and_lengths() -> None:
     # On CUDA the step runs under CUDA graphs (inductor, mode="reduce-overhead"): fixed buffer addresses, outputs
