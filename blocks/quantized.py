@@ -101,13 +101,14 @@ class Int8Linear(nn.Module):
             # Inductor fuses the int8 -> float conversion into the reduction: one pass over the int8 weight,
             # nothing the size of the float weight is written (see blocks.small_matmul).
             y = small_rows_linear(flat, self.weight_int8, scale=self.scale)
-        elif flat.shape[0] == 1:
-            # The CPU/GPU kernel for int8 weights × float activations (no float copy of the weight).
+        elif flat.shape[0] == 1 and flat.device.type != "cpu":
+            # The GPU kernel for int8 weights × float activations (no float copy of the weight).
             y = torch._weight_int8pack_mm(flat.contiguous(), self.weight_int8, self.scale.to(flat.dtype))
         else:
-            # That kernel runs one row at a time (measured on 2 CPU cores, the 25 weights of a 6 × 512 decoder:
-            # 534 ms for a 32-token prefill); a float copy of this one weight and BLAS take 24 ms. The scale is
-            # per output channel, so it applies after the product.
+            # On CPU that kernel is slower than a float copy of this one weight and BLAS, even for one row (a
+            # 8192 × 512 head on 2 cores: 2.9 against 1.9 ms), and it runs one row at a time (the 25 weights of a
+            # 6 × 512 decoder: 534 ms for a 32-token prefill, against 24 ms). The scale is per output channel, so
+            # it applies after the product.
             y = F.linear(flat, self.weight_int8.to(flat.dtype)) * self.scale.to(flat.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

@@ -59,7 +59,9 @@ def small_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, sca
                          f"{tuple(x.shape)} and weight {tuple(weight.shape)}")
     rows = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
-    w = weight.to(x.dtype)
+    # An integer weight is not converted here: the multiply promotes it inside the fused kernel, and no
+    # separate conversion exists that freezing could fold into a float (4-byte) constant.
+    w = weight.to(x.dtype) if weight.is_floating_point() else weight
     if flat.shape[0] <= _WEIGHT_OUTER_ROWS and weight.is_floating_point():
         # (out, rows, in) summed over in: each weight row is loaded once and used for every input row.
         y = (flat[None, :, :] * w[:, None, :]).sum(-1).t()

@@ -130,7 +130,8 @@ class CompiledStep:
                                  traced.__defaults__, traced.__closure__)
         mode = "reduce-overhead" if device.type == "cuda" and BACKEND == "inductor" else None
         self.compiled = torch.compile(own, dynamic=False, backend=BACKEND, mode=mode)
-        self.options = FROZEN_OPTIONS if frozen else {}
+        # Off CUDA, the graph's debug size asserts go too (~150 per step for a model whose weights are inputs).
+        self.options = FROZEN_OPTIONS if frozen else {} if device.type == "cuda" else {"size_asserts": False}
 
     def __call__(self, *args: Any, skip_guards: bool = False) -> Any:
         if skip_guards:

@@ -29,7 +29,7 @@ def test_int8_linear_matches_its_formula_and_stores_one_byte_per_weight() -> Non
     x = torch.randn(3, 5, 48)
     reference = nn.functional.linear(x, q.dequantized_weight(), linear.bias)  # independent: float matmul
     assert torch.allclose(q(x), reference, atol=1e-5)  # several rows: a float copy of the weight and BLAS
-    assert torch.allclose(q(x[0, :1]), reference[0, :1], atol=1e-5)  # one row: the int8 kernel
+    assert torch.allclose(q(x[0, :1]), reference[0, :1], atol=1e-5)  # one row (the int8 kernel on GPU)
     # Compiled without gradients (the fused forms used for decoding steps) gives the same numbers.
     compiled = torch.compile(q, fullgraph=True, dynamic=False)
     with torch.no_grad():
