@@ -10,7 +10,10 @@ CUDA) over a cache whose shapes never change:
   steps: positions (counted from the mask, as for left padding) and the write index are tensors, never Python
   numbers a graph would specialise on;
 - the buffers of a ``(model, batch, bucket)`` are kept and reused by later calls, so a later call reuses the
-  graph (dynamo guards on the objects it reads).
+  graph (dynamo guards on the objects it reads);
+- each model has its own compiled step (``compile_step``). On CPU a float model's weights are frozen into its
+  graphs, so that inductor packs them for its C++ GEMM template (several rows: batches, beams); the graphs are
+  compiled again when the weights change, and are freed with the model.
 
 The prompt is prefilled eagerly (its length varies) into an ordinary cache whose contents are copied into the
 bucket. Token choice (greedy, sampling, repetition penalty, EOS) runs outside the graph on the step's logits, so
@@ -79,9 +82,11 @@ BACKEND = "inductor"
 #: graph (``freezing``), so inductor's C++ GEMM template packs each one once and multiplies the 2–8 rows of a
 #: batched, beam or draft-verification step at several times BLAS's speed there (a 6 × 512 decoder step, batch 8,
 #: on 2 CPU cores: 8–10 ms against 13 ms with the reductions of ``blocks.small_matmul``). Candidates are timed
-#: once per shape (``max_autotune_gemm``, BLAS kept as a candidate); the graph's debug size asserts are dropped.
+#: once per shape (``max_autotune_gemm``, MKL kept as a candidate) without printing their timings; the graph's
+#: debug size asserts are dropped.
 FROZEN_OPTIONS: dict[str, Any] = {
     "freezing": True, "max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP,ATEN", "size_asserts": False,
+    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
 }
 
 # Per model: {(fn, device kind, BACKEND): (weights state, CompiledStep)}. Dying with the model frees its graphs.
