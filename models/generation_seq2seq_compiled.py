@@ -18,7 +18,9 @@ contents are then copied into buffers whose shapes never change, and every later
 
 Token choice (greedy, sampling, repetition penalty, the beam bookkeeping of ``models.beam_search``) runs outside
 the graph on the step's logits. The buffers of a ``(model, rows, bucket, source bucket)`` are kept for later
-calls, so that the graph's guards (which check the objects it reads) keep holding.
+calls, so that the graph's guards (which check the objects it reads) keep holding. Each set belongs to one decoding
+loop while that loop's step function lives: a ``stream`` left open while another compiled call of the same shapes
+runs gets a set of its own (the buffers hold the loop's cache), never one that is in use.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from . import generation_compiled as _compiled
 from .base import new_caches
 from .beam_search import StepFn
 
-# Per model: {(rows, bucket, source bucket, dtype, device): _Static} — reused so that the graph's guards hold.
+# Per model: {(rows, bucket, source bucket, dtype, device): [_Static, ...]} — reused so that the graph's guards
+# hold; more than one set only while several loops of those shapes are open at once (streams).
 _BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -51,6 +54,10 @@ class _Static:
     memory: Tensor  # (R, Sb, d_model) zero-stride placeholder: cross K/V are cached, only the shape is read
     memory_mask: Tensor  # (R, Sb) bool, True = real source token
     perm: Tensor  # (R,) long, the beam reorder of this step
+    owner: weakref.ref | None = None  # the step function decoding with these buffers; free once it is dead
+
+    def free(self) -> bool:
+        return self.owner is None or self.owner() is None
 
 
 def check_compilable(model: Any) -> None:
@@ -86,20 +93,24 @@ def _step(
 
 
 def _static_buffers(
-    model: Any, prefill: list[LayerCache], src_mask: Tensor | None, width: int, bucket: int
+    model: Any, prefill: list[LayerCache], src_mask: Tensor | None, width: int, bucket: int, owner: weakref.ref
 ) -> _Static:
-    """The kept buffers for this model and shape (made on first use), filled from the eager first step.
+    """A free set of kept buffers for this model and shape (made when none is free), claimed for ``owner`` and
+    filled from the eager first step.
 
     ``prefill`` holds the start token's self-attention keys/values (slot 0) and the cross-attention keys/values
-    of ``B`` sources; each is repeated for the ``width`` rows of its source.
+    of ``B`` sources; each is repeated for the ``width`` rows of its source. ``owner`` is a weak reference to
+    the step function that decodes with the set: the set stays its own until that function is freed (the end of
+    a ``generate`` call, or of a stream: exhausted, closed or dropped).
     """
     first_self, first_cross = prefill[0].self_attn.k, prefill[0].cross_attn.k
     b, src_len = first_cross.shape[0], first_cross.shape[2]
     rows, src_bucket = b * width, _compiled.bucket_length(src_len, None)
     device = first_self.device
     key = (rows, bucket, src_bucket, first_self.dtype, device)
-    per_model = _BUFFERS.setdefault(model, {})
-    if key not in per_model:
+    pool = _BUFFERS.setdefault(model, {}).setdefault(key, [])
+    static = next((kept_set for kept_set in pool if kept_set.free()), None)
+    if static is None:
         index = torch.zeros(1, dtype=torch.long, device=device)
         kept = []
         for layer_cache in prefill:
@@ -116,7 +127,7 @@ def _static_buffers(
             holder.cross_attn.set(*cross_kv)
             kept.append(holder)
         d_model = model.config.d_model
-        per_model[key] = _Static(
+        static = _Static(
             caches=kept,
             self_mask=torch.zeros((rows, bucket), dtype=torch.bool, device=device),
             index=index,
@@ -124,7 +135,8 @@ def _static_buffers(
             memory_mask=torch.zeros((rows, src_bucket), dtype=torch.bool, device=device),
             perm=torch.arange(rows, device=device),
         )
-    static = per_model[key]
+        pool.append(static)
+    static.owner = owner
     for src, dst in zip(prefill, static.caches, strict=True):
         for s, d in ((src.self_attn.k, dst.self_attn.k), (src.self_attn.v, dst.self_attn.v)):
             d[:, :, :1] = s[:, :, :1].repeat_interleave(width, dim=0)
@@ -138,13 +150,14 @@ def _static_buffers(
     return static
 
 
-def _call(run: Any, first: bool, *args: Any) -> Tensor:
-    """``run(*args)``; after the first step of a call, checking only the guards that tell its graphs apart.
+def _call(run: Any, check: bool, *args: Any) -> Tensor:
+    """``run(*args)``, checking dynamo's guards only when ``check`` (the first step of a call, or any step of a
+    stream).
 
-    Later steps of one call pass the same objects and shapes, so re-checking every guard (~0.5 ms per token on
-    2 CPU cores) cannot change which graph runs.
+    Later steps of one ``generate`` call pass the same objects and shapes with nothing run in between, so
+    re-checking every guard (~0.5 ms per token on 2 CPU cores) cannot change which graph runs.
     """
-    return run(*args, skip_guards=not first)
+    return run(*args, skip_guards=not check)
 
 
 def _prefill(model: Any, memory: Tensor, tokens: Tensor, src_mask: Tensor | None) -> tuple[Tensor, list[LayerCache]]:
@@ -160,7 +173,7 @@ def _bucket(model: Any, max_new_tokens: int) -> int:
 
 
 def greedy_step(
-    model: Any, memory: Tensor, src_mask: Tensor | None, start: int, max_new_tokens: int
+    model: Any, memory: Tensor, src_mask: Tensor | None, start: int, max_new_tokens: int, steady: bool = True
 ) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
     """The start token's logits and the compiled one-token ``step`` for greedy or sampled decoding.
 
@@ -170,6 +183,9 @@ def greedy_step(
         src_mask: ``(B, S)`` bool, True = real token, or None.
         start: the decoder start token.
         max_new_tokens: the most tokens to generate (>= 1).
+        steady: nothing but the caller's loop touches the model between steps (``generate``), so the steps after
+            the first skip dynamo's guard checks (``_call``). False (``stream``, whose caller runs code between
+            steps, e.g. an optimizer step or another decoding call): every step checks every guard.
 
     Returns:
         ``(logits (B, V), step)``: ``step(tokens (B,)) -> logits (B, V)`` for the token after ``tokens``.
@@ -177,7 +193,6 @@ def greedy_step(
     b = memory.shape[0]
     first = torch.full((b, 1), start, dtype=torch.long, device=memory.device)
     logits, prefill = _prefill(model, memory, first, src_mask)
-    static = _static_buffers(model, prefill, src_mask, 1, _bucket(model, max_new_tokens))
     run = _compiled.compile_step(_step, model, memory.device)  # kept per (model, fn, device)
     filled = 1
 
@@ -187,10 +202,11 @@ def greedy_step(
         static.self_mask[:, filled] = True
         static.index.fill_(filled)
         filled += 1
-        out = _call(run, filled == 2, model, tokens[:, None], static.self_mask, static.caches, static.memory,
-                    static.memory_mask, None)
+        out = _call(run, filled == 2 or not steady, model, tokens[:, None], static.self_mask, static.caches,
+                    static.memory, static.memory_mask, None)
         return out.clone()  # CUDA graphs reuse their output buffer at the next replay
 
+    static = _static_buffers(model, prefill, src_mask, 1, _bucket(model, max_new_tokens), weakref.ref(step))
     return logits, step
 
 
@@ -224,7 +240,7 @@ def beam_step(
         del sources_changed  # a source's rows are fixed: cross-attention buffers never need reordering
         if parents is None:  # the start tokens, one row per source
             logits, prefill = _prefill(model, memory, tokens, src_mask)
-            static = _static_buffers(model, prefill, src_mask, k, bucket)
+            static = _static_buffers(model, prefill, src_mask, k, bucket, state["owner"])
             state.update(
                 static=static, filled=1, width=1, identity=torch.arange(static.perm.shape[0], device=memory.device),
                 phys=torch.arange(tokens.shape[0], device=memory.device) * k,  # search row -> fixed row
@@ -250,4 +266,5 @@ def beam_step(
                     static.memory_mask, static.perm)
         return out.index_select(0, new_phys)  # a copy: safe from the next CUDA-graph replay
 
+    state["owner"] = weakref.ref(step)  # weak: the step must not keep itself alive through its own state
     return step
