@@ -1,15 +1,18 @@
-"""``Seq2SeqTransformer.generate``: beam search (GNMT length penalty, paper §6.1) or greedy/sampled decoding.
+"""``Seq2SeqTransformer.generate`` / ``stream``: beam search (GNMT length penalty, paper §6.1) or greedy/sampled
+decoding.
 
 The source is encoded once and its cross-attention keys/values are computed at the first step and reused. With
 ``compile=True`` the decoder steps after the first run one compiled static-shape graph
-(``models.generation_seq2seq_compiled``).
+(``models.generation_seq2seq_compiled``). ``stream`` yields the tokens of greedy/sampled decoding step by step;
+beam search cannot stream (a beam's tokens may change until the search ends).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -21,18 +24,35 @@ from .generation import (
     QuantizeMixin,
     _check_count,
     _check_generator,
+    _each_step_in_eval_mode,
     _eval_mode,
     _make_room,
     _resolve_eos_pad,
     _resolve_token,
     _sampling_params,
+    _Step,
     _token_loop,
 )
 from .sampling import SamplingParams, seen_tokens
 
 
+@dataclasses.dataclass
+class _Seq2SeqRequest:
+    """A validated ``Seq2SeqTransformer.generate`` / ``stream`` request (what beam search and greedy share)."""
+
+    src_ids: Tensor  # (B, S), S >= 1
+    src_mask: Tensor | None  # (B, S) bool, None when nothing is padded
+    max_new_tokens: int
+    params: SamplingParams
+    eos: int | None
+    pad: int
+    start: int  # the decoder start token
+    generator: torch.Generator | None
+    compile: bool = False  # decode with the compiled static-shape step
+
+
 class Seq2SeqGenerationMixin(QuantizeMixin):
-    """``generate`` (beam search / greedy) for ``Seq2SeqTransformer``."""
+    """``generate`` (beam search / greedy) and ``stream`` (greedy) for ``Seq2SeqTransformer``."""
 
     def generate(
         self,
@@ -97,18 +117,122 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
 
         Shapes: ``src_ids (B, S)`` -> ``(B, 1 + T)``, ``T <= max_new_tokens``.
         """
-        config = self.config
-        self.check_ids(src_ids, "src_ids")
-        b, src_len = src_ids.shape
-        if src_len == 0:
-            raise ValueError("src_ids is empty (S=0); give at least one source token")
-        src_mask = self.check_mask(src_mask, (b, src_len), "src_mask")
         if isinstance(num_beams, bool) or not isinstance(num_beams, numbers.Integral) or num_beams < 1:
             raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
         if not isinstance(length_penalty, numbers.Real) or not math.isfinite(length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
         if not isinstance(early_stopping, bool):
             raise ValueError(f"early_stopping must be True or False, got {early_stopping!r}")
+        request = self._seq2seq_request(
+            src_ids, src_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+            eos_token_id, pad_token_id, decoder_start_token_id, generator, sampling, compile, num_beams,
+        )
+        b, device, start = request.src_ids.shape[0], request.src_ids.device, request.start
+        if request.max_new_tokens == 0:  # nothing to decode: the start token alone, log P = 0
+            sequences = torch.full((b, 1), start, dtype=torch.long, device=device)
+            scores = torch.zeros(b, device=device)
+            return (sequences, scores) if return_scores else sequences
+
+        with torch.inference_mode(), _eval_mode(self):
+            memory = self.encode(request.src_ids, request.src_mask)  # (B, S, d_model), once per source
+            if num_beams == 1:
+                sequences, scores = self._greedy(memory, request, length_penalty)
+            else:
+                src_mask, max_new_tokens = request.src_mask, request.max_new_tokens
+                if compile:
+                    from .generation_seq2seq_compiled import beam_step
+
+                    step = beam_step(self, memory, src_mask, max_new_tokens, num_beams)
+                else:
+                    step = self._beam_step(memory, src_mask, max_new_tokens)
+                found = beam_search(
+                    step, batch_size=b, start_token_id=start, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                    eos_token_id=request.eos, pad_token_id=request.pad, length_penalty=float(length_penalty),
+                    early_stopping=early_stopping, device=device,
+                )
+                first = torch.full((b, 1), start, dtype=torch.long, device=device)
+                sequences, scores = torch.cat([first, found.sequences], dim=1), found.scores
+        # Clones leave inference mode, so the outputs can be used in autograd later.
+        return (sequences.clone(), scores.clone()) if return_scores else sequences.clone()
+
+    def stream(
+        self,
+        src_ids: Tensor,
+        src_mask: Tensor | None = None,
+        max_new_tokens: int | None = None,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        eos_token_id: int | None = CONFIG_DEFAULT,
+        pad_token_id: int | None = CONFIG_DEFAULT,
+        decoder_start_token_id: int | None = CONFIG_DEFAULT,
+        generator: torch.Generator | None = None,
+        sampling: SamplingParams | None = None,
+        compile: bool = False,  # noqa: A002 - the name torch uses for this switch
+    ) -> Iterator[Tensor]:
+        """Like ``generate(..., num_beams=1)`` (greedy or sampled decoding), but yield each step's tokens as soon
+        as they are chosen.
+
+        Beam search cannot stream: a beam's tokens may still change until the search ends, so there is no
+        ``num_beams``. The arguments are checked when ``stream`` is called; nothing runs (not even the encoder)
+        until the first token is asked for. Each step runs in eval mode under ``torch.inference_mode``, and the
+        model's training flags are restored before each token is yielded: between tokens the model is as the
+        caller left it, whatever other streams are open.
+
+        Args:
+            src_ids, src_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+                eos_token_id, pad_token_id, decoder_start_token_id, generator, sampling: as ``generate``.
+            compile: as ``generate``; every compiled step checks dynamo's guards (the caller's code runs
+                between steps).
+
+        Returns:
+            An iterator of ``(B,)`` long tensors, one per generated position (``pad_token_id`` for rows that have
+            ended); stacking them along dim 1 gives ``generate(..., num_beams=1)[:, 1:]``. It stops when every
+            row has produced EOS or after ``max_new_tokens`` tokens.
+
+        Raises:
+            ValueError: as ``generate`` (bad ids or masks, sampling settings, token ids, ``max_new_tokens``,
+                ``compile``), at the call.
+
+        Shapes: ``src_ids (B, S)`` -> ``T`` tensors of shape ``(B,)``, ``T <= max_new_tokens``.
+        """
+        request = self._seq2seq_request(
+            src_ids, src_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+            eos_token_id, pad_token_id, decoder_start_token_id, generator, sampling, compile,
+        )
+        steps = self._stream_steps(request)
+        # Clones leave inference mode, so the tokens can be used in autograd later.
+        return (step.tokens.clone() for step in _each_step_in_eval_mode(self, steps))
+
+    def _seq2seq_request(
+        self,
+        src_ids: Tensor,
+        src_mask: Tensor | None,
+        max_new_tokens: int | None,
+        do_sample: bool,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        repetition_penalty: float | None,
+        eos_token_id: int | None,
+        pad_token_id: int | None,
+        decoder_start_token_id: int | None,
+        generator: torch.Generator | None,
+        sampling: SamplingParams | None,
+        compile: bool,  # noqa: A002
+        num_beams: int = 1,
+    ) -> _Seq2SeqRequest:
+        """Check every argument that ``generate`` and ``stream`` share before any computation, and resolve the
+        defaults (``num_beams``, already checked, only rejects sampling settings that need one beam)."""
+        config = self.config
+        self.check_ids(src_ids, "src_ids")
+        b, src_len = src_ids.shape
+        if src_len == 0:
+            raise ValueError("src_ids is empty (S=0); give at least one source token")
+        src_mask = self.check_mask(src_mask, (b, src_len), "src_mask")
         params = _sampling_params(sampling, do_sample, temperature, top_k, top_p, repetition_penalty)
         if num_beams > 1 and (params.do_sample or params.uses_history):
             raise ValueError(
@@ -141,57 +265,47 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
                     f"but the decoder's {config.positional} positions go up to max_len={capacity}"
                 )
         if src_mask is not None and bool(src_mask.all()):
-            src_mask = None
-        if max_new_tokens == 0:  # nothing to decode: the start token alone, log P = 0
-            sequences = torch.full((b, 1), start, dtype=torch.long, device=src_ids.device)
-            scores = torch.zeros(b, device=src_ids.device)
-            return (sequences, scores) if return_scores else sequences
+            src_mask = None  # nothing padded: the unmasked path is cheaper at every step
+        return _Seq2SeqRequest(src_ids, src_mask, int(max_new_tokens), params, eos, pad, start, generator, compile)
 
-        with torch.inference_mode(), _eval_mode(self):
-            memory = self.encode(src_ids, src_mask)  # (B, S, d_model), once per source
-            if num_beams == 1:
-                sequences, scores = self._greedy(
-                    memory, src_mask, start, max_new_tokens, params, generator, eos, pad, length_penalty, compile
-                )
-            else:
-                if compile:
-                    from .generation_seq2seq_compiled import beam_step
+    @torch.inference_mode()
+    def _stream_steps(self, request: _Seq2SeqRequest) -> Iterator[_Step]:
+        """Encode the sources, then the greedy/sampled steps (the caller sets eval mode)."""
+        if request.max_new_tokens == 0:
+            return
+        memory = self.encode(request.src_ids, request.src_mask)
+        # The caller's code runs between the steps of a stream (it may change the model), so every compiled step
+        # checks all of dynamo's guards.
+        yield from self._greedy_steps(memory, request, steady=False)
 
-                    step = beam_step(self, memory, src_mask, max_new_tokens, num_beams)
-                else:
-                    step = self._beam_step(memory, src_mask, max_new_tokens)
-                found = beam_search(
-                    step, batch_size=b, start_token_id=start, num_beams=num_beams, max_new_tokens=max_new_tokens,
-                    eos_token_id=eos, pad_token_id=pad, length_penalty=float(length_penalty),
-                    early_stopping=early_stopping, device=src_ids.device,
-                )
-                first = torch.full((b, 1), start, dtype=torch.long, device=src_ids.device)
-                sequences, scores = torch.cat([first, found.sequences], dim=1), found.scores
-        # Clones leave inference mode, so the outputs can be used in autograd later.
-        return (sequences.clone(), scores.clone()) if return_scores else sequences.clone()
-
-    def _greedy(
-        self,
-        memory: Tensor,
-        src_mask: Tensor | None,
-        start: int,
-        max_new_tokens: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        eos: int | None,
-        pad: int,
-        alpha: float,
-        compile: bool = False,  # noqa: A002
-    ) -> tuple[Tensor, Tensor]:
+    def _greedy(self, memory: Tensor, request: _Seq2SeqRequest, alpha: float) -> tuple[Tensor, Tensor]:
         """Greedy or sampled decoding with a cache; returns ``(ids (B, 1 + T), normalised scores (B,))``."""
         b = memory.shape[0]
-        first = torch.full((b, 1), start, dtype=torch.long, device=memory.device)
+        first = torch.full((b, 1), request.start, dtype=torch.long, device=memory.device)
         log_prob = torch.zeros(b, device=memory.device)
         lengths = torch.zeros(b, dtype=torch.long, device=memory.device)
-        if compile:
+        out = [first]
+        for s in self._greedy_steps(memory, request):
+            out.append(s.tokens[:, None])
+            chosen = torch.log_softmax(s.logits.float(), dim=-1).gather(1, s.tokens[:, None]).squeeze(1)
+            live = torch.ones_like(lengths, dtype=torch.bool) if s.live is None else s.live
+            log_prob += torch.where(live, chosen, 0.0)
+            lengths += live.long()
+        return torch.cat(out, dim=1), log_prob / gnmt_length_penalty(lengths.float(), alpha)
+
+    def _greedy_steps(self, memory: Tensor, request: _Seq2SeqRequest, steady: bool = True) -> Iterator[_Step]:
+        """The greedy/sampled decoding steps over a cached decoder (``max_new_tokens >= 1``; the caller runs
+        under ``torch.inference_mode`` in eval mode).
+
+        ``steady``: nothing but this loop touches the model between steps (``generate``; not ``stream``), so
+        compiled steps after the first may skip dynamo's guard checks (see ``greedy_step``).
+        """
+        b, max_new_tokens, src_mask = memory.shape[0], request.max_new_tokens, request.src_mask
+        first = torch.full((b, 1), request.start, dtype=torch.long, device=memory.device)
+        if request.compile:
             from .generation_seq2seq_compiled import greedy_step
 
-            logits, step = greedy_step(self, memory, src_mask, start, max_new_tokens)
+            logits, step = greedy_step(self, memory, src_mask, request.start, max_new_tokens, steady=steady)
         else:
             cache = _shared.new_caches(len(self.decoder_layers), min(max_new_tokens, _shared.CACHE_CHUNK),
                                        cross=True)
@@ -201,15 +315,9 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
                 _make_room(cache, 1, max_new_tokens)
                 return self.decode(memory, tokens[:, None], src_mask, cache=cache)[:, -1]
 
-        seen = seen_tokens(first, None, self.config.vocab_size) if params.uses_history else None
-        out = [first]
-        for s in _token_loop(logits, step, params, generator, eos, pad, max_new_tokens, seen):
-            out.append(s.tokens[:, None])
-            chosen = torch.log_softmax(s.logits.float(), dim=-1).gather(1, s.tokens[:, None]).squeeze(1)
-            live = torch.ones_like(lengths, dtype=torch.bool) if s.live is None else s.live
-            log_prob += torch.where(live, chosen, 0.0)
-            lengths += live.long()
-        return torch.cat(out, dim=1), log_prob / gnmt_length_penalty(lengths.float(), alpha)
+        seen = seen_tokens(first, None, self.config.vocab_size) if request.params.uses_history else None
+        yield from _token_loop(logits, step, request.params, request.generator, request.eos, request.pad,
+                               max_new_tokens, seen)
 
     def _beam_step(
         self, memory: Tensor, src_mask: Tensor | None, max_new_tokens: int
