@@ -23,6 +23,7 @@ rounding (inductor may reorder reductions; the test checks identity on its model
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 #: The smallest cache bucket; buckets double from here.
 MIN_BUCKET = 64
 
-# Per model: {(batch, bucket, dtype, device): (caches, mask, index)} — reused so that the graph's guards hold.
+# Per model: {(batch, bucket, dtype, device): [_Kept, ...]} — reused so that the graph's guards hold; more than one
+# set only while several loops of those shapes are open at once (streams).
 _BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -170,12 +172,33 @@ def compile_step(fn: Callable[..., Any], model: nn.Module, device: torch.device)
     return per_model[key][1]
 
 
-def _buffers(model: Any, caches: list[LayerCache], b: int, bucket: int) -> tuple[list[LayerCache], Tensor, Tensor]:
-    """The kept bucket buffers for this model and shape (made on first use), filled with ``caches``' prompt."""
+@dataclasses.dataclass
+class _Kept:
+    """One set of bucket buffers: the caches, the visible-slot mask and the write index."""
+
+    caches: list[LayerCache]
+    mask: Tensor  # (B, bucket) bool
+    index: Tensor  # (1,) long
+    owner: weakref.ref | None = None  # what decodes with the set (a step function, a draft); free once it is dead
+
+    def free(self) -> bool:
+        return self.owner is None or self.owner() is None
+
+
+def _buffers(model: Any, caches: list[LayerCache], b: int, bucket: int, owner: weakref.ref,
+             ) -> tuple[list[LayerCache], Tensor, Tensor]:
+    """A free set of kept bucket buffers for this model and shape (made when none is free), claimed for ``owner``
+    and filled with ``caches``' prompt.
+
+    A set stays ``owner``'s until it is freed (the end of a ``generate`` call, or of a stream: exhausted, closed or
+    dropped): two streams open at once, or a stream left open around a ``generate`` call of the same shapes, each
+    decode in their own buffers. A second set needs no new graph (dynamo guards on shapes, not on the tensors).
+    """
     first = caches[0].self_attn.k
     key = (b, bucket, first.dtype, first.device)
-    per_model = _BUFFERS.setdefault(model, {})
-    if key not in per_model:
+    pool = _BUFFERS.setdefault(model, {}).setdefault(key, [])
+    kept_set = next((candidate for candidate in pool if candidate.free()), None)
+    if kept_set is None:
         index = torch.zeros(1, dtype=torch.long, device=first.device)
         kept = []
         for layer_cache in caches:
@@ -190,13 +213,14 @@ def _buffers(model: Any, caches: list[LayerCache], b: int, bucket: int) -> tuple
             holder.self_attn = BucketKVCache(k, v, index)
             kept.append(holder)
         mask = torch.zeros((b, bucket), dtype=torch.bool, device=first.device)
-        per_model[key] = (kept, mask, index)
-    kept, mask, index = per_model[key]
-    for src, dst in zip(caches, kept, strict=True):
+        kept_set = _Kept(kept, mask, index)
+        pool.append(kept_set)
+    kept_set.owner = owner
+    for src, dst in zip(caches, kept_set.caches, strict=True):
         n = src.self_attn.length
         dst.self_attn.k[:, :, :n] = src.self_attn.k[:, :, :n]
         dst.self_attn.v[:, :, :n] = src.self_attn.v[:, :, :n]
-    return kept, mask, index
+    return kept_set.caches, kept_set.mask, kept_set.index
 
 
 @torch.inference_mode()
@@ -215,9 +239,6 @@ def compiled_steps(model: Any, request: _LMRequest, steady: bool = True) -> Iter
     bucket = bucket_length(length + request.max_new_tokens, model.positional.max_positions)
     prefill = _shared.new_caches(len(model.layers), length)
     logits = model(prompt, attention_mask=prompt_mask, cache=prefill, logits_to_keep=1).logits[:, -1]
-    caches, mask, index = _buffers(model, prefill, b, bucket)
-    mask.zero_()
-    mask[:, :length] = True if prompt_mask is None else prompt_mask
     filled = length
     run = compile_step(_step, model, prompt.device)
 
@@ -231,6 +252,11 @@ def compiled_steps(model: Any, request: _LMRequest, steady: bool = True) -> Iter
         # Every guard is checked at the first step (which may compile), and at every step of a stream.
         skip = steady and filled > length + 1
         return run(model, tokens[:, None], mask, caches, skip_guards=skip).clone()
+
+    # The buffers are this loop's while `step` lives (it dies with this generator).
+    caches, mask, index = _buffers(model, prefill, b, bucket, weakref.ref(step))
+    mask.zero_()
+    mask[:, :length] = True if prompt_mask is None else prompt_mask
 
     seen = seen_tokens(prompt, prompt_mask, model.config.vocab_size) if request.params.uses_history else None
     yield from _token_loop(

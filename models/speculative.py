@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -168,7 +169,7 @@ class _CompiledDraft:
         prefill = _shared.new_caches(len(draft.layers), length)
         self.pending: Tensor | None = draft(ids[:, :length], cache=prefill, logits_to_keep=1).logits[:, -1]
         bucket = bucket_length(limit, draft.positional.max_positions)
-        self.caches, self.mask, self.index = _buffers(draft, prefill, 1, bucket)
+        self.caches, self.mask, self.index = _buffers(draft, prefill, 1, bucket, weakref.ref(self))
         self.mask.zero_()
         self.mask[:, :length] = True
         self.filled = length

@@ -97,6 +97,28 @@ def test_two_models_alternating_keep_their_own_graphs(graph_backend: None) -> No
 
 
 
+def test_interleaved_compiled_streams_keep_their_own_buffers(graph_backend: None) -> None:
+    # Two compiled streams of one model and bucket open at once, and a compiled generate of the same shapes run
+    # between their tokens: each must decode in buffers of its own (one shared set gave wrong tokens), with no
+    # new graph for the second set.
+    model = decoder(positional="rotary")
+    a, b = torch.tensor([[5, 6, 7, 8]]), torch.randint(4, 64, (1, 12), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=10, eos_token_id=None)
+    expected_a, expected_b = model.generate(a, **kwargs)[0, 4:], model.generate(b, **kwargs)[0, 12:]
+    first, second = model.stream(a, compile=True, **kwargs), model.stream(b, compile=True, **kwargs)
+    got_a, got_b = [], []
+    for i in range(10):
+        got_a.append(next(first))
+        got_b.append(next(second))
+        if i == 4:
+            assert torch.equal(model.generate(b, compile=True, **kwargs)[0, 12:], expected_b)
+    assert torch.equal(torch.cat(got_a), expected_a) and torch.equal(torch.cat(got_b), expected_b)
+    assert counters["stats"]["unique_graphs"] == 1
+    del first, second
+    pool = next(iter(compiled._BUFFERS[model].values()))
+    assert len(pool) == 3 and all(kept.free() for kept in pool)
+
+
 def test_frozen_cpu_step_batches_and_follows_weight_changes() -> None:
     # Inductor on CPU freezes a float model's weights into the graph (packed GEMMs for the batch's rows); the
     # step must give eager's tokens for a left-padded batch, and eager's tokens again after the weights change
