@@ -27,6 +27,7 @@ tokens. Everything is fp32 on this process's threads (``torch.get_num_threads()`
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import statistics
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from benchmarks.compare import Table
 from examples import generate as demo
@@ -46,6 +49,7 @@ from models.speculative import speculative_decode
 from tokenization import Tokenizer
 from training import (
     CausalLMCollator,
+    TokenLoss,
     Trainer,
     TrainerConfig,
     WarmupCosineLR,
@@ -91,6 +95,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(16 if d_model is not a multiple of 32)")
     parser.add_argument("--draft-steps", type=int, default=800, help="optimiser steps of each draft")
     parser.add_argument("--retrain-drafts", action="store_true", help="train the drafts even if saved under OUT")
+    parser.add_argument("--distill", action="store_true",
+                        help="also measure a distilled draft of each shape: the plain draft trained further to "
+                             "imitate the target (KL to its distributions) on the target's own continuations of "
+                             "training-split prompts, mixed with corpus rows")
+    parser.add_argument("--distill-only", action="store_true",
+                        help="with --distill: leave the plain drafts out of the table (they are still the start)")
+    parser.add_argument("--distill-steps", type=int, default=1500, help="optimiser steps of each distilled draft")
+    parser.add_argument("--distill-prompts", type=int, default=2048,
+                        help="training-split prompts the target continues (greedy and sampled: twice as many rows)")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5], help="draft tokens per round")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts")
     parser.add_argument("--prompt-tokens", type=int, default=16, help="tokens per prompt (BOS included)")
@@ -106,15 +119,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.draft_shapes = [parse_shape(s) for s in (args.draft or (["1x16"] if args.quick else ["1x128", "1x64"]))]
     except ValueError as err:
         parser.error(str(err))
-    for name in ("draft_steps", "prompts", "prompt_tokens", "new_tokens", "repeats"):
+    for name in ("draft_steps", "distill_steps", "distill_prompts", "prompts", "prompt_tokens", "new_tokens",
+                 "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(k < 1 for k in args.ks):
         parser.error(f"--ks must all be >= 1, got {args.ks}")
     if not args.temperature > 0:
         parser.error(f"--temperature must be > 0, got {args.temperature}")
+    if args.distill_only and not args.distill:
+        parser.error("--distill-only needs --distill")
     if args.quick:
         args.draft_steps, args.prompts, args.new_tokens, args.repeats = 4, 2, 12, 1
+        args.distill_steps, args.distill_prompts = 4, 8
         args.prompt_tokens, args.ks, args.no_compile = 6, args.ks[:2], True
     return args
 
@@ -201,7 +218,7 @@ def draft_models(args: argparse.Namespace, tokenizer: Tokenizer, target: Decoder
         folder = out / f"draft-{name}"
         if not args.retrain_drafts and (folder / "config.json").is_file():
             draft = DecoderLM.from_pretrained(folder).eval()
-            if draft.tokenizer is not None and draft.tokenizer.get_vocab() == tokenizer.get_vocab():
+            if draft.tokenizer is not None and draft.tokenizer.to_str() == tokenizer.to_str():
                 print(f"draft {name}: loaded from {folder} ({draft.num_parameters():,} parameters)")
                 drafts[name] = draft
                 continue
@@ -212,6 +229,136 @@ def draft_models(args: argparse.Namespace, tokenizer: Tokenizer, target: Decoder
         print(f"draft {name}: {draft.num_parameters():,} parameters, trained {args.draft_steps} steps in "
               f"{time.perf_counter() - start:.0f} s, validation perplexity {perplexity:.1f}; saved to {folder}")
         drafts[name] = draft
+    return drafts
+
+
+class DistillationLoss(TokenLoss):
+    """Word-level distillation (Hinton et al. 2015; Kim & Rush 2016 §3.1): the summed KL divergence
+    ``KL(p_target || q_draft)`` over every position that has a next-token label, with the target run on the same
+    batch. ``count`` (inherited) is the number of those positions, so the Trainer averages per token.
+
+    Args:
+        teacher: the target model (kept in eval mode, no gradient).
+    """
+
+    def __init__(self, teacher: nn.Module) -> None:
+        super().__init__(shift=True)
+        self.teacher = teacher.eval()
+
+    def __call__(self, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        """Summed KL of ``model``'s next-token distributions to the teacher's on ``batch`` (with gradient).
+
+        Shapes: batch ``input_ids (B, L)`` -> a scalar.
+        """
+        keep = self._labels(batch) != -100  # (B, L): positions whose next token is a real label
+        inputs = {k: v for k, v in batch.items() if k != self.label_key}
+        with torch.no_grad():
+            teacher_logp = F.log_softmax(self.teacher(**inputs).logits[keep].float(), dim=-1)  # (N, V)
+        student_logp = F.log_softmax(model(**inputs).logits[keep], dim=-1)
+        return F.kl_div(student_logp, teacher_logp, log_target=True, reduction="sum")
+
+
+def target_continuations(
+    target: DecoderLM, tokenizer: Tokenizer, train_docs: list[str], n: int, prompt_tokens: int,
+    temperature: float, seed: int, batch: int = 64,
+) -> list[list[int]]:
+    """Sequence-level distillation data (Kim & Rush 2016 §3.2): the target's own continuations, up to its
+    ``max_len``, of the first ``prompt_tokens`` ids of ``n`` TRAINING documents — each prompt once greedy and once
+    sampled at ``temperature`` (the benchmark's two modes) — cut after EOS.
+
+    Returns:
+        ``2 * n'`` id lists (``n'`` = the training documents longer than ``prompt_tokens``, at most ``n``).
+    """
+    prompts = [ids[:prompt_tokens] for ids in demo._encode(tokenizer, train_docs) if len(ids) > prompt_tokens][:n]
+    new_tokens = target.config.max_len - prompt_tokens
+    eos = target.config.eos_token_id
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for params in (SamplingParams(), SamplingParams(True, temperature)):
+        for start in range(0, len(prompts), batch):
+            # Same-length prompts: one batch without padding; a row that stops early is padded after its EOS.
+            out = target.generate(torch.tensor(prompts[start : start + batch]), max_new_tokens=new_tokens,
+                                  sampling=params, generator=generator)
+            for row in out.tolist():
+                tail = row[prompt_tokens:]
+                rows.append(row[: prompt_tokens + tail.index(eos) + 1] if eos in tail else row)
+    return rows
+
+
+def distill_draft(
+    draft: DecoderLM, target: DecoderLM, rows: list[list[int]], corpus_rows: list[dict[str, list[int]]],
+    val_rows: list[dict[str, list[int]]], steps: int, seed: int,
+) -> tuple[DecoderLM, float]:
+    """Train ``draft`` further to imitate ``target``: ``DistillationLoss`` on the target's continuations mixed with
+    packed corpus rows, with the optimiser, schedule and batch of the plain drafts; returns the draft and its
+    validation perplexity on held-out corpus rows (plain cross-entropy)."""
+    defaults = demo.parse_args([])
+    data = [{"input_ids": r} for r in rows] + corpus_rows
+    torch.manual_seed(seed)
+    trainer = Trainer(
+        draft, lambda params: torch.optim.AdamW(decay_groups(params, 0.1), lr=defaults.lr, betas=(0.9, 0.95)),
+        TrainerConfig(max_steps=steps, batch_size=min(defaults.batch_size, len(data)), max_grad_norm=1.0, seed=seed,
+                      progress=False),
+        data, CausalLMCollator(pad_token_id=target.config.pad_token_id), eval_data=val_rows,
+        scheduler=lambda opt: WarmupCosineLR(opt, warmup=min(defaults.warmup, steps), total=steps),
+        loss_fn=DistillationLoss(target), eval_loss_fn=TokenLoss(shift=True),
+    )
+    trainer.train()
+    return draft.eval(), trainer.eval_history[-1]["perplexity"]
+
+
+def saved_continuations(args: argparse.Namespace, tokenizer: Tokenizer, target: DecoderLM, train_docs: list[str],
+                        out: Path) -> list[list[int]]:
+    """``target_continuations`` for these arguments, read from ``out`` when an earlier run saved them for the same
+    target weights and tokenizer (generating them is most of a distillation's cost on a CPU), else made and saved."""
+    digest = hashlib.sha256(tokenizer.to_str().encode())
+    for t in target.state_dict().values():
+        digest.update(t.detach().contiguous().numpy().tobytes())
+    key = {"target": digest.hexdigest()[:16], "prompts": args.distill_prompts, "prompt_tokens": args.prompt_tokens,
+           "temperature": args.temperature, "seed": args.seed}
+    path = out / "distill-continuations.json"
+    if not args.retrain_drafts and path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            print(f"distillation data: {len(saved['rows'])} target continuations loaded from {path}")
+            return saved["rows"]
+    start = time.perf_counter()
+    rows = target_continuations(target, tokenizer, train_docs, args.distill_prompts, args.prompt_tokens,
+                                args.temperature, args.seed)
+    print(f"distillation data: {len(rows)} target continuations of training-split prompts "
+          f"({sum(map(len, rows)):,} tokens) in {time.perf_counter() - start:.0f} s", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "rows": rows}))
+    return rows
+
+
+def distilled_models(args: argparse.Namespace, tokenizer: Tokenizer, target: DecoderLM, train_docs: list[str],
+                     val_docs: list[str], plain: dict[str, DecoderLM], out: Path) -> dict[str, DecoderLM]:
+    """A distilled draft per plain draft (``NAME-distilled``), started from a copy of it: loaded from
+    ``out/draft-NAME-distilled`` when saved there with the target's tokenizer (unless ``--retrain-drafts``), else
+    trained (the target's continuations are generated once, for all shapes)."""
+    drafts: dict[str, DecoderLM] = {}
+    rows: list[list[int]] | None = None
+    for name, plain_draft in plain.items():
+        folder = out / f"draft-{name}-distilled"
+        if not args.retrain_drafts and (folder / "config.json").is_file():
+            draft = DecoderLM.from_pretrained(folder).eval()
+            if draft.tokenizer is not None and draft.tokenizer.to_str() == tokenizer.to_str():
+                print(f"draft {name}-distilled: loaded from {folder}")
+                drafts[f"{name}-distilled"] = draft
+                continue
+        if rows is None:
+            rows = saved_continuations(args, tokenizer, target, train_docs, out)
+            corpus_rows = packed_examples(demo._encode(tokenizer, train_docs), target.config.max_len)
+            val_rows = packed_examples(demo._encode(tokenizer, val_docs), target.config.max_len)
+        start = time.perf_counter()
+        draft = DecoderLM(plain_draft.config)
+        draft.load_state_dict(plain_draft.state_dict())
+        draft, perplexity = distill_draft(draft, target, rows, corpus_rows, val_rows, args.distill_steps, args.seed)
+        draft.save_pretrained(folder, tokenizer=tokenizer)
+        print(f"draft {name}-distilled: {args.distill_steps} distillation steps in {time.perf_counter() - start:.0f} s"
+              f", validation perplexity {perplexity:.1f}; saved to {folder}", flush=True)
+        drafts[f"{name}-distilled"] = draft
     return drafts
 
 
@@ -326,6 +473,9 @@ def main(argv: list[str] | None = None) -> Table:
         target = target_model(target_dir, args.quick, data_args)
         tokenizer = target.tokenizer
         drafts = draft_models(args, tokenizer, target, train_docs, val_docs, out)
+        if args.distill:
+            distilled = distilled_models(args, tokenizer, target, train_docs, val_docs, drafts, out)
+            drafts = distilled if args.distill_only else {**drafts, **distilled}
         prompts = held_out_prompts(tokenizer, val_docs, args.prompts, args.prompt_tokens)
         print(f"measuring: {len(prompts)} held-out prompts of {args.prompt_tokens} tokens, up to {args.new_tokens} "
               f"new tokens, 1 warm-up + {args.repeats} interleaved repeats ...", flush=True)

@@ -9,17 +9,21 @@ import benchmarks.speculative as bench
 import models.generation_compiled as compiled
 from models.speculative import SpeculativeOutput
 from tests.models.test_speculative import decoder, perturbed
+from training import CausalLMCollator
 
 
 def test_quick_run_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None:
-    # End to end: the example trains a (tiny) target, the script trains a draft with its tokenizer and measures.
-    table = bench.main(["--quick"])
+    # End to end: the example trains a (tiny) target, the script trains a draft with its tokenizer, distils a copy
+    # of it on the target's continuations, and measures both.
+    table = bench.main(["--quick", "--distill"])
     printed = capsys.readouterr().out
     modes = ["greedy", "sample T=0.8"]
-    # Per mode: the plain row and one row per k (--quick: one draft, k = 2 and 3).
+    # Per mode: the plain row and one row per draft and k (--quick: one shape, plain and distilled, k = 2 and 3).
     assert [(r[0], r[1], r[2]) for r in table.rows] == [
-        (m, d, k) for m in modes for d, k in [("-", "-"), ("1x16", "2"), ("1x16", "3")]
+        (m, d, k) for m in modes
+        for d, k in [("-", "-"), ("1x16", "2"), ("1x16", "3"), ("1x16-distilled", "2"), ("1x16-distilled", "3")]
     ]
+    assert "distillation data: 16 target continuations of training-split prompts" in printed
     for row in table.rows:
         assert row[3] == "no" and float(row[6]) > 0 and row[7].endswith("x")  # tokens/s and speed-up measured
         if row[1] != "-":
@@ -53,11 +57,51 @@ def test_measure_counts_and_checks_greedy_identity(monkeypatch: pytest.MonkeyPat
         bench.measure(target, {"d": draft}, prompts, [2], new_tokens=6, temperature=0.8, repeats=1, seed=0)
 
 
+def test_distillation_loss_is_the_kl_to_the_target() -> None:
+    target, student = decoder(0), decoder(1)
+    batch = CausalLMCollator(pad_token_id=0)([{"input_ids": [2, 5, 6, 7, 8]}, {"input_ids": [2, 9, 3]}])
+    loss_fn = bench.DistillationLoss(target)
+    # Reference: KL(p || q) = sum_v p (log p - log q), summed by hand over the positions that predict a real token.
+    p = torch.softmax(target(batch["input_ids"]).logits, -1)
+    q = torch.softmax(student(batch["input_ids"]).logits, -1)
+    kl = (p * (p.log() - q.log())).sum(-1)  # (B, L)
+    keep = torch.tensor([[True, True, True, True, False], [True, True, False, False, False]])
+    assert loss_fn.count(batch) == 6
+    torch.testing.assert_close(loss_fn(student, batch), kl[keep].sum(), rtol=1e-4, atol=1e-5)
+    assert float(loss_fn(target, batch).detach()) == pytest.approx(0.0, abs=1e-5)  # the target imitates itself
+    loss_fn(student, batch).backward()  # the gradient reaches the student only
+    assert all(p.grad is not None for p in student.parameters())
+    assert all(p.grad is None for p in target.parameters())
+
+
+def test_target_continuations_are_the_targets_own_tokens() -> None:
+    target = decoder(0, vocab_size=64)
+
+    class Ids:  # a tokenizer stand-in for ``examples.generate._encode``: documents already are id lists
+        def __call__(self, docs: list[list[int]], **_: object) -> dict[str, list[list[int]]]:
+            return {"input_ids": [list(d) for d in docs]}
+
+    docs = [[2, *range(10 + i, 20 + i)] for i in range(3)] + [[2, 5]]  # the last is too short to give a prompt
+    rows = bench.target_continuations(target, Ids(), docs, n=5, prompt_tokens=4, temperature=0.8, seed=0, batch=2)
+    assert len(rows) == 2 * 3  # each usable training prompt once greedy, once sampled
+    eos = target.config.eos_token_id
+    for doc, row in zip(docs[:3], rows[:3], strict=True):
+        # Greedy rows: exactly what the target generates alone from that prompt (up to EOS or max_len).
+        alone = target.generate(torch.tensor([doc[:4]]), max_new_tokens=target.config.max_len - 4)[0].tolist()
+        assert row == alone and row[:4] == doc[:4]
+        assert eos not in row[4:-1]
+    assert all(r[:4] == d[:4] for r, d in zip(rows[3:], docs[:3], strict=True))
+
+
 def test_bad_arguments_exit() -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--draft", "1by64"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--ks", "0"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--distill-only"])  # nothing to measure without --distill
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--distill", "--distill-steps", "0"])
     with pytest.raises(ValueError, match="LAYERSxD_MODEL"):
         bench.parse_shape("x64")
     with pytest.raises(ValueError, match="multiple of 16 .*got 40"):
