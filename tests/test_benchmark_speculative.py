@@ -107,6 +107,7 @@ def test_bad_arguments_exit() -> None:
     with pytest.raises(ValueError, match="multiple of 16 .*got 40"):
         bench.parse_shape("1x40")
     assert bench.parse_shape("2X64") == (2, 64)
+    assert bench.parse_args(["--distill", "--no-distill-corpus"]).distill_corpus is False
 
 
 def test_compiled_rows(monkeypatch: pytest.MonkeyPatch) -> None:
