@@ -150,16 +150,6 @@ def _static_buffers(
     return static
 
 
-def _call(run: Any, check: bool, *args: Any) -> Tensor:
-    """``run(*args)``, checking dynamo's guards only when ``check`` (the first step of a call, or any step of a
-    stream).
-
-    Later steps of one ``generate`` call pass the same objects and shapes with nothing run in between, so
-    re-checking every guard (~0.5 ms per token on 2 CPU cores) cannot change which graph runs.
-    """
-    return run(*args, skip_guards=not check)
-
-
 def _prefill(model: Any, memory: Tensor, tokens: Tensor, src_mask: Tensor | None) -> tuple[Tensor, list[LayerCache]]:
     """The start token's step, eager: next-token logits ``(B, V)`` and the caches it filled."""
     prefill = new_caches(len(model.decoder_layers), 1, cross=True)
@@ -184,8 +174,9 @@ def greedy_step(
         start: the decoder start token.
         max_new_tokens: the most tokens to generate (>= 1).
         steady: nothing but the caller's loop touches the model between steps (``generate``), so the steps after
-            the first skip dynamo's guard checks (``_call``). False (``stream``, whose caller runs code between
-            steps, e.g. an optimizer step or another decoding call): every step checks every guard.
+            the first skip dynamo's guard checks (``CompiledStep(..., skip_guards=True)``). False (``stream``,
+            whose caller runs code between steps, e.g. an optimizer step or another decoding call): every step
+            checks every guard.
 
     Returns:
         ``(logits (B, V), step)``: ``step(tokens (B,)) -> logits (B, V)`` for the token after ``tokens``.
@@ -202,8 +193,9 @@ def greedy_step(
         static.self_mask[:, filled] = True
         static.index.fill_(filled)
         filled += 1
-        out = _call(run, filled == 2 or not steady, model, tokens[:, None], static.self_mask, static.caches,
-                    static.memory, static.memory_mask, None)
+        # Guards are checked at the first step (which may compile) and at every step of a stream.
+        out = run(model, tokens[:, None], static.self_mask, static.caches, static.memory, static.memory_mask, None,
+                  skip_guards=steady and filled > 2)
         return out.clone()  # CUDA graphs reuse their output buffer at the next replay
 
     static = _static_buffers(model, prefill, src_mask, 1, _bucket(model, max_new_tokens), weakref.ref(step))
@@ -262,8 +254,8 @@ def beam_step(
         static.self_mask[:, filled] = True
         static.index.fill_(filled)
         state["filled"], state["phys"] = filled + 1, new_phys
-        out = _call(run, filled == 1, model, full, static.self_mask, static.caches, static.memory,
-                    static.memory_mask, static.perm)
+        out = run(model, full, static.self_mask, static.caches, static.memory, static.memory_mask, static.perm,
+                  skip_guards=filled > 1)
         return out.index_select(0, new_phys)  # a copy: safe from the next CUDA-graph replay
 
     state["owner"] = weakref.ref(step)  # weak: the step must not keep itself alive through its own state
