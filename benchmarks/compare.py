@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     s = QUICK if args.quick else Shapes()
     if args.quick:
         # A smoke run: dynamo captures the same graphs, without inductor's C++ build (minutes on 2 cores).
-        import models.generation_compiled
+        import models.generation.compiled
 
         models.generation_compiled.BACKEND = "aot_eager"
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):

@@ -56,8 +56,8 @@ from torch import Tensor, nn
 from benchmarks.compare import Table
 from examples import generate as demo
 from models import DecoderLM
-from models.sampling import SamplingParams
-from models.speculative import speculative_decode
+from models.generation.sampling import SamplingParams
+from models.generation.speculative import speculative_decode
 from tokenization import Tokenizer
 from training import (
     CausalLMCollator,

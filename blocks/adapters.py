@@ -126,3 +126,25 @@ class AdaptedLinear(nn.Linear):
         layer.weight = self.weight
         layer.bias = self.bias
         return layer
+
+
+def check_exportable(model: nn.Module, action: str, *, allow_merged: bool) -> None:
+    """Refuse to write a model whose adapters its weights do not hold.
+
+    ``save_pretrained`` (``allow_merged=False``) writes only the base model's tensors, so any adapter would be lost or
+    stored under names no loader reads; an export to ``transformers`` (``allow_merged=True``) computes what the model
+    computes when no adapter is active or the active one is merged into the weights.
+
+    Raises:
+        ValueError: naming the adapted module and what to call instead (``merge_and_unload()`` or ``save_adapter()``).
+    """
+    for name, module in model.named_modules():
+        if not isinstance(module, AdaptedLinear) or not len(module.adapters):
+            continue
+        if allow_merged and (module.active is None or module.merged is not None):
+            continue
+        raise ValueError(
+            f"cannot {action}: module {name!r} carries adapters {list(module.adapters)} that the weights do not "
+            "hold; call model.merge_and_unload() first to bake the active adapter in, or save the adapter alone "
+            "with model.save_adapter(folder)"
+        )

@@ -1,12 +1,38 @@
-"""transformer-zoo models: ``from models import Seq2SeqTransformer, EncoderLM, DecoderLM``."""
+"""transformer-zoo models: ``from models import Seq2SeqTransformer, EncoderLM, DecoderLM``.
 
-from . import convert  # registers every family's converter, exporter and presets
+The package is layered, lowest first (each layer imports only from the ones below it; ``.importlinter`` holds the
+contract ``make test`` checks): ``core`` (configs, outputs, the ``ZooModel`` base, stack helpers, adapter surgery,
+quantization) ← ``generation`` and the converter registry (``convert.registry``, ``convert.export``) ←
+``checkpoints``, ``auto``, ``gguf`` ← the model classes (``decoder_lm``, ``encoder_lm``, ``seq2seq``, ``vit``) ←
+the families (``convert/<family>.py``) ← this file, which imports every family by name so that their converters,
+exporters and presets are registered before anything is looked up.
+"""
+
+from . import auto, convert, gguf
 from .auto import from_pretrained
-from .base import ZooModel
-from .config import ConfigBase, TransformerConfig
+from .convert import (  # noqa: F401  (each family registers its converter, exporter and presets)
+    bart,
+    bert,
+    distilbert,
+    gemma2,
+    gpt2,
+    gpt_neox,
+    llama,
+    marian,
+    mistral,
+    modernbert,
+    phi3,
+    qwen2,
+    qwen3,
+    roberta,
+    t5,
+    vit,
+)
+from .core.base import ZooModel
+from .core.config import ConfigBase, TransformerConfig
+from .core.outputs import ModelOutput, Seq2SeqOutput
 from .decoder_lm import DecoderLM, DecoderLMConfig
 from .encoder_lm import EncoderLM, EncoderLMConfig
-from .outputs import ModelOutput, Seq2SeqOutput
 from .seq2seq import Seq2SeqConfig, Seq2SeqTransformer
 from .vit import VisionTransformer, VisionTransformerConfig
 
@@ -23,7 +49,9 @@ __all__ = [
     "TransformerConfig",
     "VisionTransformer",
     "VisionTransformerConfig",
-    "convert",
     "ZooModel",
+    "auto",
+    "convert",
     "from_pretrained",
+    "gguf",
 ]

@@ -22,11 +22,10 @@ from torch import Tensor, nn
 import blocks
 from blocks.quantized import quantization_mismatch, quantized_modules, quantized_skeleton
 
-from . import checkpoint_io as io
+from .checkpoints import files as io
+from .checkpoints.architectures import architectures, get_architecture, register_architecture  # noqa: F401  (public here too)
 
 logger = logging.getLogger(__name__)
-
-_ARCHITECTURES: dict[str, type[nn.Module]] = {}
 
 #: byte alignment of the blocks PyTorch's CPU allocator returns (c10's gAlignment); quantized tensors get it.
 _ALIGNMENT = 64
@@ -40,41 +39,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
 }
-
-
-def register_architecture(cls: type[nn.Module]) -> type[nn.Module]:
-    """Register ``cls`` under its class name (called by ``PersistenceMixin.__init_subclass__``).
-
-    Re-defining the same class (same module and qualified name, e.g. on reload) replaces the entry.
-
-    Raises:
-        ValueError: another class already holds that name.
-    """
-    name = cls.__name__
-    old = _ARCHITECTURES.get(name)
-    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise ValueError(
-            f"architecture name {name!r} is already registered by {old.__module__}.{old.__qualname__}; "
-            f"cannot register {cls.__module__}.{cls.__qualname__} under the same name"
-        )
-    _ARCHITECTURES[name] = cls
-    return cls
-
-
-def get_architecture(name: str) -> type[nn.Module]:
-    """The registered model class called ``name``.
-
-    Raises:
-        ValueError: unknown name (the registered names are listed).
-    """
-    if name not in _ARCHITECTURES:
-        raise ValueError(f"unknown architecture {name!r}; registered architectures are {architectures()}")
-    return _ARCHITECTURES[name]
-
-
-def architectures() -> list[str]:
-    """Sorted names of every registered architecture."""
-    return sorted(_ARCHITECTURES)
 
 
 class LoadOptions(TypedDict, total=False):

@@ -12,8 +12,13 @@ from torch import Tensor, nn
 import blocks
 from blocks.kv_cache import LayerCache
 
-from .base import (
-    ZooModel,
+from .checkpoints.adapter_files import AdapterFilesMixin
+from .checkpoints.architectures import register_architecture
+from .checkpoints.persistence import PersistenceMixin
+from .core.base import ZooModel
+from .core.config import TransformerConfig
+from .core.outputs import ModelOutput
+from .core.stack import (
     build_layers,
     build_positional,
     cached_length,
@@ -25,10 +30,7 @@ from .base import (
     positional_per_layer,
     positions_from_mask,
 )
-from .config import TransformerConfig
 from .generation import DecoderLMGenerationMixin
-from .outputs import ModelOutput
-from .persistence import PersistenceMixin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +62,8 @@ class DecoderLMConfig(TransformerConfig):
         return [self.layer]
 
 
-class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
+@register_architecture
+class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, AdapterFilesMixin, ZooModel):
     """Token embedding + positions → pre-norm decoder blocks (no cross-attention) → final norm →
     output projection tied to the token embedding.
 
@@ -71,11 +74,6 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
     config_class: ClassVar[type[TransformerConfig]] = DecoderLMConfig
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(vocab_size=1000, d_model=64, n_heads=4, d_ff=256, n_layers=2, max_len=256, dropout=0.1),
-        "gpt2-small": dict(
-            vocab_size=50257, d_model=768, n_heads=12, d_ff=3072, n_layers=12, max_len=1024, dropout=0.1,
-            attention_dropout=0.1, ffn="gelu_tanh", norm_eps=1e-5, pad_token_id=None,
-            bos_token_id=50256, eos_token_id=50256,
-        ),
     }
 
     def __init__(self, config: DecoderLMConfig) -> None:
@@ -128,7 +126,7 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, ZooModel):
             document_ids: ``(B, L)`` ids of the packed document each token belongs to (as
                 ``training.CausalLMCollator(document_ids=True)`` returns): attention stays inside each
                 document and positions restart at every document start. Not with a ``cache``.
-            cache: per-layer KV caches for incremental decoding (see ``models.base.new_caches``).
+            cache: per-layer KV caches for incremental decoding (see ``models.core.stack.new_caches``).
             logits_to_keep: if > 0, project only the last ``logits_to_keep`` positions to the vocabulary
                 (a prompt's prefill needs only the last one); 0 keeps all.
 

@@ -10,8 +10,13 @@ from torch import Tensor, nn
 
 import blocks
 
-from .base import (
-    ZooModel,
+from .checkpoints.adapter_files import AdapterFilesMixin
+from .checkpoints.architectures import register_architecture
+from .checkpoints.persistence import PersistenceMixin
+from .core.base import ZooModel
+from .core.config import TransformerConfig
+from .core.outputs import ModelOutput
+from .core.stack import (
     build_layers,
     build_norm,
     build_positional,
@@ -23,10 +28,7 @@ from .base import (
     positional_per_layer,
     positions_from_mask,
 )
-from .config import TransformerConfig
 from .generation import EncoderLMFillMaskMixin
-from .outputs import ModelOutput
-from .persistence import PersistenceMixin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,8 @@ class MLMHead(nn.Module):
         return self.decoder(self.norm(nn.functional.gelu(self.dense(x))))
 
 
-class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, ZooModel):
+@register_architecture
+class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, AdapterFilesMixin, ZooModel):
     """Token + position + segment embeddings → norm → post-norm encoder layers → MLM head whose decoder
     is tied to the token embedding.
 
@@ -89,11 +92,6 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, ZooModel):
     config_class: ClassVar[type[TransformerConfig]] = EncoderLMConfig
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(vocab_size=1000, d_model=64, n_heads=4, d_ff=256, n_layers=2, max_len=128, dropout=0.1),
-        "bert-base": dict(
-            vocab_size=30522, d_model=768, n_heads=12, d_ff=3072, n_layers=12, max_len=512, dropout=0.1,
-            attention_dropout=0.1, ffn="gelu", norm_eps=1e-12, type_vocab_size=2, pad_token_id=0,
-            bos_token_id=101, eos_token_id=102, mask_token_id=103,
-        ),
     }
 
     def __init__(self, config: EncoderLMConfig) -> None:

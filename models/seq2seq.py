@@ -10,8 +10,13 @@ from torch import Tensor, nn
 import blocks
 from blocks.kv_cache import LayerCache
 
-from .base import (
-    ZooModel,
+from .checkpoints.adapter_files import AdapterFilesMixin
+from .checkpoints.architectures import register_architecture
+from .checkpoints.persistence import PersistenceMixin
+from .core.base import ZooModel
+from .core.config import TransformerConfig
+from .core.outputs import Seq2SeqOutput
+from .core.stack import (
     build_layers,
     build_norm,
     build_positional,
@@ -24,10 +29,7 @@ from .base import (
     positional_per_layer,
     positions_from_mask,
 )
-from .config import TransformerConfig
 from .generation import Seq2SeqGenerationMixin
-from .outputs import Seq2SeqOutput
-from .persistence import PersistenceMixin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +77,8 @@ def _paper(d_model: int, d_ff: int, n_heads: int, dropout: float) -> dict[str, A
     )
 
 
-class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, ZooModel):
+@register_architecture
+class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, AdapterFilesMixin, ZooModel):
     """The paper's encoder-decoder (Figure 1): post-norm sublayers, sinusoidal encodings, embeddings
     scaled by sqrt(d_model) with dropout on the sum of embeddings and encodings (§5.4), and one weight
     matrix shared by the source embedding, target embedding and pre-softmax projection.
@@ -229,7 +232,7 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, ZooModel):
             tgt_ids: ``(B, L)`` decoder input ids (starting with the decoder start token).
             src_mask: ``(B, S)`` bool source padding mask.
             tgt_mask: ``(B, L)`` bool target padding mask (``(B, past + L)`` with a cache).
-            cache: per-layer caches (``models.base.new_caches(..., cross=True)``) for incremental decoding.
+            cache: per-layer caches (``models.core.stack.new_caches(..., cross=True)``) for incremental decoding.
 
         Returns:
             Logits ``(B, L, vocab_size)``.

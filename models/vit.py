@@ -17,10 +17,17 @@ import blocks
 from blocks.patch_embedding import PatchEmbedding
 from blocks.positional import LearnedPositionalEmbedding
 
-from .base import ZooModel, final_norm, layer_kwargs, lm_loss
-from .config import ConfigBase, check_attention_shape, check_positive_int
-from .outputs import ModelOutput
-from .persistence import PersistenceMixin
+from .checkpoints.adapter_files import AdapterFilesMixin
+from .checkpoints.architectures import register_architecture
+from .checkpoints.persistence import PersistenceMixin
+from .core.base import ZooModel
+from .core.config import ConfigBase, check_attention_shape, check_positive_int
+from .core.outputs import ModelOutput
+from .core.stack import (
+    final_norm,
+    layer_kwargs,
+    lm_loss,
+)
 
 POOLINGS = ("cls", "mean")
 #: Positional encodings that make sense on a patch grid: learned absolute embeddings (interpolated to other
@@ -137,7 +144,8 @@ def interpolate_position_embeddings(table: Tensor, grid: tuple[int, int], new_gr
     return torch.cat([cls_row, patches], dim=0)
 
 
-class VisionTransformer(PersistenceMixin, ZooModel):
+@register_architecture
+class VisionTransformer(PersistenceMixin, AdapterFilesMixin, ZooModel):
     """Patch embedding + class token + learned positions → pre-norm encoder layers → final norm → linear head
     on the pooled token.
 
@@ -152,10 +160,6 @@ class VisionTransformer(PersistenceMixin, ZooModel):
     presets: ClassVar[dict[str, dict[str, Any]]] = {
         "tiny": dict(image_size=32, patch_size=4, num_channels=3, d_model=64, n_layers=2, n_heads=4, d_ff=256,
                      num_labels=10),
-        "vit-base-patch16-224": dict(
-            image_size=224, patch_size=16, num_channels=3, d_model=768, n_layers=12, n_heads=12, d_ff=3072,
-            num_labels=1000, dropout=0.0, attention_dropout=0.0, ffn="gelu", norm_eps=1e-12,
-        ),
     }
 
     def __init__(self, config: VisionTransformerConfig) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import models.generation_compiled
+import models.generation.compiled
 from benchmarks import compare
 
 README = Path(__file__).resolve().parents[1] / "benchmarks" / "README.md"

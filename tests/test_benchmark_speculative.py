@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import benchmarks.speculative as bench
-import models.generation_compiled as compiled
-from models.speculative import SpeculativeOutput
+import models.generation.compiled as compiled
+from models.generation.speculative import SpeculativeOutput
 from tests.models.test_speculative import decoder, perturbed
 from training import CausalLMCollator
 

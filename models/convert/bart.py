@@ -15,9 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from ..seq2seq import Seq2SeqConfig, Seq2SeqTransformer
-from . import Converted, register_converter
-from ._checkpoint import CheckpointReader, HFConfig, zoo_config
-from ._seq2seq import (
+from .export import register_exporter, require, tensors
+from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
+from .registry import Converted, register_converter
+from .seq2seq_common import (
     ALIASES,
     common_fields,
     convert_embeddings,
@@ -26,7 +27,6 @@ from ._seq2seq import (
     export_fields,
     export_layers,
 )
-from .export import register_exporter, require, tensors
 
 # BartConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from ..encoder_lm import EncoderLM, EncoderLMConfig
-from . import Converted, register_converter
-from ._checkpoint import CheckpointReader, HFConfig, zoo_config
 from .export import activation_name, register_exporter, require, require_plain_attention, tensors
+from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
+from .registry import Converted, register_converter
 
 # BertConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -176,3 +176,11 @@ def export_bert(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
         out["cls.predictions.decoder.weight"] = zoo["mlm_head.decoder.weight"]
         out["cls.predictions.decoder.bias"] = zoo["mlm_head.decoder.bias"]
     return config, out
+
+
+# The published size (the tiny test size is EncoderLM's own "tiny" preset).
+EncoderLM.register_preset("bert-base", dict(
+    vocab_size=30522, d_model=768, n_heads=12, d_ff=3072, n_layers=12, max_len=512, dropout=0.1,
+    attention_dropout=0.1, ffn="gelu", norm_eps=1e-12, type_vocab_size=2, pad_token_id=0,
+    bos_token_id=101, eos_token_id=102, mask_token_id=103,
+))

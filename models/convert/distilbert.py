@@ -22,9 +22,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..encoder_lm import EncoderLM, EncoderLMConfig
-from . import Converted, register_converter
-from ._checkpoint import CheckpointReader, HFConfig, zoo_config
 from .export import activation_name, register_exporter, require, require_plain_attention, tensors
+from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
+from .registry import Converted, register_converter
 
 # DistilBertConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {

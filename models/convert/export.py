@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 import blocks
+from blocks.adapters import check_exportable
+from blocks.quantized import check_unquantized
 
 EXPORTER_KIND = "hf_exporter"
 
@@ -57,11 +59,7 @@ def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[di
         ValueError: an unknown ``model_type``, or a model no (or not the named) family represents exactly;
             the message gives each family's reason.
     """
-    from ..adapters import check_exportable  # (models.adapters imports models.convert lazily, and so on)
-
     check_exportable(model, "export to transformers", allow_merged=True)
-    from blocks.quantized import check_unquantized
-
     check_unquantized(model, "export to transformers")
     if model_type is not None:
         exporter = blocks.get(EXPORTER_KIND, model_type)

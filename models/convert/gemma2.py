@@ -21,11 +21,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..decoder_lm import DecoderLM, DecoderLMConfig
-from . import Converted, register_converter
-from ._checkpoint import CheckpointReader, HFConfig, zoo_config
-from ._names import NameMap, read_mapped, write_mapped
 from .export import register_exporter, require, tensors
+from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .llama import GATED_ACTIVATIONS, GATED_FFNS
+from .name_maps import NameMap, read_mapped, write_mapped
+from .registry import Converted, register_converter
 
 # Gemma2Config's defaults in transformers 5 (Gemma 2 2B's shape).
 DEFAULTS: dict[str, Any] = {

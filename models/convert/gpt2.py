@@ -14,9 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from ..decoder_lm import DecoderLM, DecoderLMConfig
-from . import Converted, register_converter
-from ._checkpoint import CheckpointReader, HFConfig, zoo_config
 from .export import activation_name, register_exporter, require, require_plain_attention, tensors
+from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
+from .registry import Converted, register_converter
 
 # GPT2Config's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -142,3 +142,11 @@ def export_gpt2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     if not c.tie_embeddings:
         out["lm_head.weight"] = zoo["lm_head.weight"]
     return config, out
+
+
+# The published size (the tiny test size is DecoderLM's own "tiny" preset).
+DecoderLM.register_preset("gpt2-small", dict(
+    vocab_size=50257, d_model=768, n_heads=12, d_ff=3072, n_layers=12, max_len=1024, dropout=0.1,
+    attention_dropout=0.1, ffn="gelu_tanh", norm_eps=1e-5, pad_token_id=None,
+    bos_token_id=50256, eos_token_id=50256,
+))

@@ -17,11 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from ..decoder_lm import DecoderLM, DecoderLMConfig
-from . import Converted, register_converter
-from ._checkpoint import CheckpointReader, HFConfig, zoo_config
-from ._names import NameMap, read_mapped, write_mapped
 from .export import activation_name, register_exporter, require, tensors
 from .gemma2 import rope_parameters
+from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
+from .name_maps import NameMap, read_mapped, write_mapped
+from .registry import Converted, register_converter
 
 # GPTNeoXConfig's defaults in transformers 5 (GPT-NeoX-20B's shape), with the older RoPE fields' defaults.
 DEFAULTS: dict[str, Any] = {

@@ -14,10 +14,10 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..decoder_lm import DecoderLM, DecoderLMConfig
-from . import Converted, register_converter
-from ._checkpoint import CheckpointReader, HFConfig, zoo_config
-from ._names import NameMap, read_mapped, write_mapped
 from .export import register_exporter, require, tensors
+from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
+from .name_maps import NameMap, read_mapped, write_mapped
+from .registry import Converted, register_converter
 
 # LlamaConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {

@@ -16,9 +16,10 @@ from torch import Tensor, nn
 from blocks.positional import sinusoid_table
 
 from ..seq2seq import Seq2SeqConfig, Seq2SeqTransformer
-from . import Converted, register_converter
-from ._checkpoint import CheckpointReader, HFConfig, zoo_config
-from ._seq2seq import (
+from .export import register_exporter, require, tensors
+from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
+from .registry import Converted, register_converter
+from .seq2seq_common import (
     ALIASES,
     common_fields,
     convert_embeddings,
@@ -27,7 +28,6 @@ from ._seq2seq import (
     export_fields,
     export_layers,
 )
-from .export import register_exporter, require, tensors
 
 # MarianConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {

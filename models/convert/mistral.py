@@ -8,11 +8,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..decoder_lm import DecoderLM, DecoderLMConfig
-from . import Converted, register_converter
-from ._checkpoint import HFConfig
 from .export import register_exporter, require
+from .hf_checkpoint import HFConfig
 from .llama import DEFAULTS as LLAMA_DEFAULTS
 from .llama import check_attention_options, convert_llama_like, export_llama_like
+from .registry import Converted, register_converter
 
 # MistralConfig's defaults in transformers 5.
 DEFAULTS: dict[str, Any] = {

@@ -30,11 +30,11 @@ import torch
 from torch import Tensor, nn
 
 from ..encoder_lm import EncoderLM, EncoderLMConfig
-from . import Converted, register_converter
-from ._checkpoint import CheckpointReader, HFConfig, zoo_config
-from ._names import NameMap, read_mapped, write_mapped, zoo_keys
 from .export import register_exporter, require, tensors
+from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .llama import GATED_ACTIVATIONS, GATED_FFNS
+from .name_maps import NameMap, read_mapped, write_mapped, zoo_keys
+from .registry import Converted, register_converter
 
 # ModernBertConfig's defaults in transformers 5 (fields a config.json may leave out), and the fields of older
 # config.json files that transformers 5 still reads (global_attn_every_n_layers, *_rope_theta).

@@ -16,12 +16,12 @@ import torch
 from torch import Tensor, nn
 
 from ..decoder_lm import DecoderLM, DecoderLMConfig
-from . import Converted, register_converter
-from ._checkpoint import CheckpointReader, HFConfig, zoo_config
-from ._names import read_mapped
 from .export import register_exporter, require
+from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .llama import DEFAULTS as LLAMA_DEFAULTS
 from .llama import NAMES, check_attention_options, export_llama_like, llama_fields
+from .name_maps import read_mapped
+from .registry import Converted, register_converter
 
 # Phi3Config's defaults in transformers 5 (Phi-3-mini's shape).
 DEFAULTS: dict[str, Any] = {

@@ -35,11 +35,11 @@ import torch
 from torch import Tensor, nn
 
 from ..seq2seq import Seq2SeqConfig, Seq2SeqTransformer
-from . import Converted, register_converter
-from ._checkpoint import ACTIVATIONS, CheckpointReader, HFConfig, zoo_config
-from ._names import NameMap, zoo_keys
 from .export import register_exporter, require, tensors
+from .hf_checkpoint import ACTIVATIONS, CheckpointReader, HFConfig, zoo_config
 from .llama import GATED_FFNS
+from .name_maps import NameMap, zoo_keys
+from .registry import Converted, register_converter
 
 # T5Config's defaults in transformers 5 (fields a config.json may leave out). ``n_positions`` is not a T5Config
 # field but old T5 config.json files carry it (512): it becomes the zoo's nominal ``max_len`` (relative positions

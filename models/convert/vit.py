@@ -20,9 +20,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..vit import VisionTransformer, VisionTransformerConfig
-from . import Converted, register_converter
-from ._checkpoint import CheckpointReader, HFConfig, zoo_config
 from .export import activation_name, register_exporter, require, require_plain_attention, tensors
+from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
+from .registry import Converted, register_converter
 
 # ViTConfig's defaults in transformers 5 (fields a config.json may leave out); 2 labels is PreTrainedConfig's.
 DEFAULTS: dict[str, Any] = {
@@ -181,3 +181,10 @@ def _on_disk_name(key: str) -> str:
             rest = old + rest[len(new):]
             break
     return f"{prefix}encoder.layer.{index}.{rest}"
+
+
+# The published size (the tiny test size is VisionTransformer's own "tiny" preset).
+VisionTransformer.register_preset("vit-base-patch16-224", dict(
+    image_size=224, patch_size=16, num_channels=3, d_model=768, n_layers=12, n_heads=12, d_ff=3072,
+    num_labels=1000, dropout=0.0, attention_dropout=0.0, ffn="gelu", norm_eps=1e-12,
+))

@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import tokenization
-from models import DecoderLM, EncoderLM, Seq2SeqTransformer, auto, checkpoint_io
+from models import DecoderLM, EncoderLM, Seq2SeqTransformer, auto
+from models.checkpoints import files as checkpoint_io
 
 from .conftest import DUMMY_TOKEN
 from .hub_server import HubServer

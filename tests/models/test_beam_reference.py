@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models import Seq2SeqConfig, Seq2SeqTransformer
-from models.beam_search import beam_search, gnmt_length_penalty
+from models.generation.beam_search import beam_search, gnmt_length_penalty
 
 START, PAD = 0, 0  # the scripted models' start and pad ids (pad never competes: it only fills after EOS)
 TIE = 1e-4  # scores closer than this are a tie (float32 search vs float64 enumeration)

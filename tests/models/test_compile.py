@@ -7,7 +7,7 @@ import torch
 
 import blocks
 from models import DecoderLM, EncoderLM, Seq2SeqTransformer
-from models.base import new_caches
+from models.core.stack import new_caches
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import models.generation_compiled as compiled
+import models.generation.compiled as compiled
 from models import DecoderLM, DecoderLMConfig
 from tests.models.test_kv_cache import build
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import models.generation_compiled as compiled
-import models.generation_seq2seq_compiled as s2s_compiled
+import models.generation.compiled as compiled
+import models.generation.seq2seq_compiled as s2s_compiled
 from models import Seq2SeqConfig, Seq2SeqTransformer
 from tests.models.test_kv_cache import build
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import blocks
 import models
 from models import DecoderLM, EncoderLM, Seq2SeqTransformer
-from models.base import new_caches
+from models.core.stack import new_caches
 
 PRESETS = [
     pytest.param(cls, name, id=f"{cls.__name__}-{name}")

@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import models.generation
+import models.generation.steps
 from blocks.kv_cache import KVCache
 from models import DecoderLM, DecoderLMConfig, EncoderLM, EncoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer
-from models.beam_search import beam_search, gnmt_length_penalty
-from models.sampling import SamplingParams, apply_repetition_penalty, top_k_filter, top_p_filter
+from models.generation.beam_search import beam_search, gnmt_length_penalty
+from models.generation.sampling import SamplingParams, apply_repetition_penalty, top_k_filter, top_p_filter
 from tests.models.test_kv_cache import (
     BACKENDS,
     VOCAB,
@@ -606,7 +606,7 @@ def test_huge_max_new_tokens_allocates_only_what_is_generated(cache_sizes: list[
         cache_sizes.clear()
         out = model.generate(ids, attention_mask=m, max_new_tokens=10**9, eos_token_id=eos)
         assert torch.equal(out[:, -1], first) and out.shape[1] == ids.shape[1] + 1
-        assert cache_sizes and max(cache_sizes) <= ids.shape[1] + models.generation.CACHE_CHUNK
+        assert cache_sizes and max(cache_sizes) <= ids.shape[1] + models.generation.steps.CACHE_CHUNK
         stream = model.stream(ids, attention_mask=m, max_new_tokens=10**9, eos_token_id=eos)
         assert torch.equal(torch.stack(list(stream), dim=1)[:, 0], first)
 
@@ -623,12 +623,12 @@ def test_huge_max_new_tokens_allocates_only_what_is_generated(cache_sizes: list[
         out = seq2seq.generate(src, max_new_tokens=10**9, num_beams=beams)
         assert out.tolist() == [[seq2seq.config.decoder_start_token_id, seq2seq.config.eos_token_id]] * 2
         assert len(calls) == 1  # one decoding step: every beam ended, nothing can beat the finished hypothesis
-        assert cache_sizes and max(cache_sizes) <= models.generation.CACHE_CHUNK
+        assert cache_sizes and max(cache_sizes) <= models.generation.steps.CACHE_CHUNK
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 5])
 def test_caches_that_grow_in_chunks_give_the_same_tokens(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
-    monkeypatch.setattr(models.generation, "CACHE_CHUNK", chunk)
+    monkeypatch.setattr(models.generation.steps, "CACHE_CHUNK", chunk)
     model = tiny_decoder(positional="rotary")
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     ids = torch.randint(4, VOCAB, (2, 4)).masked_fill(~mask, 0)

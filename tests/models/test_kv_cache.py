@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blocks
-import models.generation
+import models.core.stack
 from models import DecoderLM, DecoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer
-from models.base import new_caches
+from models.core.stack import new_caches
 from tests.strategies import SEEDS, model_dims, padding_masks, registry_names, token_ids
 
 VOCAB = 40
@@ -174,7 +174,7 @@ def test_decoder_generate_preallocates_and_feeds_each_position_once(monkeypatch:
         made.append(new_caches(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(models.generation, "new_caches", recording_new_caches)
+    monkeypatch.setattr(models.core.stack, "new_caches", recording_new_caches)
     counts: list[int] = []
     projected: list[int] = []
     handles = [_count_rows(model.layers[0].self_attn.k_proj, counts), _count_rows(model.lm_head, projected)]

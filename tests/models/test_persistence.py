@@ -22,7 +22,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import blocks
 import models as zoo
 import tokenization
-from models import DecoderLM, EncoderLM, Seq2SeqTransformer, auto, checkpoint_io
+from models import DecoderLM, EncoderLM, Seq2SeqTransformer, auto
+from models.checkpoints import files as checkpoint_io
 from tests.strategies import registry_names
 
 TINY = {
@@ -676,7 +677,8 @@ def test_model_card(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ registry
-def test_subclasses_register_themselves(tmp_path: Path) -> None:
+def test_registered_subclass_loads_as_itself(tmp_path: Path) -> None:
+    @auto.register_architecture
     class PersistenceTestLM(DecoderLM):
         """A DecoderLM variant defined by a test."""
 
@@ -692,7 +694,7 @@ def test_subclasses_register_themselves(tmp_path: Path) -> None:
 
 def test_two_classes_cannot_share_a_name() -> None:
     with pytest.raises(ValueError, match="'DecoderLM' is already registered by models.decoder_lm.DecoderLM"):
-        type("DecoderLM", (DecoderLM,), {"__module__": "somewhere.else"})
+        auto.register_architecture(type("DecoderLM", (DecoderLM,), {"__module__": "somewhere.else"}))
     assert auto.get_architecture("DecoderLM") is DecoderLM
     assert {"DecoderLM", "EncoderLM", "Seq2SeqTransformer"} <= set(auto.architectures())
 

@@ -19,17 +19,9 @@ from torch import nn
 
 import blocks
 from blocks.quantized import Int8Linear, check_unquantized, quantize_linears, quantized_modules
-from models import (
-    DecoderLM,
-    DecoderLMConfig,
-    EncoderLM,
-    EncoderLMConfig,
-    Seq2SeqConfig,
-    Seq2SeqTransformer,
-    auto,
-    checkpoint_io,
-    persistence,
-)
+from models import DecoderLM, DecoderLMConfig, EncoderLM, EncoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer, auto
+from models.checkpoints import files as checkpoint_io
+from models.checkpoints import persistence
 from tests.hub.conftest import hub  # noqa: F401  (the in-process Hub fixture)
 from tests.hub.hub_server import HubServer
 

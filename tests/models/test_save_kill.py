@@ -18,7 +18,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from models import DecoderLM, checkpoint_io
+from models import DecoderLM
+from models.checkpoints import files as checkpoint_io
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "fork") or checkpoint_io.fcntl is None, reason="needs os.fork and flock (POSIX)"

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import models.generation_compiled as compiled
-import models.generation_seq2seq_compiled as s2s_compiled
-from models.sampling import SamplingParams
+import models.generation.compiled as compiled
+import models.generation.seq2seq_compiled as s2s_compiled
+from models.generation.sampling import SamplingParams
 from tests.models.test_compiled_seq2seq import EOS, seq2seq, sources
 from tests.models.test_generation import first_eos_cut, uncached_seq2seq_greedy
 

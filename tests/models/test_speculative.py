@@ -9,10 +9,10 @@ import torch
 from scipy import stats
 from torch._dynamo.utils import counters
 
-import models.generation_compiled as compiled
+import models.generation.compiled as compiled
 from models import DecoderLM, DecoderLMConfig
-from models.sampling import SamplingParams
-from models.speculative import speculative_decode, verify_draft
+from models.generation.sampling import SamplingParams
+from models.generation.speculative import speculative_decode, verify_draft
 from tests.models.test_kv_cache import build
 
 #: A tiny vocabulary, so that the joint distribution of two tokens has few cells for the statistical tests.

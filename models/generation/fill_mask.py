@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .generation import QuantizeMixin, _eval_mode, _resolve_token
+from .steps import _eval_mode, _resolve_token
 
 
 @dataclasses.dataclass
@@ -28,7 +28,7 @@ class FillMaskOutput:
 
 
 
-class EncoderLMFillMaskMixin(QuantizeMixin):
+class EncoderLMFillMaskMixin:
     """``fill_mask`` for ``EncoderLM``."""
 
     def fill_mask(

@@ -1,28 +1,24 @@
-"""Adapters (LoRA) on zoo models: ``add_adapter``, ``set_adapter``, ``merge_adapter``, ``save_adapter`` …
+"""Adapters (LoRA) on zoo models: ``add_adapter``, ``set_adapter``, ``merge_adapter``, ``merge_and_unload`` …
 
 ``model.add_adapter(kind="lora", r=8, alpha=16, target_modules=["q_proj", "v_proj"])`` freezes the model and puts
 a registered ``adapter`` block (``blocks.adapters``) beside every targeted linear layer, which becomes a
 ``blocks.adapters.AdaptedLinear`` keeping its ``weight`` and ``bias`` (names, Parameter objects and ties
 unchanged). Several named adapters may sit on a model; one runs at a time (``set_adapter``) and exactly that one
 trains. Files use the ``peft`` layout under the module names of the ``transformers`` model the zoo model exports
-to (see ``models.adapter_io``), so ``peft`` reads what the zoo writes and the other way round.
+to (``save_adapter`` / ``load_adapter`` / ``push_adapter_to_hub`` live in ``models.checkpoints.adapter_files``),
+so ``peft`` reads what the zoo writes and the other way round. This module is module surgery only.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 import blocks
 from blocks.adapters import AdaptedLinear
-
-if TYPE_CHECKING:
-    from huggingface_hub import CommitInfo
 
 # The LoRA paper's choice (Hu et al. 2021, §7.1): adapt the query and value projections.
 DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -62,7 +58,7 @@ class AdapterMixin:
                 a target that matches no linear layer, or a target whose weight is tied to another module (merging
                 into it would change that module too). Nothing is changed then.
         """
-        self._check_new_name(name)
+        self.check_new_adapter_name(name)
         cls = blocks.get("adapter", kind)
         blocks.check_kwargs(cls, {"in_features": 1, "out_features": 1, **options}, what=f"adapter {kind!r}")
         targets = self._match_targets(target_modules)
@@ -72,7 +68,7 @@ class AdapterMixin:
                             **options)
             for t in targets
         }
-        self._install_adapter(name, adapters)
+        self.install_adapter(name, adapters)
         return targets
 
     def set_adapter(self, name: str | None) -> None:
@@ -154,137 +150,13 @@ class AdapterMixin:
         self.requires_grad_(True)
         return self
 
-    # ------------------------------------------------------------------ files and the Hub
-    def save_adapter(
-        self,
-        save_directory: str | os.PathLike[str],
-        name: str | None = None,
-        *,
-        base_model: str | None = None,
-        model_type: str | None = None,
-    ) -> Path:
-        """Write ``adapter_config.json`` and ``adapter_model.safetensors`` in the ``peft`` layout, atomically.
-
-        Module names are those of the ``transformers`` model the zoo model exports to (``models.convert``), so
-        ``peft.PeftModel.from_pretrained(transformers_model, folder)`` reproduces this model's logits; a LoRA on
-        layers that ``transformers`` fuses (GPT-2's ``c_attn`` holds q, k and v) is written as one LoRA on the
-        fused module. A model no ``transformers`` family represents keeps its zoo module names.
-
-        Args:
-            save_directory: the folder (created if needed; other files in it are left alone).
-            name: which adapter (default: the active one).
-            base_model: recorded as ``base_model_name_or_path`` (e.g. the Hub repo of the base model).
-            model_type: the ``transformers`` family whose module names to write (default: the first that
-                represents the model, as ``models.convert.to_transformers`` picks; a BERT-shaped encoder that came
-                from a RoBERTa checkpoint needs ``model_type="roberta"``).
-
-        Returns:
-            The folder's path.
-
-        Raises:
-            ValueError: no such adapter, an adapter kind without a ``peft`` layout, a ``model_type`` that cannot
-                represent the model, or adapted layers that the ``transformers`` model has no module for. Nothing is
-                written then.
-        """
-        from . import adapter_io
-
-        return adapter_io.save_adapter(
-            self, save_directory, self._adapter_to_save(name), base_model=base_model, model_type=model_type
-        )
-
-    def load_adapter(
-        self,
-        path_or_repo_id: str | os.PathLike[str],
-        name: str = "default",
-        *,
-        revision: str | None = None,
-        model_type: str | None = None,
-        token: str | bool | None = None,
-        endpoint: str | None = None,
-    ) -> list[str]:
-        """Load a LoRA adapter that ``peft`` (or ``save_adapter``) saved, from a folder or a Hub repo, and make it
-        the active one. The model is frozen as by ``add_adapter``.
-
-        Module names are mapped from the ``transformers`` model the zoo model exports to; an adapter saved on a
-        base model (``BertModel``) or a task model (``BertForMaskedLM``) both load. A LoRA on a fused
-        ``transformers`` module becomes LoRAs on the zoo's layers with one shared ``A`` (tied, so training goes on
-        as in ``peft``) and the matching slices of ``B``; when ``B`` is block-diagonal over the parts (as
-        ``save_adapter`` writes separate LoRAs), each part gets back its own smaller LoRA.
-
-        Args:
-            path_or_repo_id: a folder with ``adapter_config.json`` and ``adapter_model.safetensors`` (or
-                ``adapter_model.bin``, read with ``weights_only=True``), or a Hub repo id.
-            name: the name to give the adapter on this model.
-            revision: Hub branch, tag or commit (default ``"main"``); not for local folders.
-            model_type: read the module names as this ``transformers`` family's (default: the first family that
-                represents the model and has every module the adapter names).
-            token, endpoint: passed to ``huggingface_hub``.
-
-        Returns:
-            The names of the adapted zoo layers.
-
-        Raises:
-            ValueError: a used or invalid name; a config that is not LoRA or uses what the zoo does not implement
-                (DoRA, trained biases, ``modules_to_save``, embedding LoRA); modules this model does not have (an
-                adapter for another architecture) or tensors of other shapes; a fused module whose LoRA cannot be
-                split. Nothing is changed then.
-            FileNotFoundError: a folder without the adapter files.
-            huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: from the Hub.
-        """
-        from . import adapter_io
-
-        self._check_new_name(name)
-        adapters = adapter_io.load_adapter(
-            self, path_or_repo_id, revision=revision, model_type=model_type, token=token, endpoint=endpoint
-        )
-        self._install_adapter(name, adapters)
-        return sorted(adapters)
-
-    def push_adapter_to_hub(
-        self,
-        repo_id: str,
-        name: str | None = None,
-        *,
-        private: bool = False,
-        commit_message: str | None = None,
-        revision: str | None = None,
-        base_model: str | None = None,
-        model_type: str | None = None,
-        token: str | bool | None = None,
-        endpoint: str | None = None,
-    ) -> CommitInfo:
-        """Upload the adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, ``README.md``) to a
-        Hub model repo in one commit, creating the repo and the branch if needed.
-
-        Args:
-            repo_id: ``"namespace/name"``.
-            name: which adapter (default: the active one).
-            private: create the repo private (ignored when it exists).
-            commit_message: default ``"Upload LoRA adapter with transformer-zoo"``.
-            revision: branch to commit to (default ``"main"``).
-            base_model: recorded as ``base_model_name_or_path`` and in the card.
-            model_type: the ``transformers`` family whose module names to write (see ``save_adapter``).
-            token, endpoint: passed to ``huggingface_hub``.
-
-        Returns:
-            ``huggingface_hub.CommitInfo`` (``.oid`` is the commit sha).
-
-        Raises:
-            ValueError: as ``save_adapter`` (before any request), or an invalid ``repo_id``/``revision``.
-            huggingface_hub.errors.HfHubHTTPError: the Hub refused.
-        """
-        from . import adapter_io
-
-        return adapter_io.push_adapter(
-            self, repo_id, self._adapter_to_save(name), private=private, commit_message=commit_message,
-            revision=revision, base_model=base_model, model_type=model_type, token=token, endpoint=endpoint,
-        )
-
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ helpers (the public three serve
+    # ``models.checkpoints.adapter_files``, which reads and writes adapters)
     def _adapted_layers(self) -> list[tuple[str, AdaptedLinear]]:
         return [(n, m) for n, m in self.named_modules() if isinstance(m, AdaptedLinear)]
 
-    def _adapter_to_save(self, name: str | None) -> str:
+    def adapter_to_save(self, name: str | None) -> str:
+        """The adapter ``save_adapter``/``push_adapter_to_hub`` write: ``name``, or the active one when ``None``."""
         if name is None:
             name = self.active_adapter
             if name is None:
@@ -293,7 +165,8 @@ class AdapterMixin:
             raise ValueError(f"no adapter named {name!r}; this model has {self.adapter_names}")
         return name
 
-    def _check_new_name(self, name: str) -> None:
+    def check_new_adapter_name(self, name: str) -> None:
+        """Raise ``ValueError`` unless ``name`` is a valid adapter name this model does not use yet."""
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_\-]+", name):
             raise ValueError(f"adapter name must be a non-empty string of letters, digits, '_' and '-', got {name!r}")
         if name in self.adapter_names:
@@ -347,7 +220,7 @@ class AdapterMixin:
                 )
         return chosen
 
-    def _install_adapter(self, name: str, adapters: dict[str, nn.Module]) -> None:
+    def install_adapter(self, name: str, adapters: dict[str, nn.Module]) -> None:
         """Freeze the model, put ``adapters`` (module name -> adapter block) beside their layers, activate ``name``."""
         self.requires_grad_(False)
         modules = dict(self.named_modules())
@@ -363,25 +236,3 @@ class AdapterMixin:
     def _replace(self, module_name: str, module: nn.Module) -> None:
         parent_name, _, leaf = module_name.rpartition(".")
         setattr(self.get_submodule(parent_name), leaf, module)
-
-
-def check_exportable(model: nn.Module, action: str, *, allow_merged: bool) -> None:
-    """Refuse to write a model whose adapters its weights do not hold.
-
-    ``save_pretrained`` (``allow_merged=False``) writes only the base model's tensors, so any adapter would be lost or
-    stored under names no loader reads; an export to ``transformers`` (``allow_merged=True``) computes what the model
-    computes when no adapter is active or the active one is merged into the weights.
-
-    Raises:
-        ValueError: naming the adapted module and what to call instead (``merge_and_unload()`` or ``save_adapter()``).
-    """
-    for name, module in model.named_modules():
-        if not isinstance(module, AdaptedLinear) or not len(module.adapters):
-            continue
-        if allow_merged and (module.active is None or module.merged is not None):
-            continue
-        raise ValueError(
-            f"cannot {action}: module {name!r} carries adapters {list(module.adapters)} that the weights do not "
-            "hold; call model.merge_and_unload() first to bake the active adapter in, or save the adapter alone "
-            "with model.save_adapter(folder)"
-        )

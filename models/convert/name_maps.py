@@ -16,8 +16,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from ..config import ConfigBase
-from ._checkpoint import CheckpointReader
+from ..core.config import ConfigBase
+from .hf_checkpoint import CheckpointReader
 
 _LAYER = re.compile(r"(?P<stack>[a-z_]*layers)\.(?P<index>\d+)\.(?P<rest>.+)\.(?P<param>weight|bias)")
 _TOP = re.compile(r"(?P<module>.+)\.(?P<param>weight|bias)")

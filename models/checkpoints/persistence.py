@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCardData
 from huggingface_hub.utils import validate_repo_id
 
+from blocks.adapters import check_exportable
 from blocks.quantized import quantized_modules, scheme_of
 
-from . import checkpoint_io as io
-from .adapters import check_exportable
-from .auto import QUANTIZATION_KEY, LoadOptions, load_pretrained, register_architecture
+from ..auto import QUANTIZATION_KEY, LoadOptions, load_pretrained
+from . import files as io
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -43,18 +43,14 @@ M = TypeVar("M", bound="PersistenceMixin")
 
 
 class PersistenceMixin:
-    """``save_pretrained``, ``from_pretrained`` and ``push_to_hub``; every subclass registers its
-    architecture name so ``models.auto.from_pretrained`` can find it.
+    """``save_pretrained``, ``from_pretrained`` and ``push_to_hub``. A model class that saves also registers its
+    name with ``@register_architecture`` (``models.checkpoints.architectures``) so ``models.from_pretrained`` finds it.
 
     ``model.tokenizer`` (default ``None``) is set by ``from_pretrained`` when the checkpoint holds a
     tokenizer, and is saved and pushed along with the weights.
     """
 
     tokenizer: Any = None
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        register_architecture(cls)
 
     # ------------------------------------------------------------------ local folders
     def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None) -> Path:

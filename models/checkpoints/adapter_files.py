@@ -41,7 +41,8 @@ from torch import Tensor, nn
 import blocks
 from blocks.adapters import LoRA
 
-from . import checkpoint_io as io
+from ..convert.export import EXPORTER_KIND, to_transformers
+from . import files as io
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -137,11 +138,6 @@ def name_map(model: nn.Module, model_type: str | None = None) -> NameMap:
 
 def _probe(model: nn.Module) -> dict[str | None, NameMap]:
     """One probe model, exported by every family (see the module docstring)."""
-    import blocks as registry
-
-    from .convert import to_transformers  # models.convert imports the model classes, which import this package
-    from .convert.export import EXPORTER_KIND
-
     with torch.device("meta"):
         probe = type(model)(model.config)
     owners: dict[int, int] = Counter(id(p) for m in probe.modules() for p in m.parameters(recurse=False))
@@ -157,7 +153,7 @@ def _probe(model: nn.Module) -> dict[str | None, NameMap]:
         shapes.append((out_f, in_f))
         total += out_f * in_f
     maps: dict[str | None, NameMap] = {}
-    for family in registry.names(EXPORTER_KIND):
+    for family in blocks.names(EXPORTER_KIND):
         try:
             _, state = to_transformers(probe, family)
         except ValueError:  # this family cannot represent the model
@@ -638,3 +634,127 @@ model.load_adapter({json.dumps(reference)})                     # a transformer-
 peft.PeftModel.from_pretrained(transformers_model, {json.dumps(reference)})  # or peft on transformers
 ```
 """
+
+
+class AdapterFilesMixin:
+    """``save_adapter``, ``load_adapter`` and ``push_adapter_to_hub``, mixed into every model class beside
+    ``ZooModel`` (whose ``models.core.adapters.AdapterMixin`` adds, switches and merges adapters)."""
+
+    def save_adapter(
+        self,
+        save_directory: str | os.PathLike[str],
+        name: str | None = None,
+        *,
+        base_model: str | None = None,
+        model_type: str | None = None,
+    ) -> Path:
+        """Write ``adapter_config.json`` and ``adapter_model.safetensors`` in the ``peft`` layout, atomically.
+
+        Module names are those of the ``transformers`` model the zoo model exports to (``models.convert``), so
+        ``peft.PeftModel.from_pretrained(transformers_model, folder)`` reproduces this model's logits; a LoRA on
+        layers that ``transformers`` fuses (GPT-2's ``c_attn`` holds q, k and v) is written as one LoRA on the
+        fused module. A model no ``transformers`` family represents keeps its zoo module names.
+
+        Args:
+            save_directory: the folder (created if needed; other files in it are left alone).
+            name: which adapter (default: the active one).
+            base_model: recorded as ``base_model_name_or_path`` (e.g. the Hub repo of the base model).
+            model_type: the ``transformers`` family whose module names to write (default: the first that
+                represents the model, as ``models.convert.to_transformers`` picks; a BERT-shaped encoder that came
+                from a RoBERTa checkpoint needs ``model_type="roberta"``).
+
+        Returns:
+            The folder's path.
+
+        Raises:
+            ValueError: no such adapter, an adapter kind without a ``peft`` layout, a ``model_type`` that cannot
+                represent the model, or adapted layers that the ``transformers`` model has no module for. Nothing is
+                written then.
+        """
+        return save_adapter(
+            self, save_directory, self.adapter_to_save(name), base_model=base_model, model_type=model_type
+        )
+
+    def load_adapter(
+        self,
+        path_or_repo_id: str | os.PathLike[str],
+        name: str = "default",
+        *,
+        revision: str | None = None,
+        model_type: str | None = None,
+        token: str | bool | None = None,
+        endpoint: str | None = None,
+    ) -> list[str]:
+        """Load a LoRA adapter that ``peft`` (or ``save_adapter``) saved, from a folder or a Hub repo, and make it
+        the active one. The model is frozen as by ``add_adapter``.
+
+        Module names are mapped from the ``transformers`` model the zoo model exports to; an adapter saved on a
+        base model (``BertModel``) or a task model (``BertForMaskedLM``) both load. A LoRA on a fused
+        ``transformers`` module becomes LoRAs on the zoo's layers with one shared ``A`` (tied, so training goes on
+        as in ``peft``) and the matching slices of ``B``; when ``B`` is block-diagonal over the parts (as
+        ``save_adapter`` writes separate LoRAs), each part gets back its own smaller LoRA.
+
+        Args:
+            path_or_repo_id: a folder with ``adapter_config.json`` and ``adapter_model.safetensors`` (or
+                ``adapter_model.bin``, read with ``weights_only=True``), or a Hub repo id.
+            name: the name to give the adapter on this model.
+            revision: Hub branch, tag or commit (default ``"main"``); not for local folders.
+            model_type: read the module names as this ``transformers`` family's (default: the first family that
+                represents the model and has every module the adapter names).
+            token, endpoint: passed to ``huggingface_hub``.
+
+        Returns:
+            The names of the adapted zoo layers.
+
+        Raises:
+            ValueError: a used or invalid name; a config that is not LoRA or uses what the zoo does not implement
+                (DoRA, trained biases, ``modules_to_save``, embedding LoRA); modules this model does not have (an
+                adapter for another architecture) or tensors of other shapes; a fused module whose LoRA cannot be
+                split. Nothing is changed then.
+            FileNotFoundError: a folder without the adapter files.
+            huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: from the Hub.
+        """
+        self.check_new_adapter_name(name)
+        adapters = load_adapter(
+            self, path_or_repo_id, revision=revision, model_type=model_type, token=token, endpoint=endpoint
+        )
+        self.install_adapter(name, adapters)
+        return sorted(adapters)
+
+    def push_adapter_to_hub(
+        self,
+        repo_id: str,
+        name: str | None = None,
+        *,
+        private: bool = False,
+        commit_message: str | None = None,
+        revision: str | None = None,
+        base_model: str | None = None,
+        model_type: str | None = None,
+        token: str | bool | None = None,
+        endpoint: str | None = None,
+    ) -> CommitInfo:
+        """Upload the adapter folder (``adapter_config.json``, ``adapter_model.safetensors``, ``README.md``) to a
+        Hub model repo in one commit, creating the repo and the branch if needed.
+
+        Args:
+            repo_id: ``"namespace/name"``.
+            name: which adapter (default: the active one).
+            private: create the repo private (ignored when it exists).
+            commit_message: default ``"Upload LoRA adapter with transformer-zoo"``.
+            revision: branch to commit to (default ``"main"``).
+            base_model: recorded as ``base_model_name_or_path`` and in the card.
+            model_type: the ``transformers`` family whose module names to write (see ``save_adapter``).
+            token, endpoint: passed to ``huggingface_hub``.
+
+        Returns:
+            ``huggingface_hub.CommitInfo`` (``.oid`` is the commit sha).
+
+        Raises:
+            ValueError: as ``save_adapter`` (before any request), or an invalid ``repo_id``/``revision``.
+            huggingface_hub.errors.HfHubHTTPError: the Hub refused.
+        """
+        return push_adapter(
+            self, repo_id, self.adapter_to_save(name), private=private, commit_message=commit_message,
+            revision=revision, base_model=base_model, model_type=model_type, token=token, endpoint=endpoint,
+        )

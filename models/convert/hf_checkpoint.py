@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from torch import Tensor
 
-from ..config import ConfigBase
+from ..core.config import ConfigBase
 
 C = TypeVar("C", bound=ConfigBase)
 

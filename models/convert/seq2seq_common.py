@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from ..seq2seq import Seq2SeqConfig
-from ._checkpoint import CheckpointReader, HFConfig
 from .export import activation_name, require, require_plain_attention
+from .hf_checkpoint import CheckpointReader, HFConfig
 
 # transformers' sublayer module -> zoo sublayer module, per layer.
 ENCODER_LAYER = {

@@ -11,10 +11,11 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from . import generation as _shared
-from .generation import (
+from ..core import stack
+from . import steps as _shared
+from .sampling import SamplingParams, seen_tokens
+from .steps import (
     CONFIG_DEFAULT,
-    QuantizeMixin,
     _check_count,
     _check_generator,
     _each_step_in_eval_mode,
@@ -25,7 +26,6 @@ from .generation import (
     _Step,
     _token_loop,
 )
-from .sampling import SamplingParams, seen_tokens
 
 
 @dataclasses.dataclass
@@ -43,7 +43,7 @@ class _LMRequest:
 
 
 
-class DecoderLMGenerationMixin(QuantizeMixin):
+class DecoderLMGenerationMixin:
     """``generate`` and ``stream`` for ``DecoderLM``."""
 
     def generate(
@@ -115,7 +115,7 @@ class DecoderLMGenerationMixin(QuantizeMixin):
 
             check_draft(self, draft_model, num_draft_tokens, request)
             if compile:
-                from .generation_compiled import check_compilable
+                from .compiled import check_compilable
 
                 check_compilable(draft_model, request)  # the draft's one-token step is what compiles
             with _eval_mode(self), _eval_mode(draft_model):
@@ -220,7 +220,7 @@ class DecoderLMGenerationMixin(QuantizeMixin):
             raise ValueError(f"compile must be True or False, got {compile!r}")
         request = _LMRequest(input_ids, mask, max_new_tokens, params, eos, pad, generator, compile)
         if compile:
-            from .generation_compiled import check_compilable
+            from .compiled import check_compilable
 
             check_compilable(self, request)
         return request
@@ -232,7 +232,7 @@ class DecoderLMGenerationMixin(QuantizeMixin):
         ``steady``: nothing but this generator touches the model between steps (see ``compiled_steps``).
         """
         if request.compile:
-            from .generation_compiled import compiled_steps
+            from .compiled import compiled_steps
 
             yield from compiled_steps(self, request, steady)
             return
@@ -243,7 +243,7 @@ class DecoderLMGenerationMixin(QuantizeMixin):
         # Positions ever cached: the prompt and the generated tokens (the last one is not fed back, but a spare
         # position costs little and keeps the size the plain prompt + max_new_tokens).
         limit = length + request.max_new_tokens
-        cache = _shared.new_caches(len(self.layers), min(limit, length + _shared.CACHE_CHUNK))
+        cache = stack.new_caches(len(self.layers), min(limit, length + _shared.CACHE_CHUNK))
         mask_buffer = None
         if mask is not None:
             # The mask of every step is a prefix of one buffer: generated tokens are always real.

@@ -35,8 +35,8 @@ from torch import Tensor
 
 from blocks.kv_cache import BucketKVCache, LayerCache, StaticKVCache
 
-from . import generation_compiled as _compiled
-from .base import new_caches
+from ..core import stack
+from . import compiled as _compiled
 from .beam_search import StepFn
 
 # Per model: {(rows, bucket, source bucket, dtype, device): [_Static, ...]} — reused so that the graph's guards
@@ -152,7 +152,7 @@ def _static_buffers(
 
 def _prefill(model: Any, memory: Tensor, tokens: Tensor, src_mask: Tensor | None) -> tuple[Tensor, list[LayerCache]]:
     """The start token's step, eager: next-token logits ``(B, V)`` and the caches it filled."""
-    prefill = new_caches(len(model.decoder_layers), 1, cross=True)
+    prefill = stack.new_caches(len(model.decoder_layers), 1, cross=True)
     logits = model.decode(memory, tokens, src_mask, cache=prefill)[:, -1]
     return logits, prefill
 

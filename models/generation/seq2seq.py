@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from . import generation as _shared
+from ..core import stack
+from . import steps as _shared
 from .beam_search import beam_search, gnmt_length_penalty
-from .generation import (
+from .sampling import SamplingParams, seen_tokens
+from .steps import (
     CONFIG_DEFAULT,
-    QuantizeMixin,
     _check_count,
     _check_generator,
     _each_step_in_eval_mode,
@@ -33,7 +34,6 @@ from .generation import (
     _Step,
     _token_loop,
 )
-from .sampling import SamplingParams, seen_tokens
 
 
 @dataclasses.dataclass
@@ -51,7 +51,7 @@ class _Seq2SeqRequest:
     compile: bool = False  # decode with the compiled static-shape step
 
 
-class Seq2SeqGenerationMixin(QuantizeMixin):
+class Seq2SeqGenerationMixin:
     """``generate`` (beam search / greedy) and ``stream`` (greedy) for ``Seq2SeqTransformer``."""
 
     def generate(
@@ -140,7 +140,7 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
             else:
                 src_mask, max_new_tokens = request.src_mask, request.max_new_tokens
                 if compile:
-                    from .generation_seq2seq_compiled import beam_step
+                    from .seq2seq_compiled import beam_step
 
                     step = beam_step(self, memory, src_mask, max_new_tokens, num_beams)
                 else:
@@ -248,7 +248,7 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
         if compile:
-            from .generation_seq2seq_compiled import check_compilable
+            from .seq2seq_compiled import check_compilable
 
             check_compilable(self)
         capacity = self.decoder_positional.max_positions
@@ -303,11 +303,11 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
         b, max_new_tokens, src_mask = memory.shape[0], request.max_new_tokens, request.src_mask
         first = torch.full((b, 1), request.start, dtype=torch.long, device=memory.device)
         if request.compile:
-            from .generation_seq2seq_compiled import greedy_step
+            from .seq2seq_compiled import greedy_step
 
             logits, step = greedy_step(self, memory, src_mask, request.start, max_new_tokens, steady=steady)
         else:
-            cache = _shared.new_caches(len(self.decoder_layers), min(max_new_tokens, _shared.CACHE_CHUNK),
+            cache = stack.new_caches(len(self.decoder_layers), min(max_new_tokens, _shared.CACHE_CHUNK),
                                        cross=True)
             logits = self.decode(memory, first, src_mask, cache=cache)[:, -1]
 
@@ -324,7 +324,7 @@ class Seq2SeqGenerationMixin(QuantizeMixin):
     ) -> Callable[[Tensor, Tensor | None, bool], Tensor]:
         """The ``beam_search`` step over a cached decoder (see ``models.beam_search.StepFn``)."""
         # The start token and every generated token but the last are cached: max_new_tokens positions at most.
-        cache = _shared.new_caches(len(self.decoder_layers), min(max_new_tokens, _shared.CACHE_CHUNK), cross=True)
+        cache = stack.new_caches(len(self.decoder_layers), min(max_new_tokens, _shared.CACHE_CHUNK), cross=True)
         state = {"memory": memory, "mask": src_mask}
 
         def step(tokens: Tensor, parents: Tensor | None, sources_changed: bool) -> Tensor:

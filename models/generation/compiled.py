@@ -35,12 +35,12 @@ from torch import Tensor, nn
 from blocks.kv_cache import BucketKVCache, LayerCache
 from blocks.small_matmul import SmallRowsLinear
 
-from . import generation as _shared
-from .generation import _Step, _token_loop
+from ..core import stack
 from .sampling import seen_tokens
+from .steps import _Step, _token_loop
 
 if TYPE_CHECKING:
-    from .generation_decoder import _LMRequest
+    from .decoder import _LMRequest
 
 #: The smallest cache bucket; buckets double from here.
 MIN_BUCKET = 64
@@ -237,7 +237,7 @@ def compiled_steps(model: Any, request: _LMRequest, steady: bool = True) -> Iter
     prompt, prompt_mask = request.prompt, request.mask
     b, length = prompt.shape
     bucket = bucket_length(length + request.max_new_tokens, model.positional.max_positions)
-    prefill = _shared.new_caches(len(model.layers), length)
+    prefill = stack.new_caches(len(model.layers), length)
     logits = model(prompt, attention_mask=prompt_mask, cache=prefill, logits_to_keep=1).logits[:, -1]
     filled = length
     run = compile_step(_step, model, prompt.device)

@@ -1,9 +1,13 @@
-"""What every zoo model shares: presets, backend switching, input checks, positions from masks."""
+"""Helpers that build and run a stack of layers from a config: layers, norms, positions, caches, the LM loss.
+
+The model classes (``models.decoder_lm``, ``encoder_lm``, ``seq2seq``, ``vit``) compose these; generation takes
+``new_caches`` and ``cached_length`` from here.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -12,100 +16,6 @@ import blocks
 import blocks.layers
 from blocks.kv_cache import LayerCache
 from blocks.positional import PositionalEncoding
-
-from .adapters import AdapterMixin
-from .config import ConfigBase
-
-
-class ZooModel(AdapterMixin, nn.Module):
-    """Base class of the zoo's models.
-
-    Subclasses set ``config_class`` and ``presets`` (name -> config overrides) and build themselves
-    from ``config`` alone.
-    """
-
-    config_class: ClassVar[type[ConfigBase]] = ConfigBase
-    presets: ClassVar[dict[str, dict[str, Any]]] = {}
-
-    def __init__(self, config: ConfigBase) -> None:
-        super().__init__()
-        if not isinstance(config, self.config_class):
-            raise TypeError(
-                f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}"
-            )
-        self.config = config
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> ZooModel:
-        """Build a model from a named preset, with any config field overridden.
-
-        Raises:
-            ValueError: unknown preset (the valid names are listed) or unknown/invalid overrides.
-        """
-        return cls(cls.preset_config(name, **overrides))
-
-    @classmethod
-    def preset_config(cls, name: str, **overrides: Any) -> ConfigBase:
-        """The config of a preset, with overrides applied."""
-        if name not in cls.presets:
-            raise ValueError(f"unknown {cls.__name__} preset {name!r}; expected one of {sorted(cls.presets)}")
-        return cls.config_class.from_dict({**cls.presets[name], **overrides})
-
-    @classmethod
-    def register_preset(cls, name: str, config: dict[str, Any]) -> None:
-        """Add a named preset (a family's ``tiny`` test size or a published model's size); the config is validated.
-
-        Raises:
-            ValueError: the name is taken, or the config is invalid.
-        """
-        if name in cls.presets:
-            raise ValueError(f"{cls.__name__} preset {name!r} already exists")
-        cls.config_class.from_dict(config)
-        cls.presets[name] = dict(config)
-
-    def set_attention_backend(self, name: str) -> None:
-        """Switch every attention module to the registered backend ``name`` (a runtime choice)."""
-        blocks.get("attention_backend", name)  # validates the name before anything changes
-        for module in self.modules():
-            if isinstance(module, blocks.MultiHeadAttention):
-                module.set_backend(name)
-        self.config = self.config.replace(attention_backend=name)
-
-    def num_parameters(self) -> int:
-        """Number of distinct parameters (tied weights counted once)."""
-        return sum(p.numel() for p in self.parameters())
-
-    # ------------------------------------------------------------------ input checks
-    def check_ids(self, ids: Tensor, name: str) -> None:
-        """Raise ``ValueError`` unless ``ids`` is a ``(B, L)`` integer tensor of ids in ``[0, vocab_size)``."""
-        if not isinstance(ids, Tensor) or ids.dim() != 2:
-            shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
-            raise ValueError(f"{name} must be a (B, L) tensor of token ids, got {shape}")
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-            raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-        # Value checks read tensor data; under torch.compile they would break the graph, so they are skipped.
-        if ids.numel() and not torch.compiler.is_compiling():
-            vocab = self.config.vocab_size
-            outside = (ids < 0) | (ids >= vocab)
-            if bool(outside.any()):  # one host sync per call; the offending id is looked up only on error
-                bad = int(ids[outside][0])
-                raise ValueError(f"{name} contains id {bad}, outside the vocabulary [0, vocab_size={vocab})")
-
-    @staticmethod
-    def check_mask(mask: Tensor | None, shape: tuple[int, ...], name: str) -> Tensor | None:
-        """Validate a ``(B, L)`` padding mask (True/1 = real token) and return it as bool."""
-        if mask is None:
-            return None
-        if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(shape):
-            got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
-            raise ValueError(f"{name} must have shape {tuple(shape)} (B, L) matching the ids, got {got}")
-        if mask.dtype != torch.bool:
-            if mask.dtype.is_floating_point or (
-                not torch.compiler.is_compiling() and not bool(((mask == 0) | (mask == 1)).all())
-            ):
-                raise ValueError(f"{name} must be bool or 0/1 integers (1 = real token), got dtype {mask.dtype}")
-            mask = mask.bool()
-        return mask
 
 
 def layer_kwargs(config: Any) -> dict[str, Any]:

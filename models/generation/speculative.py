@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from . import generation as _shared
-from .generation import _check_count, _make_room
+from ..core import stack
+from . import steps as _shared
 from .sampling import SamplingParams
+from .steps import _check_count, _make_room
 
 if TYPE_CHECKING:
-    from .generation_decoder import _LMRequest
+    from .decoder import _LMRequest
 
 
 @dataclasses.dataclass
@@ -104,7 +105,7 @@ def check_draft(target: Any, draft: Any, num_draft_tokens: Any, request: _LMRequ
             ``num_draft_tokens`` is not an integer >= 1, the batch has more than one row or padding, a repetition
             penalty is asked for, or the draft's learned positions cannot hold the prompt + ``max_new_tokens``.
     """
-    from .generation_decoder import DecoderLMGenerationMixin
+    from .decoder import DecoderLMGenerationMixin
 
     if not isinstance(draft, DecoderLMGenerationMixin):
         raise ValueError(f"draft_model must be a DecoderLM, got {type(draft).__name__}")
@@ -140,7 +141,7 @@ class _EagerDraft:
 
     def __init__(self, draft: Any, ids: Tensor, size: int, limit: int) -> None:
         self.draft, self.ids, self.limit = draft, ids, limit
-        self.cache = _shared.new_caches(len(draft.layers), size)
+        self.cache = stack.new_caches(len(draft.layers), size)
 
     def logits(self, end: int) -> Tensor:
         start = self.cache[0].self_attn.length
@@ -163,10 +164,10 @@ class _CompiledDraft:
     """
 
     def __init__(self, draft: Any, ids: Tensor, length: int, limit: int) -> None:
-        from .generation_compiled import _buffers, _step, bucket_length, compile_step
+        from .compiled import _buffers, _step, bucket_length, compile_step
 
         self.draft, self.ids = draft, ids
-        prefill = _shared.new_caches(len(draft.layers), length)
+        prefill = stack.new_caches(len(draft.layers), length)
         self.pending: Tensor | None = draft(ids[:, :length], cache=prefill, logits_to_keep=1).logits[:, -1]
         bucket = bucket_length(limit, draft.positional.max_positions)
         self.caches, self.mask, self.index = _buffers(draft, prefill, 1, bucket, weakref.ref(self))
@@ -218,7 +219,7 @@ def speculative_steps(target: Any, draft: Any, request: _LMRequest, k: int) -> S
     ids = prompt.new_empty((1, limit))
     ids[:, :length] = prompt
     size = min(limit, length + _shared.CACHE_CHUNK)
-    target_cache = _shared.new_caches(len(target.layers), size)
+    target_cache = stack.new_caches(len(target.layers), size)
     drafter = (_CompiledDraft(draft, ids, length, limit) if request.compile
                else _EagerDraft(draft, ids, size, limit))
     sample = params.do_sample
@@ -321,7 +322,7 @@ def speculative_decode(
         raise ValueError(f"compile must be True or False, got {compile!r}")
     check_draft(target, draft, num_draft_tokens, request)
     if compile:
-        from .generation_compiled import check_compilable
+        from .compiled import check_compilable
 
         check_compilable(draft, request)  # the draft is what compiles here, not the target
         request = dataclasses.replace(request, compile=True)

@@ -1,0 +1,74 @@
+"""``quantize()`` and ``dequantize()``: weight-only quantization for every model class (see ``blocks.quantized``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blocks.quantized import dequantize_linears, quantize_linears, quantized_modules
+
+
+class QuantizeMixin:
+    """``quantize`` and ``dequantize`` for every family: weight-only int8 decoding (see ``blocks.quantized``).
+
+    A quantized model saves, loads and pushes like any other: ``config.json`` records the scheme and the quantized
+    layers (see ``models.checkpoints.persistence``), and ``from_pretrained`` quantizes the freshly built model
+    before loading.
+    """
+
+    def quantize(self, scheme: str = "int8") -> nn.Module:
+        """Store every linear layer's weight as int8 with a float32 scale per output channel, in place.
+
+        Meant for inference (decoding reads each weight once per token, so a quarter of the bytes is read);
+        the quantized layers hold buffers, not trainable parameters. A head tied to the embedding gets its own
+        int8 copy; the embedding stays float.
+
+        Args:
+            scheme: a name of ``blocks.names("quantization")`` (``"int8"``).
+
+        Returns:
+            The model itself.
+
+        Raises:
+            ValueError: unknown ``scheme``.
+        """
+        return quantize_linears(self, scheme)
+
+    def dequantize(self) -> nn.Module:
+        """Replace every quantized layer by a float ``nn.Linear`` holding ``scale · q``, in place.
+
+        The model then computes what the quantized one did, up to float rounding, and can be trained, exported
+        to ``transformers`` or quantized again. The float weights are the rounded ones: the original weights are
+        not recovered. A head that was tied to the embedding keeps its own (dequantized) weights, so
+        ``config.tie_embeddings`` becomes ``False`` and the model saves and loads as an untied one.
+
+        Returns:
+            The model itself.
+
+        Raises:
+            ValueError: the model has no quantized layers.
+        """
+        quantized = quantized_modules(self)
+        if not quantized:
+            raise ValueError(
+                f"this {type(self).__name__} has no quantized layers to dequantize; expected a model quantized with "
+                "model.quantize(...) or loaded from a quantized checkpoint"
+            )
+        # The model's float dtype, taken from its float parameters (embeddings, norms), so the new layers match it.
+        dtypes = [p.dtype for p in self.parameters() if p.is_floating_point()]
+        dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
+        untied = self._tied_in_config(list(quantized))
+        dequantize_linears(self, dtype)
+        if untied and getattr(self.config, "tie_embeddings", False):
+            self.config = self.config.replace(tie_embeddings=False)
+        return self
+
+    def _tied_in_config(self, layer_names: list[str]) -> bool:
+        """Whether a model built from the config ties the weight of one of ``layer_names`` to another parameter."""
+        with torch.device("meta"):  # no memory, no initialisation work: only the tying structure is wanted
+            fresh = type(self)(self.config)
+        owners: dict[int, int] = {}
+        for _, p in fresh.named_parameters(remove_duplicate=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+        params = dict(fresh.named_parameters(remove_duplicate=False))
+        return any(owners[id(params[f"{name}.weight"])] > 1 for name in layer_names if f"{name}.weight" in params)
