@@ -77,7 +77,7 @@ def convert_bert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
     )
 
     # The original TF checkpoints name LayerNorm parameters gamma/beta; transformers renames them on load.
-    renamed = {_modern_name(k): v for k, v in state_dict.items()}
+    renamed = {layer_norm_modern_name(k): v for k, v in state_dict.items()}
     # embeddings.position_ids / token_type_ids are index buffers some versions saved.
     ckpt = CheckpointReader("bert", renamed, prefix="bert.", ignore=[r"embeddings\.(position_ids|token_type_ids)"])
     ckpt.drop(r"pooler\..*", "the pooler (BertModel's [CLS] projection)")
@@ -119,7 +119,8 @@ def convert_bert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
     return Converted(EncoderLM, config, out, allow_missing)
 
 
-def _modern_name(key: str) -> str:
+def layer_norm_modern_name(key: str) -> str:
+    """A TF-era BERT tensor name with ``LayerNorm.gamma``/``beta`` as ``transformers`` names it (``weight``/``bias``)."""
     if key.endswith("LayerNorm.gamma"):
         return key[: -len("gamma")] + "weight"
     if key.endswith("LayerNorm.beta"):

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..encoder_lm import EncoderLM, EncoderLMConfig
-from .bert import LAYER_NAMES, _modern_name
+from .bert import LAYER_NAMES, layer_norm_modern_name
 from .export import activation_name, register_exporter, require, require_plain_attention, tensors
 from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .registry import Converted, register_converter
@@ -81,7 +81,7 @@ def convert_roberta(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tenso
         **cfg.token_ids("pad_token_id", "bos_token_id", "eos_token_id", "mask_token_id"),
     )
 
-    renamed = {_modern_name(k): v for k, v in state_dict.items()}
+    renamed = {layer_norm_modern_name(k): v for k, v in state_dict.items()}
     ckpt = CheckpointReader(
         "roberta", renamed, prefix="roberta.", ignore=[r"embeddings\.(position_ids|token_type_ids)"]
     )

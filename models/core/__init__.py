@@ -1,0 +1,9 @@
+"""The models core: what every model class is made of, below generation, checkpoints and the classes themselves.
+
+- ``config`` — ``ConfigBase``, ``TransformerConfig`` and their validation.
+- ``outputs`` — ``ModelOutput``, ``Seq2SeqOutput``.
+- ``base`` — ``ZooModel``: presets, backend switching, input checks.
+- ``stack`` — building and running a stack of layers from a config (layers, norms, positions, caches, LM loss).
+- ``adapters`` — ``AdapterMixin``: adding, switching and merging LoRA adapters (module surgery only).
+- ``quantize`` — ``QuantizeMixin``: ``quantize()`` / ``dequantize()``.
+"""
