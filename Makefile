@@ -23,6 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow"
 
 test-all: $(STAMP)
@@ -30,6 +31,7 @@ test-all: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
