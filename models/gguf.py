@@ -30,6 +30,9 @@ from torch import Tensor
 
 from tokenization import Tokenizer
 
+from .checkpoints.loading import register_file_format
+from .checkpoints.options import parse_dtype
+
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # ggml tensor types read here: plain floats, and every block format the gguf package decodes that
@@ -94,9 +97,7 @@ def read_gguf(
             ``SUPPORTED_TYPES``; unknown, missing or mis-shaped tensors; metadata the llama config cannot
             represent (mixture of experts, partial rotary, a ``rope_freqs`` tensor that is not llama3 scaling).
     """
-    from .auto import _parse_dtype  # imported here: auto dispatches .gguf paths to this module
-
-    target_dtype = _parse_dtype(dtype) or torch.float32
+    target_dtype = parse_dtype(dtype) or torch.float32
     path = _check_path(path)
     gguf = _import_gguf()
     try:
@@ -390,3 +391,10 @@ def _llama3_divisors(inv_wavelen: list[float], scaling: Mapping[str, Any]) -> li
             s = (original * u - low) / (high - low)
             out.append(1 / ((1 - s) / factor + s))
     return out
+
+
+# ``models.from_pretrained("model.gguf")``: read_gguf is looked up when a file is loaded (tests replace it).
+register_file_format(
+    ".gguf", "GGUF", lambda path, dtype: read_gguf(path, dtype=dtype),
+    requires="models.gguf and the gguf package (pip install 'transformer-zoo[gguf]')",
+)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from models.checkpoints.files import fsync
+from models.checkpoints.atomic import fsync
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported when used: it takes seconds to import
     from torch.distributed.checkpoint.metadata import Metadata

@@ -23,18 +23,20 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCardData
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub import ModelCardData
 
 from blocks.adapters import check_exportable
 from blocks.quantized import quantized_modules, scheme_of
 
-from ..auto import QUANTIZATION_KEY, LoadOptions, load_pretrained
-from . import files as io
+from . import files
+from .atomic import write_folder
+from .files import QUANTIZATION_KEY
+from .hub import check_push_arguments, push_folder
+from .loading import load_pretrained
+from .options import LoadOptions
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -59,9 +61,9 @@ class PersistenceMixin:
         Files: ``config.json``, ``model.safetensors`` (parameters in their current dtype; tied weights once),
         ``tokenizer.json`` (from ``tokenizer``, else ``self.tokenizer``, if any) and ``README.md``. Everything
         is written and fsynced in a hidden folder beside it, then committed with one rename and switched in
-        (see ``checkpoint_io``): a save killed at any instant, even by SIGKILL, leaves the complete old or the
-        complete new checkpoint, and the next save or load cleans up what it left. Other files already in the
-        folder are left alone.
+        (see ``models.checkpoints.atomic``): a save killed at any instant, even by SIGKILL, leaves the complete
+        old or the complete new checkpoint, and the next save or load cleans up what it left. Other files already
+        in the folder are left alone.
 
         Args:
             save_directory: the folder (created with its parents if needed).
@@ -85,12 +87,10 @@ class PersistenceMixin:
         check_exportable(self, "save_pretrained", allow_merged=False)
         _quantization_entry(self)  # refuse a model mixing quantization schemes before anything is written
         tokenizer = self._tokenizer_to_save(tokenizer)
-        target = Path(save_directory).expanduser().resolve()  # leftovers are found beside the real folder
-        if target.exists() and not target.is_dir():
-            raise NotADirectoryError(f"cannot save a checkpoint to {target}: it exists and is not a folder")
-        with io.staging_folder(target) as staging:
-            self._write_checkpoint(staging, tokenizer, card_reference=str(save_directory))
-            io.publish(staging, target)
+        write_folder(
+            Path(save_directory),
+            lambda folder: self._write_checkpoint(folder, tokenizer, card_reference=str(save_directory)),
+        )
         return Path(save_directory).expanduser()
 
     @classmethod
@@ -150,27 +150,15 @@ class PersistenceMixin:
             TypeError: ``private`` is not a bool, or ``tokenizer`` has no ``save`` method.
             huggingface_hub.errors.HfHubHTTPError: the Hub refused (e.g. no write access).
         """
-        validate_repo_id(repo_id)
+        check_push_arguments(repo_id, private, revision)
         check_exportable(self, "push_to_hub", allow_merged=False)
         _quantization_entry(self)
-        if not isinstance(private, bool):
-            raise TypeError(f"private must be a bool, got {private!r}")
-        if revision is not None and (not isinstance(revision, str) or not revision.strip()):
-            raise ValueError(f"revision must be a non-empty branch name, got {revision!r}")
         tokenizer = self._tokenizer_to_save(tokenizer)
-        api = HfApi(endpoint=endpoint, token=token, library_name=io.LIBRARY_NAME, library_version=io.library_version())
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        if revision not in (None, "main"):
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        message = commit_message or f"Upload {type(self).__name__} with transformer-zoo"
-        # Staged like a local save, beside a fixed name in the temporary folder: a push killed half way leaves a
-        # folder that the next push removes.
-        with io.staging_folder(Path(tempfile.gettempdir()) / "transformer-zoo-push") as folder:
-            self._write_checkpoint(folder, tokenizer, card_reference=repo_id)
-            operations = [
-                CommitOperationAdd(path_in_repo=p.name, path_or_fileobj=str(p)) for p in sorted(folder.iterdir())
-            ]
-            return api.create_commit(repo_id, operations, commit_message=message, revision=revision)
+        return push_folder(
+            repo_id, lambda folder: self._write_checkpoint(folder, tokenizer, card_reference=repo_id),
+            commit_message=commit_message or f"Upload {type(self).__name__} with transformer-zoo", private=private,
+            revision=revision, token=token, endpoint=endpoint,
+        )
 
     # ------------------------------------------------------------------ the model card
     def model_card(self, reference: str | None = None, tokenizer: Any = None) -> str:
@@ -183,7 +171,7 @@ class PersistenceMixin:
         name = type(self).__name__
         config = self.config.to_dict()
         dtype = _dtype_name(self)
-        data = ModelCardData(library_name=io.LIBRARY_NAME, tags=[io.LIBRARY_NAME, name, "safetensors"])
+        data = ModelCardData(library_name=files.LIBRARY_NAME, tags=[files.LIBRARY_NAME, name, "safetensors"])
         summary = (type(self).__doc__ or "").strip().split("\n\n")[0]
         summary = " ".join(line.strip() for line in summary.splitlines())
         rows = "\n".join(f"| `{key}` | `{value!r}` |" for key, value in config.items())
@@ -210,7 +198,7 @@ class PersistenceMixin:
 A `{name}` checkpoint saved with transformer-zoo.
 
 - Parameters: {n_params:,} (tied weights counted once)
-- Weights: `{io.WEIGHTS_NAME}`, {dtype}
+- Weights: `{files.WEIGHTS_NAME}`, {dtype}
 - Tokenizer: {tokenizer_line}
 
 ## Usage
@@ -241,22 +229,22 @@ model = {name}.from_pretrained({json.dumps(reference)})
 
     def _write_checkpoint(self, folder: Path, tokenizer: Any, card_reference: str) -> None:
         name = type(self).__name__
-        io.save_weights(io.unique_state(self), folder / io.WEIGHTS_NAME)
+        files.save_weights(files.unique_state(self), folder / files.WEIGHTS_NAME)
         if tokenizer is not None:
-            tokenizer.save(str(folder / io.TOKENIZER_NAME))
-        (folder / io.CARD_NAME).write_text(self.model_card(card_reference, tokenizer), encoding="utf-8")
+            tokenizer.save(str(folder / files.TOKENIZER_NAME))
+        (folder / files.CARD_NAME).write_text(self.model_card(card_reference, tokenizer), encoding="utf-8")
         config = {
             "architecture": name,
-            "format_version": io.FORMAT_VERSION,
+            "format_version": files.FORMAT_VERSION,
             "config": self.config.to_dict(),
-            "library": io.LIBRARY_NAME,
-            "library_version": io.library_version(),
+            "library": files.LIBRARY_NAME,
+            "library_version": files.library_version(),
             "dtype": _dtype_name(self),
         }
         quantization = _quantization_entry(self)
         if quantization is not None:  # only then: an unquantized model's config.json stays byte-identical
             config[QUANTIZATION_KEY] = quantization
-        io.write_json(config, folder / io.CONFIG_NAME)
+        files.write_json(config, folder / files.CONFIG_NAME)
 
 
 def _quantization_entry(model: Any) -> dict[str, Any] | None:

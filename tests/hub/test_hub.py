@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 import tokenization
 from models import DecoderLM, EncoderLM, Seq2SeqTransformer, auto
-from models.checkpoints import files as checkpoint_io
+from models.checkpoints import hub as checkpoint_hub
 
 from .conftest import DUMMY_TOKEN
 from .hub_server import HubServer
@@ -208,7 +208,7 @@ def test_persistent_server_error_on_the_download_reports_its_status(hub: HubServ
     assert err.value.response.status_code == 503
     assert "503" in str(err.value) and "model.safetensors" in str(err.value)
     assert "local cache" not in str(err.value)
-    assert hub.count("GET", "/model.safetensors") == checkpoint_io.HUB_RETRIES + 1
+    assert hub.count("GET", "/model.safetensors") == checkpoint_hub.HUB_RETRIES + 1
     assert sleeps == [1.0, 2.0, 4.0, 8.0, 8.0]  # http_backoff's schedule
 
 

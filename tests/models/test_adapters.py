@@ -15,7 +15,7 @@ from torch import nn
 import blocks
 from blocks.adapters import AdaptedLinear, LoRA
 from models import DecoderLM, EncoderLM, Seq2SeqConfig, Seq2SeqTransformer
-from models.checkpoints.adapter_files import name_map, name_maps
+from models.checkpoints.peft_names import name_map, name_maps
 from models.convert import save_transformers, supported_model_types, to_transformers
 from models.vit import VisionTransformer
 

@@ -23,7 +23,10 @@ import blocks
 import models as zoo
 import tokenization
 from models import DecoderLM, EncoderLM, Seq2SeqTransformer, auto
-from models.checkpoints import files as checkpoint_io
+from models import gguf as zoo_gguf
+from models.checkpoints import files as checkpoint_files
+from models.convert import registry as converter_registry
+from models.gguf import read_gguf as real_read_gguf
 from tests.strategies import registry_names
 
 TINY = {
@@ -215,7 +218,7 @@ def test_one_float64_tensor_is_cast_to_the_model_dtype(tmp_path: Path, caplog) -
     perturb(model)
     model.final_norm.to(torch.float64)  # one float64 tensor among float32 ones
     model.save_pretrained(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="models.auto"):
+    with caplog.at_level(logging.WARNING, logger="models.checkpoints.loading"):
         loaded = DecoderLM.from_pretrained(tmp_path)
     assert "final_norm.weight (float64)" in caplog.text and "cast to float32" in caplog.text
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}
@@ -334,7 +337,7 @@ def test_tied_names_with_different_values_are_refused(tmp_path: Path) -> None:
 
 def test_one_tensor_for_two_untied_parameters_is_copied() -> None:
     model = tiny("DecoderLM", tie_embeddings=False)
-    state = checkpoint_io.unique_state(tiny("DecoderLM", tie_embeddings=False))
+    state = checkpoint_files.unique_state(tiny("DecoderLM", tie_embeddings=False))
     state["lm_head.weight"] = state["embed_tokens.weight"]  # the same tensor object under both names
     auto.load_state_into(model, state)
     assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
@@ -529,7 +532,7 @@ def test_interrupted_weight_write_keeps_the_previous_checkpoint(tmp_path: Path, 
         Path(path).write_bytes(b"partial")  # a half-written file, then the disk fills up
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_io, "save_file", crash)
+    monkeypatch.setattr(checkpoint_files, "save_file", crash)
     with pytest.raises(OSError, match="No space left"):
         new.save_pretrained(tmp_path / "ckpt")
     monkeypatch.undo()
@@ -601,7 +604,7 @@ def test_leftovers_of_earlier_versions_are_removed(tmp_path: Path) -> None:
 
 
 def test_interrupted_first_save_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(checkpoint_io, "write_json", lambda obj, path: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(checkpoint_files, "write_json", lambda obj, path: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         tiny("EncoderLM").save_pretrained(tmp_path / "ckpt")
     assert list(tmp_path.iterdir()) == []
@@ -701,7 +704,8 @@ def test_two_classes_cannot_share_a_name() -> None:
 
 # ------------------------------------------------------------------------------------------ transformers configs
 def _fake_convert(monkeypatch, allow_missing: frozenset[str]) -> None:
-    """A stand-in for models.convert (written elsewhere) honouring its contract, to test how the loader uses it."""
+    """A stand-in for models.convert.from_transformers (written elsewhere) honouring its contract, to test how the
+    loader uses it."""
 
     def from_transformers(hf_config: dict, state_dict: dict):
         config = DecoderLM.preset_config("tiny", vocab_size=hf_config["vocab_size"], d_model=32, n_layers=1)
@@ -710,14 +714,14 @@ def _fake_convert(monkeypatch, allow_missing: frozenset[str]) -> None:
             architecture=DecoderLM, config=config, state_dict=renamed, allow_missing=allow_missing
         )
 
-    monkeypatch.setitem(sys.modules, "models.convert", types.SimpleNamespace(from_transformers=from_transformers))
+    monkeypatch.setattr(converter_registry, "from_transformers", from_transformers)
 
 
 def _transformers_folder(folder: Path, drop: str | None = None) -> DecoderLM:
     model = tiny("DecoderLM")
     perturb(model)
     folder.mkdir()
-    state = {f"transformer.{k}": v for k, v in checkpoint_io.unique_state(model).items() if k != drop}
+    state = {f"transformer.{k}": v for k, v in checkpoint_files.unique_state(model).items() if k != drop}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps({"model_type": "toy", "vocab_size": 100}))
     return model
@@ -736,7 +740,7 @@ def test_transformers_checkpoint_goes_through_the_converter(tmp_path: Path, monk
 def test_converter_allow_missing_keeps_init_and_warns(tmp_path: Path, monkeypatch, caplog) -> None:
     _fake_convert(monkeypatch, frozenset({"final_norm.bias"}))
     _transformers_folder(tmp_path / "hf", drop="final_norm.bias")
-    with caplog.at_level(logging.WARNING, logger="models.auto"):
+    with caplog.at_level(logging.WARNING, logger="models.checkpoints.loading"):
         loaded = DecoderLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(loaded.final_norm.bias, torch.zeros(32))  # the fresh initialisation
     assert "final_norm.bias" in caplog.text
@@ -762,20 +766,24 @@ def test_load_options_are_stated_once(tmp_path: Path) -> None:
     }
 
 
-def test_no_import_cycle_between_auto_and_persistence() -> None:
+def test_no_import_cycle_between_auto_persistence_and_gguf() -> None:
     import ast
 
     def imported(module: str) -> set[str]:
-        tree = ast.parse(Path(zoo.__file__).with_name(f"{module}.py").read_text())
+        tree = ast.parse(Path(zoo.__file__).parent.joinpath(*module.split(".")).with_suffix(".py").read_text())
         return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
 
-    assert "persistence" not in imported("auto")  # persistence -> auto -> checkpoint_io, one way only
-    assert not {"auto", "persistence"} & imported("checkpoint_io")
-    assert "auto" in imported("persistence")
+    # auto -> checkpoints.loading <- gguf (which registers its file format there), persistence -> loading: one way.
+    assert "persistence" not in imported("auto") and "checkpoints.persistence" not in imported("auto")
+    assert not {m for m in imported("checkpoints.persistence") if "auto" in m}
+    assert not {m for m in imported("checkpoints.files") if "auto" in m or "persistence" in m}
+    assert not {m for m in imported("gguf") if "auto" in m}
+    assert not {m for m in imported("checkpoints.loading") if "gguf" in m or "auto" in m}
+    assert "loading" in imported("checkpoints.persistence")
 
 
 def _fake_gguf(monkeypatch, calls: list) -> object:
-    """A stand-in for models.gguf (written elsewhere) honouring its contract:
+    """A stand-in for models.gguf.read_gguf (written elsewhere) honouring its contract:
     read_gguf(path, dtype=None) -> (transformers config dict, state dict under transformers names, tokenizer)."""
     model = tiny("DecoderLM")
     perturb(model)
@@ -783,10 +791,10 @@ def _fake_gguf(monkeypatch, calls: list) -> object:
 
     def read_gguf(path, dtype=None):
         calls.append((Path(path), dtype))
-        state = {f"transformer.{k}": v.to(dtype or v.dtype) for k, v in checkpoint_io.unique_state(model).items()}
+        state = {f"transformer.{k}": v.to(dtype or v.dtype) for k, v in checkpoint_files.unique_state(model).items()}
         return {"model_type": "toy", "vocab_size": 100}, state, tokenizer
 
-    monkeypatch.setitem(sys.modules, "models.gguf", types.SimpleNamespace(read_gguf=read_gguf))
+    monkeypatch.setattr(zoo_gguf, "read_gguf", read_gguf)
     return model, tokenizer
 
 
@@ -808,6 +816,7 @@ def test_gguf_file_goes_through_read_gguf_and_the_converter(tmp_path: Path, monk
         zoo.from_pretrained(path, revision="v1")
     with pytest.raises(FileNotFoundError, match="no GGUF file at"):
         zoo.from_pretrained(tmp_path / "absent.gguf")
-    monkeypatch.setitem(sys.modules, "models.gguf", None)  # as if the optional gguf package were missing
+    monkeypatch.setattr(zoo_gguf, "read_gguf", real_read_gguf)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if the optional gguf package were missing
     with pytest.raises(ImportError, match=r"needs models.gguf and the gguf package"):
         zoo.from_pretrained(path)

@@ -20,8 +20,7 @@ from torch import nn
 import blocks
 from blocks.quantized import Int8Linear, check_unquantized, quantize_linears, quantized_modules
 from models import DecoderLM, DecoderLMConfig, EncoderLM, EncoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer, auto
-from models.checkpoints import files as checkpoint_io
-from models.checkpoints import persistence
+from models.checkpoints import atomic, persistence
 from tests.hub.conftest import hub  # noqa: F401  (the in-process Hub fixture)
 from tests.hub.hub_server import HubServer
 
@@ -181,13 +180,13 @@ def test_a_failed_save_of_the_quantized_model_leaves_the_float_checkpoint(tmp_pa
         if label == "fsync staging folder":  # every file written and synced, not yet committed
             raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(checkpoint_io, "_step_hook", fail)
+    monkeypatch.setattr(atomic, "step_hook", fail)
     with pytest.raises(RuntimeError, match="simulated crash"):
         model.quantize("int8").save_pretrained(folder)
     assert "quantization" not in config_json(folder)
     assert torch.equal(logits(DecoderLM.from_pretrained(folder)), float_logits)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the staging folder is gone
-    monkeypatch.setattr(checkpoint_io, "_step_hook", None)
+    monkeypatch.setattr(atomic, "step_hook", None)
     model.save_pretrained(folder)
     assert torch.equal(logits(DecoderLM.from_pretrained(folder)), logits(model))
 

@@ -2,7 +2,7 @@
 rmdir): the folder then loads as exactly the old or exactly the new checkpoint, byte for byte, and the next load
 or save removes every hidden folder the killed save left.
 
-The save is run in a forked child whose ``checkpoint_io._step_hook`` kills it after step k, for every k.
+The save is run in a forked child whose ``models.checkpoints.atomic.step_hook`` kills it after step k, for every k.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from models import DecoderLM
-from models.checkpoints import files as checkpoint_io
+from models.checkpoints import atomic
+from models.checkpoints.locate import locate
 
 pytestmark = pytest.mark.skipif(
-    not hasattr(os, "fork") or checkpoint_io.fcntl is None, reason="needs os.fork and flock (POSIX)"
+    not hasattr(os, "fork") or atomic.fcntl is None, reason="needs os.fork and flock (POSIX)"
 )
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors")
@@ -50,11 +51,11 @@ def hidden(parent: Path) -> list[str]:
 def steps_of(action: Callable[[], object]) -> list[str]:
     """The labels of the durable steps ``action`` performs (run in this process)."""
     labels: list[str] = []
-    checkpoint_io._step_hook = labels.append
+    atomic.step_hook = labels.append
     try:
         action()
     finally:
-        checkpoint_io._step_hook = None
+        atomic.step_hook = None
     return labels
 
 
@@ -69,7 +70,7 @@ def run_killed_at(k: int, action: Callable[[], object]) -> None:
                 if next(count) == k:
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            checkpoint_io._step_hook = hook
+            atomic.step_hook = hook
             action()
         finally:
             os._exit(3)  # reached only if step k never came
@@ -160,7 +161,7 @@ def test_recovery_killed_after_every_step(pair: dict, tmp_path: Path) -> None:
 
     reference = tmp_path / "reference" / "ckpt"
     killed_mid_switch(reference)
-    recovery = steps_of(lambda: checkpoint_io.recover(reference))
+    recovery = steps_of(lambda: atomic.recover(reference))
     assert recovery[-1] == "remove commit folder" and len(recovery) >= 3
     for k in range(len(recovery)):
         ckpt = tmp_path / f"k{k}" / "ckpt"
@@ -189,7 +190,7 @@ def test_a_live_save_in_another_process_is_never_disturbed(pair: dict, tmp_path:
                     os.write(paused_w, b"p")
                     os.read(go_r, 1)
 
-            checkpoint_io._step_hook = hook
+            atomic.step_hook = hook
             new.save_pretrained(ckpt, tokenizer=tokenizer())
             os._exit(0)
         finally:
@@ -199,8 +200,8 @@ def test_a_live_save_in_another_process_is_never_disturbed(pair: dict, tmp_path:
         assert os.read(paused_r, 1) == b"p"
         assert DecoderLM.from_pretrained(ckpt).config == old.config
         assert any(name.endswith(".saving") for name in hidden(tmp_path))
-        located = checkpoint_io.locate(ckpt)
-        with checkpoint_io.reading(located):
+        located = locate(ckpt)
+        with atomic.reading(located.folder):
             # A reader inside the folder holds the writer back from committing until it is done.
             os.write(go_w, b"g")
             assert select.select([paused_r], [], [], 1.0)[0] == [], "the writer switched under a reader"
@@ -210,7 +211,7 @@ def test_a_live_save_in_another_process_is_never_disturbed(pair: dict, tmp_path:
         result: dict = {}
 
         def read_located() -> None:
-            with checkpoint_io.reading(located):
+            with atomic.reading(located.folder):
                 result["located"] = snapshot(ckpt)
 
         readers = [

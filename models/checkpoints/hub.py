@@ -1,0 +1,169 @@
+"""Hub transport through ``huggingface_hub``: downloads into its cache with transient errors retried, and one
+upload path (a folder written by the caller, pushed in one commit) for models and adapters alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import validate_repo_id
+
+from .atomic import staging_folder
+from .files import LIBRARY_NAME, library_version
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitInfo
+
+logger = logging.getLogger(__name__)
+
+# hf_hub_download already retries the metadata request (HEAD) on 5xx and network errors with http_backoff, and
+# resumes a download cut by a network error, but it does not retry the download request (GET) on a 5xx, and a
+# metadata request that keeps failing surfaces as LocalEntryNotFoundError ("... cannot find the requested files in
+# the local cache"), which hides the status. hub_download adds the missing retry, with http_backoff's schedule
+# (1, 2, 4, 8, 8 s; attributes below, so tests can shorten it), around the whole cached download, and reports a
+# persistent failure as the server's own error.
+HUB_RETRIES = 5
+HUB_RETRY_WAIT_S = 1.0
+HUB_RETRY_MAX_WAIT_S = 8.0
+TRANSIENT_STATUS = (408, 429, 500, 502, 503, 504)  # huggingface_hub's http_backoff default
+
+
+def hub_download(
+    repo_id: str, filename: str, *, revision: str, token: str | bool | None = None, endpoint: str | None = None
+) -> Path:
+    """``hf_hub_download`` into the cache, retrying transient server errors, reporting the real failure.
+
+    Args:
+        repo_id, filename, revision, token, endpoint: as for ``huggingface_hub.hf_hub_download``.
+
+    Returns:
+        The cached file's path.
+
+    Raises:
+        huggingface_hub.errors.HfHubHTTPError: the Hub kept answering an error status (the status is in the
+            message and in ``.response.status_code``), or answered a non-transient one.
+        huggingface_hub.errors.RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError: as
+            ``hf_hub_download``.
+        huggingface_hub.errors.LocalEntryNotFoundError: offline (or unreachable) and not in the cache.
+    """
+    wait = HUB_RETRY_WAIT_S
+    for attempt in range(HUB_RETRIES + 1):
+        try:
+            return Path(hf_hub_download(
+                repo_id, filename, revision=revision, token=token, endpoint=endpoint,
+                library_name=LIBRARY_NAME, library_version=library_version(),
+            ))
+        except LocalEntryNotFoundError as e:
+            # The metadata request failed even after huggingface_hub's own retries: say why, when the Hub said.
+            if isinstance(e.__cause__, HfHubHTTPError) and e.__cause__.response is not None:
+                cause = e.__cause__
+                append_to_message(cause, f"\n[transformer-zoo: could not download {filename!r} of {repo_id!r} at "
+                                          f"revision {revision!r}; huggingface_hub retried with backoff]")
+                raise cause from None
+            raise
+        except HfHubHTTPError as e:
+            status = e.response.status_code if e.response is not None else None
+            if status not in TRANSIENT_STATUS or isinstance(e, EntryNotFoundError):
+                raise
+            if attempt == HUB_RETRIES:
+                append_to_message(e, f"\n[transformer-zoo: downloading {filename!r} of {repo_id!r} at revision "
+                                      f"{revision!r} failed {attempt + 1} times with a server error]")
+                raise
+            logger.warning(
+                "the Hub answered HTTP %s while downloading %r of %r; retrying in %.1f s [%d/%d]",
+                status, filename, repo_id, wait, attempt + 1, HUB_RETRIES,
+            )
+            time.sleep(wait)
+            wait = min(HUB_RETRY_MAX_WAIT_S, wait * 2)
+    raise AssertionError("unreachable")
+
+
+def check_push_arguments(repo_id: str, private: bool, revision: str | None) -> None:
+    """Check ``push_folder``'s arguments before anything is written or requested.
+
+    Raises:
+        ValueError: an invalid ``repo_id``, or a ``revision`` that is not a non-empty branch name.
+        TypeError: ``private`` is not a bool.
+    """
+    validate_repo_id(repo_id)
+    if not isinstance(private, bool):
+        raise TypeError(f"private must be a bool, got {private!r}")
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise ValueError(f"revision must be a non-empty branch name, got {revision!r}")
+
+
+def push_folder(
+    repo_id: str,
+    write: Callable[[Path], None],
+    *,
+    commit_message: str,
+    private: bool = False,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    endpoint: str | None = None,
+) -> CommitInfo:
+    """Upload the files ``write(folder)`` puts in a fresh folder to a Hub model repo in one commit, creating the
+    repo (and the branch ``revision``, from ``main``) if needed.
+
+    The folder is staged like a local save, beside a fixed name in the temporary folder: a push killed half way
+    leaves a folder that the next push removes.
+
+    Args:
+        repo_id, private, revision: as checked by ``check_push_arguments``.
+        write: writes the files (plain files only) into the folder it is given.
+        commit_message, token, endpoint: passed to ``huggingface_hub``.
+
+    Returns:
+        ``huggingface_hub.CommitInfo`` (``.oid`` is the commit sha; with nothing changed, the current head).
+
+    Raises:
+        huggingface_hub.errors.HfHubHTTPError: the Hub refused (e.g. no write access).
+    """
+    check_push_arguments(repo_id, private, revision)
+    api = HfApi(endpoint=endpoint, token=token, library_name=LIBRARY_NAME, library_version=library_version())
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    if revision not in (None, "main"):
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    with staging_folder(Path(tempfile.gettempdir()) / "transformer-zoo-push") as folder:
+        write(folder)
+        operations = [
+            CommitOperationAdd(path_in_repo=p.name, path_or_fileobj=str(p)) for p in sorted(folder.iterdir())
+        ]
+        return api.create_commit(repo_id, operations, commit_message=commit_message, revision=revision)
+
+
+@contextmanager
+def naming_the_repo(repo_id: str | None, revision: str | None) -> Iterator[None]:
+    """Name the repo and the requested revision in the Hub's not-found errors raised inside."""
+    try:
+        yield
+    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
+        append_to_message(e, f"\n[transformer-zoo: loading Hub repo {repo_id!r} at revision {revision!r}]")
+        raise
+
+
+def is_commit_sha(text: str) -> bool:
+    """Whether ``text`` is a full 40-character Hub commit sha (the name of a cache snapshot folder)."""
+    return len(text) == 40 and all(c in "0123456789abcdef" for c in text)
+
+
+def append_to_message(error: BaseException, extra: str) -> None:
+    """Add ``extra`` to an exception's message in place (``huggingface_hub`` errors and plain ones alike)."""
+    if error.args and isinstance(error.args[0], str):
+        error.args = (error.args[0] + extra, *error.args[1:])
+    else:
+        error.args = (*error.args, extra.strip())

@@ -1,0 +1,399 @@
+"""Loading a checkpoint: resolve it, read it, build the model and strictly load the weights into it.
+
+``load_pretrained`` serves ``models.from_pretrained`` and every ``Model.from_pretrained``. A zoo checkpoint names
+its class in ``config.json`` (``models.checkpoints.architectures``); checkpoints written by ``transformers`` (a
+``config.json`` with ``model_type``) and single-file formats (GGUF: ``models.gguf``, which registers itself with
+``register_file_format``) are converted on the fly by ``models.convert.from_transformers``. A quantized checkpoint
+(a ``quantization`` entry in ``config.json``, see ``models.checkpoints.persistence``) is loaded into a freshly built
+model whose recorded layers were quantized first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Unpack
+
+import torch
+from torch import Tensor, nn
+
+import blocks
+from blocks.quantized import quantization_mismatch, quantized_modules, quantized_skeleton
+
+from ..convert import registry as converters
+from .architectures import get_architecture
+from .atomic import reading
+from .files import (
+    FORMAT_VERSION,
+    QUANTIZATION_KEY,
+    is_transformers_config,
+    is_zoo_config,
+    load_tokenizer,
+    read_json,
+    read_weights,
+)
+from .locate import checkpoint_files, locate
+from .options import LoadOptions, parse_options
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FileFormat:
+    """A single-file checkpoint format that reads as a ``transformers`` checkpoint (see ``register_file_format``)."""
+
+    name: str
+    read: Callable[[Path, torch.dtype | None], tuple[Mapping[str, Any], Mapping[str, Tensor], Any]]
+    requires: str
+
+
+_FILE_FORMATS: dict[str, FileFormat] = {}
+
+
+def register_file_format(
+    suffix: str,
+    name: str,
+    read: Callable[[Path, torch.dtype | None], tuple[Mapping[str, Any], Mapping[str, Tensor], Any]],
+    requires: str,
+) -> None:
+    """Load local files ending in ``suffix`` with ``read(path, dtype) -> (transformers config dict, state dict under
+    transformers names, tokenizer or None)``, converted like a ``transformers`` checkpoint. ``models.gguf`` registers
+    ``".gguf"``; the format module registers itself, so the loader imports none of them.
+
+    Args:
+        suffix: the file ending, with its dot (``".gguf"``), matched case-insensitively.
+        name: the format's name in messages (``"GGUF"``).
+        read: the reader.
+        requires: what loading needs, named when ``read`` raises ``ImportError``.
+
+    Raises:
+        ValueError: another format holds ``suffix``.
+    """
+    suffix = suffix.lower()
+    old = _FILE_FORMATS.get(suffix)
+    if old is not None and old.name != name:
+        raise ValueError(f"files ending in {suffix!r} are already read as {old.name}; cannot register {name} for them")
+    _FILE_FORMATS[suffix] = FileFormat(name, read, requires)
+
+#: byte alignment of the blocks PyTorch's CPU allocator returns (c10's gAlignment); quantized tensors get it.
+_ALIGNMENT = 64
+
+
+def load_pretrained(
+    path_or_repo_id: str | os.PathLike[str],
+    expected_class: type[nn.Module] | None,
+    **options: Unpack[LoadOptions],
+) -> nn.Module:
+    """Resolve, read, build and strictly load a checkpoint from a local folder, a GGUF file or a Hub repo.
+
+    A local file ending in ``.gguf`` is read by ``models.gguf.read_gguf`` (needs the ``gguf`` package; a format
+    registered with ``register_file_format``) and
+    converted like a ``transformers`` checkpoint; its embedded tokenizer becomes ``model.tokenizer``.
+
+    Args:
+        path_or_repo_id: a checkpoint folder, a ``.gguf`` file, or a Hub repo id (``"namespace/name"``).
+        expected_class: the class the caller asked for (``None``: whatever the checkpoint holds).
+        **options: see ``LoadOptions``.
+
+    Returns:
+        The model in eval mode; ``model.tokenizer`` is set when the checkpoint holds a tokenizer.
+
+    Raises:
+        TypeError: an unknown keyword argument, or arguments of the wrong type.
+        ValueError: bad option values; a config of another architecture than ``expected_class``; weights that
+            do not fit the config (missing, unexpected or mis-shaped tensors, all listed); unreadable or
+            corrupted files; a pickle that is not plain tensors.
+        FileNotFoundError: a local folder without ``config.json`` or weights; a ``.gguf`` path that is no file.
+        ImportError: a ``.gguf`` file without the ``gguf`` package.
+        huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: the repo,
+            revision or a required file does not exist on the Hub (the message names repo and revision).
+        huggingface_hub.errors.HfHubHTTPError: the Hub kept failing (its status is in the message) after retries.
+    """
+    opts = parse_options(options)
+    single = _single_file(path_or_repo_id)
+    allow_missing: frozenset[str] = frozenset()
+    quantization: tuple[str, list[str]] | None = None
+    if single is not None:
+        gguf_file, file_format = single
+        if opts.revision is not None:
+            raise ValueError(f"revision={opts.revision!r} only applies to Hub repos, but {gguf_file} is a local file")
+        source = str(gguf_file)
+        hf_config, hf_state, tokenizer = _read_single_file(gguf_file, file_format, opts.dtype)
+        cls, config, state, allow_missing = _convert_transformers(hf_config, hf_state, expected_class, source)
+    else:
+        location = locate(
+            path_or_repo_id, revision=opts.revision, token=opts.token, endpoint=opts.endpoint
+        )
+        with reading(location.folder):  # a local folder is read as one complete checkpoint, never mid-save
+            raw = read_json(location.config)
+            if is_zoo_config(raw):
+                # Config first: a checkpoint of the wrong class is refused before its weights are downloaded.
+                cls, config = _zoo_class_and_config(raw, expected_class, location.source)
+                quantization = _quantization(raw, location.source)
+                files = checkpoint_files(location)
+                state = read_weights(files)
+            elif is_transformers_config(raw):
+                files = checkpoint_files(location)
+                state = read_weights(files)
+            else:
+                raise ValueError(
+                    f"{location.config} is neither a transformer-zoo config (keys 'architecture' and "
+                    f"'format_version') nor a transformers config (key 'model_type'); it has keys {sorted(raw)}"
+                )
+            tokenizer = load_tokenizer(files.tokenizer) if files.tokenizer is not None else None
+        source = files.source
+        if is_transformers_config(raw):
+            cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, source)
+
+    # transformers' BERT config.json does not store the [MASK] id; the checkpoint's tokenizer knows it.
+    if tokenizer is not None and getattr(config, "mask_token_id", 0) is None:
+        if getattr(tokenizer, "mask_token_id", None) is not None:
+            config = config.replace(mask_token_id=tokenizer.mask_token_id)
+
+    model = cls(config)
+    if quantization is not None:
+        # Give the fresh model the saved model's quantized layers, then load the int8 tensors into them.
+        scheme, layers = quantization
+        try:
+            quantized_skeleton(model, scheme, layers)
+        except ValueError as e:
+            raise ValueError(
+                f"{source}: config.json's {QUANTIZATION_KEY!r} entry does not fit {cls.__name__}: {e}"
+            ) from e
+    load_state_into(model, state, allow_missing=allow_missing, dtype=opts.dtype, source=source)
+    if opts.attention_backend is not None:
+        model.set_attention_backend(opts.attention_backend)
+    if opts.device is not None:
+        model.to(opts.device)
+    model.eval()
+    if tokenizer is not None:
+        model.tokenizer = tokenizer
+    return model
+
+
+def load_state_into(
+    model: nn.Module,
+    state: Mapping[str, Tensor],
+    *,
+    allow_missing: frozenset[str] = frozenset(),
+    dtype: torch.dtype | None = None,
+    source: str = "checkpoint",
+) -> None:
+    """Strictly copy ``state`` into ``model``, keeping tied weights tied.
+
+    Tied tensors (one object under several names) need only one of their names in ``state``. The model takes
+    one floating dtype: ``dtype`` if given, else the dtype that holds most of the checkpoint's floating
+    elements. Floating tensors stored in another dtype are cast to it (a warning names them when ``dtype`` was
+    not asked for): a model whose parameters mix dtypes fails at its first matmul, so mixing is never kept.
+
+    Args:
+        model: a freshly built model.
+        state: name -> tensor, in the model's naming.
+        allow_missing: names that may be absent: they keep their initialisation and a warning is logged.
+        dtype: target floating dtype, or ``None``.
+        source: how to name the checkpoint in messages.
+
+    Raises:
+        ValueError: missing, unexpected or mis-shaped tensors (every one listed), integer tensors of another
+            dtype than the model's (int8 weights stored wider), tied names whose tensors in ``state`` differ, or
+            quantized weights for a model whose layers are unquantized, or the reverse (the scheme is named).
+    """
+    mismatch = quantization_mismatch(model, state)
+    if mismatch is not None:
+        raise ValueError(f"the weights in {source} do not fit {type(model).__name__}: {mismatch}")
+    targets = model.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for name, tensor in targets.items():
+        groups.setdefault(id(tensor), []).append(name)
+
+    unexpected = sorted(set(state) - set(targets))
+    missing: list[str] = []
+    mismatched: list[str] = []
+    assignments: list[tuple[str, Tensor, Tensor]] = []
+    for names in groups.values():
+        present = [n for n in names if n in state]
+        if not present:
+            if any(n in allow_missing for n in names):
+                logger.warning("%s has no weights for %s: keeping the fresh initialisation", source, names[0])
+            else:
+                missing.append(names[0] if len(names) == 1 else f"{names[0]} (tied with {', '.join(names[1:])})")
+            continue
+        loaded = state[present[0]]
+        for other in present[1:]:
+            if not torch.equal(state[other], loaded):
+                raise ValueError(f"{source}: tied weights {present[0]} and {other} hold different values")
+        target = targets[names[0]]
+        if tuple(loaded.shape) != tuple(target.shape):
+            mismatched.append(f"{present[0]}: checkpoint {tuple(loaded.shape)} vs model {tuple(target.shape)}")
+        elif loaded.is_floating_point() != target.is_floating_point() or (
+            not target.is_floating_point() and loaded.dtype != target.dtype
+        ):
+            # Integer tensors are never cast: int8 weights stored in a wider type are a different format.
+            mismatched.append(f"{present[0]}: checkpoint dtype {loaded.dtype} vs model dtype {target.dtype}")
+        else:
+            assignments.append((present[0], target, loaded))
+    if missing or unexpected or mismatched:
+        problems = [
+            f"{label} ({len(items)}): {_listing(items)}"
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", mismatched))
+            if items
+        ]
+        raise ValueError(
+            f"the weights in {source} do not fit {type(model).__name__} and its config: " + "; ".join(problems)
+        )
+
+    floating = [(name, loaded) for name, _, loaded in assignments if loaded.is_floating_point()]
+    model_dtype = dtype if dtype is not None else _dominant_dtype([t for _, t in floating])
+    if model_dtype is not None:
+        model.to(dtype=model_dtype)  # non-persistent float buffers (sinusoid tables) follow the weights
+        cast = [f"{name} ({str(t.dtype).removeprefix('torch.')})" for name, t in floating if t.dtype != model_dtype]
+        if cast and dtype is None:
+            logger.warning(
+                "%s stores %d tensor(s) in another dtype than most of its weights; cast to %s: %s",
+                source, len(cast), str(model_dtype).removeprefix("torch."), _listing(cast),
+            )
+    used_storages: set[int] = set()
+    quantized = tuple(f"{name}." for name in quantized_modules(model))
+    # Looked up again: casting replaces floating buffers (a quantized layer's scale) by new tensor objects, while
+    # parameters keep theirs.
+    targets = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, _, loaded in assignments:
+            target = targets[name]
+            if loaded.is_floating_point() and model_dtype is not None:
+                loaded = loaded.to(dtype=model_dtype)
+            loaded = loaded.to(device=target.device).contiguous()
+            if name.startswith(quantized) and loaded.data_ptr() % _ALIGNMENT:
+                # safetensors hands out views of one file buffer at 8-byte offsets; the CPU int8 kernel
+                # (torch._weight_int8pack_mm, bfloat16 path) crashes with a segfault on an int8 weight that is not
+                # 64-byte aligned. A copy gets an aligned block from the allocator.
+                loaded = loaded.clone()
+            if loaded.untyped_storage().data_ptr() in used_storages:
+                # One tensor given for two untied parameters (a converter may do this): copy it, or training
+                # one parameter would silently change the other.
+                loaded = loaded.clone()
+            used_storages.add(loaded.untyped_storage().data_ptr())
+            # Assigning .data keeps the Parameter object, so every module sharing it stays tied.
+            target.data = loaded
+
+
+def _dominant_dtype(tensors: list[Tensor]) -> torch.dtype | None:
+    """The floating dtype holding the most elements (ties: the wider one), or ``None`` without tensors."""
+    counts: dict[torch.dtype, int] = {}
+    for t in tensors:
+        counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    if not counts:
+        return None
+    return max(counts, key=lambda d: (counts[d], d.itemsize))
+
+
+def _zoo_class_and_config(
+    raw: dict[str, Any], expected_class: type[nn.Module] | None, source: str
+) -> tuple[type[nn.Module], Any]:
+    version = raw.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"{source}: config.json has format_version={version!r}; expected a positive integer")
+    if version > FORMAT_VERSION:
+        raise ValueError(
+            f"{source}: config.json has format_version={version}, newer than this transformer-zoo reads "
+            f"({FORMAT_VERSION}); upgrade transformer-zoo"
+        )
+    name = raw.get("architecture")
+    if not isinstance(name, str):
+        raise ValueError(f"{source}: config.json has architecture={name!r}; expected a class name")
+    if expected_class is not None:
+        if name != expected_class.__name__:
+            raise ValueError(
+                f"{source} holds a {name} checkpoint, not a {expected_class.__name__}; load it with "
+                f"{name}.from_pretrained or models.auto.from_pretrained"
+            )
+        cls = expected_class
+    else:
+        cls = get_architecture(name)
+    config_dict = raw.get("config")
+    if not isinstance(config_dict, dict):
+        raise ValueError(f"{source}: config.json field 'config' must be an object, got {type(config_dict).__name__}")
+    try:
+        config = cls.config_class.from_dict(config_dict)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: config.json does not hold a valid {cls.config_class.__name__}: {e}") from e
+    return cls, config
+
+
+def _quantization(raw: dict[str, Any], source: str) -> tuple[str, list[str]] | None:
+    """The ``(scheme, layer names)`` of ``config.json``'s ``quantization`` entry, or ``None`` when it has none.
+
+    Checked before any weights are read or downloaded.
+
+    Raises:
+        ValueError: a malformed entry (not an object of exactly ``scheme`` and ``modules``), an unknown scheme,
+            or ``modules`` that is not a non-empty list of distinct names.
+    """
+    entry = raw.get(QUANTIZATION_KEY)
+    if entry is None:
+        return None
+    where = f"{source}: config.json's {QUANTIZATION_KEY!r} entry"
+    if not isinstance(entry, dict) or set(entry) != {"scheme", "modules"}:
+        got = sorted(entry) if isinstance(entry, dict) else entry
+        raise ValueError(f"{where} must be an object with keys ['modules', 'scheme'], got {got!r}")
+    scheme, layers = entry["scheme"], entry["modules"]
+    schemes = blocks.names("quantization")
+    if scheme not in schemes:
+        raise ValueError(f"{where} names quantization scheme {scheme!r}; this transformer-zoo knows {schemes}")
+    if not isinstance(layers, list) or not layers or not all(isinstance(n, str) and n for n in layers):
+        raise ValueError(f"{where} must list the quantized layers in 'modules' (non-empty strings), got {layers!r}")
+    if len(set(layers)) != len(layers):
+        twice = sorted({n for n in layers if layers.count(n) > 1})
+        raise ValueError(f"{where} lists layers more than once: {twice}")
+    return scheme, layers
+
+
+def _convert_transformers(
+    raw: dict[str, Any], state: dict[str, Tensor], expected_class: type[nn.Module] | None, source: str
+) -> tuple[type[nn.Module], Any, dict[str, Tensor], frozenset[str]]:
+    converted = converters.from_transformers(raw, state)
+    cls = converted.architecture
+    if expected_class is not None and cls is not expected_class:
+        raise ValueError(
+            f"{source} is a transformers {raw.get('model_type')!r} checkpoint, which converts to {cls.__name__}, "
+            f"not {expected_class.__name__}; load it with {cls.__name__}.from_pretrained or models.auto.from_pretrained"
+        )
+    return cls, converted.config, dict(converted.state_dict), frozenset(converted.allow_missing)
+
+
+
+def _single_file(path_or_repo_id: Any) -> tuple[Path, FileFormat] | None:
+    """The path and its format when ``path_or_repo_id`` names a local file of a registered format, else ``None``.
+
+    Raises:
+        FileNotFoundError: a name ending in a registered suffix that is no file (such files load from local paths
+            only).
+    """
+    if not isinstance(path_or_repo_id, (str, os.PathLike)):
+        return None
+    path = Path(path_or_repo_id).expanduser()
+    file_format = _FILE_FORMATS.get(path.suffix.lower())
+    if file_format is None or path.is_dir():
+        return None
+    if not path.is_file():
+        name = file_format.name
+        raise FileNotFoundError(f"no {name} file at {path}; {name} checkpoints are loaded from a local file path")
+    return path, file_format
+
+
+def _read_single_file(
+    path: Path, file_format: FileFormat, dtype: torch.dtype | None
+) -> tuple[dict[str, Any], dict[str, Tensor], Any]:
+    try:
+        hf_config, state, tokenizer = file_format.read(path, dtype)
+    except ImportError as e:  # the format's packages are an optional extra
+        raise ImportError(f"loading {path} needs {file_format.requires}: {e}") from e
+    return dict(hf_config), dict(state), tokenizer
+
+
+def _listing(items: list[str], limit: int = 20) -> str:
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown}, ... ({len(items) - limit} more)"
