@@ -16,7 +16,8 @@ DCP's own metadata classes, so a crafted checkpoint cannot run code.
 
 Writes go to a hidden folder that is renamed into place; a replaced or pruned folder is first renamed
 aside, so every instant of a save leaves the previous or the new checkpoint whole, and the next save or
-load finishes or undoes what an interrupted one left.
+load finishes or undoes what an interrupted one left. The scheme is the one model checkpoints use
+(``models.checkpoints.atomic``: ``replace_folder``, ``remove_folder``, ``recover``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
-import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from models.checkpoints import atomic
 from models.checkpoints.atomic import fsync
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported when used: it takes seconds to import
@@ -47,7 +49,8 @@ CHECKPOINT_PREFIX = "step-"
 STATE_NAME = "trainer_state.pt"
 MANIFEST_NAME = "manifest.json"
 SHARDED_DIR = "sharded"
-_STAGING_SUFFIX, _REPLACED_SUFFIX, _DELETING_SUFFIX = ".tmp", ".replaced", ".deleting"
+# What interrupted saves of earlier transformer-zoo versions left: .step-N.tmp, .step-N.replaced, .step-N.<id>.deleting
+_OLD_LEFTOVER = re.compile(rf"\.(?P<name>{CHECKPOINT_PREFIX}\d+)(?P<kind>\.tmp|\.replaced|\.[0-9a-f]{{8}}\.deleting)")
 
 
 def rng_name(rank: int) -> str:
@@ -249,31 +252,21 @@ def load_torch(path: Path, what: str) -> Any:
 
 # ---------------------------------------------------------------------------------------------- folders
 def staging_folder(root: Path, name: str) -> Path:
-    """The hidden folder a checkpoint ``name`` is written to before it is renamed into place."""
-    return root / f".{name}{_STAGING_SUFFIX}"
+    """The hidden folder a checkpoint ``name`` is written to before it is renamed into place: the same path in
+    every process (each writes its shards there); the main process creates it after ``recover``."""
+    return atomic.shared_staging_folder(root / name)
 
 
 def publish(staging: Path, final: Path) -> None:
-    """Rename the finished ``staging`` folder to ``final``; an existing ``final`` is renamed aside first and
-    removed after, so ``final`` (or its renamed-aside copy, which ``recover`` restores) is always whole."""
-    aside = final.parent / f".{final.name}{_REPLACED_SUFFIX}"
-    if final.exists():
-        if aside.exists():
-            shutil.rmtree(aside)
-        os.rename(final, aside)
-    os.rename(staging, final)
-    fsync(final.parent)
-    if aside.exists():
-        remove(aside)
+    """Make the finished ``staging`` folder the checkpoint ``final``, replacing an existing one as a whole:
+    ``final`` (or the old one renamed aside, which ``recover`` puts back) is always whole."""
+    atomic.replace_folder(staging, final)
 
 
 def remove(folder: Path) -> None:
     """Delete a checkpoint folder: renamed to a hidden name first (atomic), so a half-deleted folder is never
     listed as a checkpoint."""
-    doomed = folder.parent / f".{folder.name.lstrip('.')}.{uuid.uuid4().hex[:8]}{_DELETING_SUFFIX}"
-    os.rename(folder, doomed)
-    fsync(folder.parent)
-    shutil.rmtree(doomed, ignore_errors=True)
+    atomic.remove_folder(folder)
 
 
 def recover(root: Path) -> None:
@@ -281,17 +274,14 @@ def recover(root: Path) -> None:
     never arrived, and delete staging, replaced and half-deleted leftovers."""
     if not root.is_dir():
         return
-    for path in root.iterdir():
-        name = path.name
-        if not (path.is_dir() and name.startswith(".")):
+    atomic.recover_all(root, CHECKPOINT_PREFIX)
+    for path in root.iterdir():  # leftovers of earlier versions, which named them differently
+        old = _OLD_LEFTOVER.fullmatch(path.name)
+        if old is None or not path.is_dir():
             continue
-        if name.endswith(_REPLACED_SUFFIX) and name[1:].startswith(CHECKPOINT_PREFIX):
-            final = root / name[1: -len(_REPLACED_SUFFIX)]
-            if not final.exists():
-                os.rename(path, final)  # the kill came between the two renames of ``publish``
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-        elif name[1:].startswith(CHECKPOINT_PREFIX) and name.endswith((_STAGING_SUFFIX, _DELETING_SUFFIX)):
+        if old["kind"] == ".replaced" and not (root / old["name"]).exists():
+            os.rename(path, root / old["name"])  # the kill came between the two renames of the old publish
+        else:
             shutil.rmtree(path, ignore_errors=True)
     fsync(root)
 
