@@ -1,7 +1,7 @@
 """Generation: the decoding loops mixed into the model classes, and what they share.
 
-- ``steps`` — what every loop shares: the step/request types, the token loop, cache growth, eval-mode handling
-  and argument checks.
+- ``steps`` — what every loop shares: the step type, the token loop, cache growth and eval-mode handling.
+- ``requests`` — the checked request types (``LMRequest``, ``Seq2SeqRequest``) and the argument checks.
 - ``sampling`` — ``SamplingParams`` and the logits processors (temperature, top-k, top-p, repetition penalty).
 - ``beam_search`` — beam search with the GNMT length penalty (paper §6.1), over any step function.
 - ``decoder`` — ``DecoderLM.generate`` / ``stream`` (``DecoderLMGenerationMixin``).

@@ -27,7 +27,7 @@ import dataclasses
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -36,11 +36,9 @@ from blocks.kv_cache import BucketKVCache, LayerCache
 from blocks.small_matmul import SmallRowsLinear
 
 from ..core import stack
+from .requests import LMRequest
 from .sampling import seen_tokens
-from .steps import _Step, _token_loop
-
-if TYPE_CHECKING:
-    from .decoder import _LMRequest
+from .steps import Step, token_loop
 
 #: The smallest cache bucket; buckets double from here.
 MIN_BUCKET = 64
@@ -58,22 +56,12 @@ def bucket_length(needed: int, capacity: int | None) -> int:
     return bucket if capacity is None else max(needed, min(bucket, capacity))
 
 
-def check_compilable(model: Any, request: _LMRequest | None = None) -> None:
-    """Reject what the compiled path does not support, before any work.
+def next_token_logits(model: Any, tokens: Tensor, mask: Tensor, caches: list[LayerCache]) -> Tensor:
+    """The one-token decoder step that ``compiled_steps`` and the compiled speculative draft compile (one function,
+    so they share its graphs).
 
-    Raises:
-        ValueError: naming the unsupported setting — a model whose attention backend is not ``"sdpa"`` or
-            ``"math"`` (the others are not traced here).
+    Shapes: tokens ``(B, 1)``, mask ``(B, bucket)`` -> ``(B, V)``.
     """
-    backend = getattr(model.config, "attention_backend", "sdpa")
-    if backend not in ("sdpa", "math", None):
-        raise ValueError(
-            f"compile=True supports the 'sdpa' and 'math' attention backends, the model uses {backend!r}; "
-            "use compile=False"
-        )
-
-
-def _step(model: Any, tokens: Tensor, mask: Tensor, caches: list[LayerCache]) -> Tensor:
     return model(tokens, attention_mask=mask, cache=caches).logits[:, -1]
 
 
@@ -108,7 +96,7 @@ def weights_state(model: nn.Module) -> tuple:
     return tuple(state)
 
 
-def _freezes(model: nn.Module, device: torch.device) -> bool:
+def freezes_weights(model: nn.Module, device: torch.device) -> bool:
     """Whether the step runs with ``FROZEN_OPTIONS``: inductor on CPU, float weights only (an int8 weight would be
     folded into a float constant, read at four bytes again)."""
     return (device.type == "cpu" and BACKEND == "inductor"
@@ -165,7 +153,7 @@ def compile_step(fn: Callable[..., Any], model: nn.Module, device: torch.device)
     """
     key = (fn, device.type, BACKEND)
     per_model = _COMPILED.setdefault(model, {})
-    frozen = _freezes(model, device)
+    frozen = freezes_weights(model, device)
     state = weights_state(model) if frozen else None
     if key not in per_model or per_model[key][0] != state:
         per_model[key] = (state, CompiledStep(fn, frozen, device))
@@ -185,7 +173,7 @@ class _Kept:
         return self.owner is None or self.owner() is None
 
 
-def _buffers(model: Any, caches: list[LayerCache], b: int, bucket: int, owner: weakref.ref,
+def bucket_buffers(model: Any, caches: list[LayerCache], b: int, bucket: int, owner: weakref.ref,
              ) -> tuple[list[LayerCache], Tensor, Tensor]:
     """A free set of kept bucket buffers for this model and shape (made when none is free), claimed for ``owner``
     and filled with ``caches``' prompt.
@@ -224,7 +212,7 @@ def _buffers(model: Any, caches: list[LayerCache], b: int, bucket: int, owner: w
 
 
 @torch.inference_mode()
-def compiled_steps(model: Any, request: _LMRequest, steady: bool = True) -> Iterator[_Step]:
+def compiled_steps(model: Any, request: LMRequest, steady: bool = True) -> Iterator[Step]:
     """Prefill eagerly, then decode with the compiled bucket step (the caller sets eval mode).
 
     ``steady``: nothing else touches the model between steps (``generate``; not ``stream``, whose caller runs
@@ -240,7 +228,7 @@ def compiled_steps(model: Any, request: _LMRequest, steady: bool = True) -> Iter
     prefill = stack.new_caches(len(model.layers), length)
     logits = model(prompt, attention_mask=prompt_mask, cache=prefill, logits_to_keep=1).logits[:, -1]
     filled = length
-    run = compile_step(_step, model, prompt.device)
+    run = compile_step(next_token_logits, model, prompt.device)
 
     def step(tokens: Tensor) -> Tensor:
         nonlocal filled
@@ -254,11 +242,11 @@ def compiled_steps(model: Any, request: _LMRequest, steady: bool = True) -> Iter
         return run(model, tokens[:, None], mask, caches, skip_guards=skip).clone()
 
     # The buffers are this loop's while `step` lives (it dies with this generator).
-    caches, mask, index = _buffers(model, prefill, b, bucket, weakref.ref(step))
+    caches, mask, index = bucket_buffers(model, prefill, b, bucket, weakref.ref(step))
     mask.zero_()
     mask[:, :length] = True if prompt_mask is None else prompt_mask
 
     seen = seen_tokens(prompt, prompt_mask, model.config.vocab_size) if request.params.uses_history else None
-    yield from _token_loop(
+    yield from token_loop(
         logits, step, request.params, request.generator, request.eos, request.pad, request.max_new_tokens, seen
     )

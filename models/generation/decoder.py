@@ -1,46 +1,24 @@
 """``DecoderLM.generate`` / ``stream``: greedy or sampled continuation of (left-padded) prompts with a KV cache.
 
-Every step runs the model on one new token per row. See ``models.generation`` for what the families share.
+Every step runs the model on one new token per row. With ``compile=True`` the steps run the compiled static-shape
+step of ``models.generation.compiled``; with a ``draft_model``, speculative decoding
+(``models.generation.speculative``). See ``models.generation.steps`` for what the loops share.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from ..core import stack
-from . import steps as _shared
+from . import steps  # steps.CACHE_CHUNK is read at call time (tests patch it)
+from .compiled import compiled_steps
+from .requests import CONFIG_DEFAULT, LMRequest, check_compilable, lm_request
 from .sampling import SamplingParams, seen_tokens
-from .steps import (
-    CONFIG_DEFAULT,
-    _check_count,
-    _check_generator,
-    _each_step_in_eval_mode,
-    _eval_mode,
-    _make_room,
-    _resolve_eos_pad,
-    _sampling_params,
-    _Step,
-    _token_loop,
-)
-
-
-@dataclasses.dataclass
-class _LMRequest:
-    """A validated ``DecoderLM.generate`` request."""
-
-    prompt: Tensor  # (B, L), L >= 1
-    mask: Tensor | None  # (B, L) bool, None when nothing is padded
-    max_new_tokens: int
-    params: SamplingParams
-    eos: int | None
-    pad: int
-    generator: torch.Generator | None
-    compile: bool = False  # decode with the compiled static-shape step
-
+from .speculative import check_draft, speculative_steps
+from .steps import Step, each_step_in_eval_mode, eval_mode, make_room, token_loop
 
 
 class DecoderLMGenerationMixin:
@@ -89,10 +67,10 @@ class DecoderLMGenerationMixin:
             draft_model: a smaller ``DecoderLM`` with the same vocabulary for speculative decoding (Leviathan et
                 al. 2023): it proposes ``num_draft_tokens`` tokens, this model checks them in one forward pass.
                 Greedy output is identical to plain greedy decoding; sampled output follows this model's
-                distribution exactly. See ``models.speculative``.
+                distribution exactly. See ``models.generation.speculative``.
             num_draft_tokens: tokens the draft proposes per round (>= 1), with ``draft_model``.
             compile: decode with a compiled static-shape step over a bucketed cache
-                (``models.generation_compiled``): the first call per model and bucket pays the compile, later
+                (``models.generation.compiled``): the first call per model and bucket pays the compile, later
                 calls and other prompt lengths of the bucket reuse the graph. With ``draft_model``, the draft's
                 one-token steps compile (the verification pass of k + 1 tokens stays eager).
 
@@ -106,23 +84,19 @@ class DecoderLMGenerationMixin:
 
         Shapes: ``input_ids (B, L)`` -> ``(B, L + n)``.
         """
-        request = self._lm_request(
-            input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+        request = lm_request(
+            self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
             eos_token_id, pad_token_id, generator, sampling, compile,
         )
         if draft_model is not None:
-            from .speculative import check_draft, speculative_steps
-
             check_draft(self, draft_model, num_draft_tokens, request)
             if compile:
-                from .compiled import check_compilable
-
-                check_compilable(draft_model, request)  # the draft's one-token step is what compiles
-            with _eval_mode(self), _eval_mode(draft_model):
+                check_compilable(draft_model)  # the draft's one-token step is what compiles
+            with eval_mode(self), eval_mode(draft_model):
                 return speculative_steps(self, draft_model, request, int(num_draft_tokens)).sequences
         # Tokens are collected, not written into a (B, L + max_new_tokens) buffer: generation may stop at EOS
         # long before max_new_tokens, which may be huge.
-        with _eval_mode(self):
+        with eval_mode(self):
             tokens = [step.tokens for step in self._lm_steps(request)]
         # Built outside inference mode: the result must stay usable in autograd (e.g. as training input).
         return torch.cat([request.prompt, *(t[:, None] for t in tokens)], dim=1)
@@ -160,80 +134,22 @@ class DecoderLMGenerationMixin:
         Raises:
             ValueError: as ``generate``.
         """
-        request = self._lm_request(
-            input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+        request = lm_request(
+            self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
             eos_token_id, pad_token_id, generator, sampling, compile,
         )
         # The caller's code runs between the steps of a stream (it may change the model), so every compiled step
         # checks all of dynamo's guards.
-        steps = self._lm_steps(request, steady=False)
-        return (step.tokens.clone() for step in _each_step_in_eval_mode(self, steps))
-
-    def _lm_request(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor | None,
-        max_new_tokens: int,
-        do_sample: bool,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        repetition_penalty: float | None,
-        eos_token_id: int | None,
-        pad_token_id: int | None,
-        generator: torch.Generator | None,
-        sampling: SamplingParams | None = None,
-        compile: bool = False,  # noqa: A002
-    ) -> _LMRequest:
-        """Check every argument before any computation and resolve the defaults."""
-        config = self.config
-        self.check_ids(input_ids, "input_ids")
-        b, length = input_ids.shape
-        mask = self.check_mask(attention_mask, (b, length), "attention_mask")
-        _check_count(max_new_tokens, "max_new_tokens")
-        params = _sampling_params(sampling, do_sample, temperature, top_k, top_p, repetition_penalty)
-        eos, pad = _resolve_eos_pad(eos_token_id, pad_token_id, config)
-        _check_generator(generator, input_ids.device)
-        if length == 0:
-            bos = config.bos_token_id
-            if bos is None:
-                raise ValueError("the prompt is empty (L=0) and config.bos_token_id is None; give a prompt")
-            input_ids = torch.full((b, 1), bos, dtype=torch.long, device=input_ids.device)
-            mask = None
-        if mask is not None:
-            if not bool(mask[:, -1].all()):
-                rows = (~mask[:, -1]).nonzero().flatten().tolist()
-                raise ValueError(
-                    f"attention_mask rows {rows} end in padding; pad prompts on the left so that new tokens "
-                    "follow the last real token"
-                )
-            if bool(mask.all()):
-                mask = None  # nothing padded: the unmasked path is cheaper at every step
-        longest = input_ids.shape[1] if mask is None else int(mask.sum(dim=-1).max())
-        capacity = self.positional.max_positions
-        if capacity is not None and longest + max_new_tokens > capacity:
-            raise ValueError(
-                f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} = {longest + max_new_tokens} "
-                f"positions, but the model's {self.config.positional} positions go up to max_len={capacity}"
-            )
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile must be True or False, got {compile!r}")
-        request = _LMRequest(input_ids, mask, max_new_tokens, params, eos, pad, generator, compile)
-        if compile:
-            from .compiled import check_compilable
-
-            check_compilable(self, request)
-        return request
+        loop = self._lm_steps(request, steady=False)
+        return (step.tokens.clone() for step in each_step_in_eval_mode(self, loop))
 
     @torch.inference_mode()
-    def _lm_steps(self, request: _LMRequest, steady: bool = True) -> Iterator[_Step]:
+    def _lm_steps(self, request: LMRequest, steady: bool = True) -> Iterator[Step]:
         """Prefill the prompt into a cache, then decode one token per row per step (the caller sets eval mode).
 
         ``steady``: nothing but this generator touches the model between steps (see ``compiled_steps``).
         """
         if request.compile:
-            from .compiled import compiled_steps
-
             yield from compiled_steps(self, request, steady)
             return
         if request.max_new_tokens == 0:
@@ -243,7 +159,7 @@ class DecoderLMGenerationMixin:
         # Positions ever cached: the prompt and the generated tokens (the last one is not fed back, but a spare
         # position costs little and keeps the size the plain prompt + max_new_tokens).
         limit = length + request.max_new_tokens
-        cache = stack.new_caches(len(self.layers), min(limit, length + _shared.CACHE_CHUNK))
+        cache = stack.new_caches(len(self.layers), min(limit, length + steps.CACHE_CHUNK))
         mask_buffer = None
         if mask is not None:
             # The mask of every step is a prefix of one buffer: generated tokens are always real.
@@ -254,7 +170,7 @@ class DecoderLMGenerationMixin:
 
         def step(tokens: Tensor) -> Tensor:
             nonlocal filled, mask_buffer
-            _make_room(cache, 1, limit)
+            make_room(cache, 1, limit)
             filled += 1
             step_mask = None
             if mask_buffer is not None:
@@ -264,7 +180,7 @@ class DecoderLMGenerationMixin:
             return self(tokens[:, None], attention_mask=step_mask, cache=cache).logits[:, -1]
 
         seen = seen_tokens(prompt, mask, self.config.vocab_size) if request.params.uses_history else None
-        yield from _token_loop(
+        yield from token_loop(
             logits, step, request.params, request.generator, request.eos, request.pad, request.max_new_tokens, seen
         )
 

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .steps import _eval_mode, _resolve_token
+from .requests import resolve_token
+from .steps import eval_mode
 
 
 @dataclasses.dataclass
@@ -25,7 +26,6 @@ class FillMaskOutput:
     positions: Tensor
     token_ids: Tensor
     probs: Tensor
-
 
 
 class EncoderLMFillMaskMixin:
@@ -65,7 +65,7 @@ class EncoderLMFillMaskMixin:
         mask = self.check_mask(attention_mask, tuple(input_ids.shape), "attention_mask")
         if mask_token_id is None:
             mask_token_id = config.mask_token_id
-        mask_id = _resolve_token(mask_token_id, None, "mask_token_id", config.vocab_size)
+        mask_id = resolve_token(mask_token_id, None, "mask_token_id", config.vocab_size)
         if mask_id is None:
             raise ValueError("mask_token_id is None (and so is config.mask_token_id); give the [MASK] id")
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= config.vocab_size:
@@ -76,7 +76,7 @@ class EncoderLMFillMaskMixin:
         positions = is_mask.nonzero()  # (N, 2)
         if positions.shape[0] == 0:
             raise ValueError(f"input_ids contain no mask token (id {mask_id}) at a real position")
-        with torch.inference_mode(), _eval_mode(self):
+        with torch.inference_mode(), eval_mode(self):
             hidden = self.encode(input_ids, mask, token_type_ids)[0]  # (B, L, d_model)
             logits = self.mlm_head(hidden[positions[:, 0], positions[:, 1]])  # (N, V)
             best = logits.float().softmax(dim=-1).topk(top_k, dim=-1)

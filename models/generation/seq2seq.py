@@ -3,13 +3,12 @@ decoding.
 
 The source is encoded once and its cross-attention keys/values are computed at the first step and reused. With
 ``compile=True`` the decoder steps after the first run one compiled static-shape graph
-(``models.generation_seq2seq_compiled``). ``stream`` yields the tokens of greedy/sampled decoding step by step;
+(``models.generation.seq2seq_compiled``). ``stream`` yields the tokens of greedy/sampled decoding step by step;
 beam search cannot stream (a beam's tokens may change until the search ends).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Iterator
@@ -18,37 +17,11 @@ import torch
 from torch import Tensor
 
 from ..core import stack
-from . import steps as _shared
+from . import seq2seq_compiled, steps  # attributes read at call time (tests patch beam_step, CACHE_CHUNK)
 from .beam_search import beam_search, gnmt_length_penalty
+from .requests import CONFIG_DEFAULT, Seq2SeqRequest, check_flag, seq2seq_request
 from .sampling import SamplingParams, seen_tokens
-from .steps import (
-    CONFIG_DEFAULT,
-    _check_count,
-    _check_generator,
-    _each_step_in_eval_mode,
-    _eval_mode,
-    _make_room,
-    _resolve_eos_pad,
-    _resolve_token,
-    _sampling_params,
-    _Step,
-    _token_loop,
-)
-
-
-@dataclasses.dataclass
-class _Seq2SeqRequest:
-    """A validated ``Seq2SeqTransformer.generate`` / ``stream`` request (what beam search and greedy share)."""
-
-    src_ids: Tensor  # (B, S), S >= 1
-    src_mask: Tensor | None  # (B, S) bool, None when nothing is padded
-    max_new_tokens: int
-    params: SamplingParams
-    eos: int | None
-    pad: int
-    start: int  # the decoder start token
-    generator: torch.Generator | None
-    compile: bool = False  # decode with the compiled static-shape step
+from .steps import Step, each_step_in_eval_mode, eval_mode, make_room, token_loop
 
 
 class Seq2SeqGenerationMixin:
@@ -81,7 +54,7 @@ class Seq2SeqGenerationMixin:
 
         Beam search ranks hypotheses by ``log P(Y|X) / ((5 + |Y|) / 6) ** length_penalty`` (GNMT) and stops a
         source as soon as all its beams have ended, i.e. no live beam can still beat its best finished
-        hypothesis (which never changes the result); see ``models.beam_search.beam_search``.
+        hypothesis (which never changes the result); see ``models.generation.beam_search.beam_search``.
 
         Args:
             src_ids: ``(B, S)`` source ids, ``S >= 1``.
@@ -99,7 +72,7 @@ class Seq2SeqGenerationMixin:
             sampling: the sampling settings as one ``SamplingParams`` (instead of the separate keywords).
             return_scores: also return each output's length-normalised log-probability (the beam score; for
                 ``num_beams=1`` the same formula on the model's log-probabilities).
-            compile: decode with a compiled static-shape step (``models.generation_seq2seq_compiled``): the
+            compile: decode with a compiled static-shape step (``models.generation.seq2seq_compiled``): the
                 encoder and the start token's step run eagerly, every later step (and the beam reorder) runs one
                 graph over bucketed caches. The first call per model, batch, beam count and bucket pays the
                 compile; later calls, and other source and target lengths of the bucket, reuse the graph. Needs
@@ -121,10 +94,9 @@ class Seq2SeqGenerationMixin:
             raise ValueError(f"num_beams must be an integer >= 1, got {num_beams!r}")
         if not isinstance(length_penalty, numbers.Real) or not math.isfinite(length_penalty):
             raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
-        if not isinstance(early_stopping, bool):
-            raise ValueError(f"early_stopping must be True or False, got {early_stopping!r}")
-        request = self._seq2seq_request(
-            src_ids, src_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+        check_flag(early_stopping, "early_stopping")
+        request = seq2seq_request(
+            self, src_ids, src_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
             eos_token_id, pad_token_id, decoder_start_token_id, generator, sampling, compile, num_beams,
         )
         b, device, start = request.src_ids.shape[0], request.src_ids.device, request.start
@@ -133,16 +105,14 @@ class Seq2SeqGenerationMixin:
             scores = torch.zeros(b, device=device)
             return (sequences, scores) if return_scores else sequences
 
-        with torch.inference_mode(), _eval_mode(self):
+        with torch.inference_mode(), eval_mode(self):
             memory = self.encode(request.src_ids, request.src_mask)  # (B, S, d_model), once per source
             if num_beams == 1:
                 sequences, scores = self._greedy(memory, request, length_penalty)
             else:
                 src_mask, max_new_tokens = request.src_mask, request.max_new_tokens
                 if compile:
-                    from .seq2seq_compiled import beam_step
-
-                    step = beam_step(self, memory, src_mask, max_new_tokens, num_beams)
+                    step = seq2seq_compiled.beam_step(self, memory, src_mask, max_new_tokens, num_beams)
                 else:
                     step = self._beam_step(memory, src_mask, max_new_tokens)
                 found = beam_search(
@@ -199,77 +169,16 @@ class Seq2SeqGenerationMixin:
 
         Shapes: ``src_ids (B, S)`` -> ``T`` tensors of shape ``(B,)``, ``T <= max_new_tokens``.
         """
-        request = self._seq2seq_request(
-            src_ids, src_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
+        request = seq2seq_request(
+            self, src_ids, src_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
             eos_token_id, pad_token_id, decoder_start_token_id, generator, sampling, compile,
         )
-        steps = self._stream_steps(request)
+        loop = self._stream_steps(request)
         # Clones leave inference mode, so the tokens can be used in autograd later.
-        return (step.tokens.clone() for step in _each_step_in_eval_mode(self, steps))
-
-    def _seq2seq_request(
-        self,
-        src_ids: Tensor,
-        src_mask: Tensor | None,
-        max_new_tokens: int | None,
-        do_sample: bool,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        repetition_penalty: float | None,
-        eos_token_id: int | None,
-        pad_token_id: int | None,
-        decoder_start_token_id: int | None,
-        generator: torch.Generator | None,
-        sampling: SamplingParams | None,
-        compile: bool,  # noqa: A002
-        num_beams: int = 1,
-    ) -> _Seq2SeqRequest:
-        """Check every argument that ``generate`` and ``stream`` share before any computation, and resolve the
-        defaults (``num_beams``, already checked, only rejects sampling settings that need one beam)."""
-        config = self.config
-        self.check_ids(src_ids, "src_ids")
-        b, src_len = src_ids.shape
-        if src_len == 0:
-            raise ValueError("src_ids is empty (S=0); give at least one source token")
-        src_mask = self.check_mask(src_mask, (b, src_len), "src_mask")
-        params = _sampling_params(sampling, do_sample, temperature, top_k, top_p, repetition_penalty)
-        if num_beams > 1 and (params.do_sample or params.uses_history):
-            raise ValueError(
-                f"do_sample and repetition_penalty work with num_beams=1 only, got num_beams={num_beams} "
-                f"with do_sample={params.do_sample}, repetition_penalty={params.repetition_penalty}"
-            )
-        eos, pad = _resolve_eos_pad(eos_token_id, pad_token_id, config)
-        start = _resolve_token(decoder_start_token_id, config.decoder_start_token_id, "decoder_start_token_id",
-                               config.vocab_size)
-        if start is None:
-            raise ValueError("decoder_start_token_id is None (and so is config.decoder_start_token_id)")
-        _check_generator(generator, src_ids.device)
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile must be True or False, got {compile!r}")
-        if compile:
-            from .seq2seq_compiled import check_compilable
-
-            check_compilable(self)
-        capacity = self.decoder_positional.max_positions
-        if max_new_tokens is None:
-            longest = src_len if src_mask is None else int(src_mask.sum(dim=-1).max())
-            max_new_tokens = longest + 50  # §6.1
-            if capacity is not None:
-                max_new_tokens = min(max_new_tokens, capacity - 1)
-        else:
-            _check_count(max_new_tokens, "max_new_tokens")
-            if capacity is not None and 1 + max_new_tokens > capacity:
-                raise ValueError(
-                    f"1 start token + max_new_tokens={max_new_tokens} = {1 + max_new_tokens} target positions, "
-                    f"but the decoder's {config.positional} positions go up to max_len={capacity}"
-                )
-        if src_mask is not None and bool(src_mask.all()):
-            src_mask = None  # nothing padded: the unmasked path is cheaper at every step
-        return _Seq2SeqRequest(src_ids, src_mask, int(max_new_tokens), params, eos, pad, start, generator, compile)
+        return (step.tokens.clone() for step in each_step_in_eval_mode(self, loop))
 
     @torch.inference_mode()
-    def _stream_steps(self, request: _Seq2SeqRequest) -> Iterator[_Step]:
+    def _stream_steps(self, request: Seq2SeqRequest) -> Iterator[Step]:
         """Encode the sources, then the greedy/sampled steps (the caller sets eval mode)."""
         if request.max_new_tokens == 0:
             return
@@ -278,7 +187,7 @@ class Seq2SeqGenerationMixin:
         # checks all of dynamo's guards.
         yield from self._greedy_steps(memory, request, steady=False)
 
-    def _greedy(self, memory: Tensor, request: _Seq2SeqRequest, alpha: float) -> tuple[Tensor, Tensor]:
+    def _greedy(self, memory: Tensor, request: Seq2SeqRequest, alpha: float) -> tuple[Tensor, Tensor]:
         """Greedy or sampled decoding with a cache; returns ``(ids (B, 1 + T), normalised scores (B,))``."""
         b = memory.shape[0]
         first = torch.full((b, 1), request.start, dtype=torch.long, device=memory.device)
@@ -293,7 +202,7 @@ class Seq2SeqGenerationMixin:
             lengths += live.long()
         return torch.cat(out, dim=1), log_prob / gnmt_length_penalty(lengths.float(), alpha)
 
-    def _greedy_steps(self, memory: Tensor, request: _Seq2SeqRequest, steady: bool = True) -> Iterator[_Step]:
+    def _greedy_steps(self, memory: Tensor, request: Seq2SeqRequest, steady: bool = True) -> Iterator[Step]:
         """The greedy/sampled decoding steps over a cached decoder (``max_new_tokens >= 1``; the caller runs
         under ``torch.inference_mode`` in eval mode).
 
@@ -303,32 +212,32 @@ class Seq2SeqGenerationMixin:
         b, max_new_tokens, src_mask = memory.shape[0], request.max_new_tokens, request.src_mask
         first = torch.full((b, 1), request.start, dtype=torch.long, device=memory.device)
         if request.compile:
-            from .seq2seq_compiled import greedy_step
-
-            logits, step = greedy_step(self, memory, src_mask, request.start, max_new_tokens, steady=steady)
+            logits, step = seq2seq_compiled.greedy_step(
+                self, memory, src_mask, request.start, max_new_tokens, steady=steady
+            )
         else:
-            cache = stack.new_caches(len(self.decoder_layers), min(max_new_tokens, _shared.CACHE_CHUNK),
+            cache = stack.new_caches(len(self.decoder_layers), min(max_new_tokens, steps.CACHE_CHUNK),
                                        cross=True)
             logits = self.decode(memory, first, src_mask, cache=cache)[:, -1]
 
             def step(tokens: Tensor) -> Tensor:
-                _make_room(cache, 1, max_new_tokens)
+                make_room(cache, 1, max_new_tokens)
                 return self.decode(memory, tokens[:, None], src_mask, cache=cache)[:, -1]
 
         seen = seen_tokens(first, None, self.config.vocab_size) if request.params.uses_history else None
-        yield from _token_loop(logits, step, request.params, request.generator, request.eos, request.pad,
+        yield from token_loop(logits, step, request.params, request.generator, request.eos, request.pad,
                                max_new_tokens, seen)
 
     def _beam_step(
         self, memory: Tensor, src_mask: Tensor | None, max_new_tokens: int
     ) -> Callable[[Tensor, Tensor | None, bool], Tensor]:
-        """The ``beam_search`` step over a cached decoder (see ``models.beam_search.StepFn``)."""
+        """The ``beam_search`` step over a cached decoder (see ``models.generation.beam_search.StepFn``)."""
         # The start token and every generated token but the last are cached: max_new_tokens positions at most.
-        cache = stack.new_caches(len(self.decoder_layers), min(max_new_tokens, _shared.CACHE_CHUNK), cross=True)
+        cache = stack.new_caches(len(self.decoder_layers), min(max_new_tokens, steps.CACHE_CHUNK), cross=True)
         state = {"memory": memory, "mask": src_mask}
 
         def step(tokens: Tensor, parents: Tensor | None, sources_changed: bool) -> Tensor:
-            _make_room(cache, tokens.shape[1], max_new_tokens)
+            make_room(cache, tokens.shape[1], max_new_tokens)
             if parents is not None:
                 for layer_cache in cache:
                     layer_cache.self_attn.reorder(parents)

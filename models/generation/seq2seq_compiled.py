@@ -3,7 +3,7 @@
 The encoder runs once, eagerly (``generate`` does that for both paths). The first decoder step (the start token)
 also runs eagerly over an ordinary cache: it computes every layer's cross-attention keys/values once. Its
 contents are then copied into buffers whose shapes never change, and every later step runs one compiled graph
-(``models.generation_compiled.compile_step``: inductor on CPU, CUDA graphs on CUDA) over them:
+(``models.generation.compiled.compile_step``: inductor on CPU, CUDA graphs on CUDA) over them:
 
 - decoder self-attention uses a ``BucketKVCache`` of ``bucket`` slots (powers of two from ``MIN_BUCKET``), with the
   write slot a long tensor and the visible slots a ``(R, bucket)`` mask, both updated in place between steps;
@@ -16,8 +16,8 @@ contents are then copied into buffers whose shapes never change, and every later
   cross-attention buffers are never reordered; rows of sources that have finished keep computing (their
   logits are dropped) instead of changing the batch size, so the same graph serves every step of every call.
 
-Token choice (greedy, sampling, repetition penalty, the beam bookkeeping of ``models.beam_search``) runs outside
-the graph on the step's logits. The buffers of a ``(model, rows, bucket, source bucket)`` are kept for later
+Token choice (greedy, sampling, repetition penalty, the beam bookkeeping of ``models.generation.beam_search``) runs
+outside the graph on the step's logits. The buffers of a ``(model, rows, bucket, source bucket)`` are kept for later
 calls, so that the graph's guards (which check the objects it reads) keep holding. Each set belongs to one decoding
 loop while that loop's step function lives: a ``stream`` left open while another compiled call of the same shapes
 runs gets a set of its own (the buffers hold the loop's cache), never one that is in use.
@@ -36,8 +36,8 @@ from torch import Tensor
 from blocks.kv_cache import BucketKVCache, LayerCache, StaticKVCache
 
 from ..core import stack
-from . import compiled as _compiled
 from .beam_search import StepFn
+from .compiled import bucket_length, compile_step
 
 # Per model: {(rows, bucket, source bucket, dtype, device): [_Static, ...]} — reused so that the graph's guards
 # hold; more than one set only while several loops of those shapes are open at once (streams).
@@ -58,16 +58,6 @@ class _Static:
 
     def free(self) -> bool:
         return self.owner is None or self.owner() is None
-
-
-def check_compilable(model: Any) -> None:
-    """Reject what the compiled seq2seq path does not support, before any work.
-
-    Raises:
-        ValueError: a model whose attention backend is not ``"sdpa"`` or ``"math"`` (named), as for
-            ``DecoderLM`` (``models.generation_compiled.check_compilable``).
-    """
-    _compiled.check_compilable(model, None)
 
 
 def _step(
@@ -105,7 +95,7 @@ def _static_buffers(
     """
     first_self, first_cross = prefill[0].self_attn.k, prefill[0].cross_attn.k
     b, src_len = first_cross.shape[0], first_cross.shape[2]
-    rows, src_bucket = b * width, _compiled.bucket_length(src_len, None)
+    rows, src_bucket = b * width, bucket_length(src_len, None)
     device = first_self.device
     key = (rows, bucket, src_bucket, first_self.dtype, device)
     pool = _BUFFERS.setdefault(model, {}).setdefault(key, [])
@@ -159,7 +149,7 @@ def _prefill(model: Any, memory: Tensor, tokens: Tensor, src_mask: Tensor | None
 
 def _bucket(model: Any, max_new_tokens: int) -> int:
     # The start token and every generated token but the last are cached: max_new_tokens slots.
-    return _compiled.bucket_length(max_new_tokens, model.decoder_positional.max_positions)
+    return bucket_length(max_new_tokens, model.decoder_positional.max_positions)
 
 
 def greedy_step(
@@ -184,7 +174,7 @@ def greedy_step(
     b = memory.shape[0]
     first = torch.full((b, 1), start, dtype=torch.long, device=memory.device)
     logits, prefill = _prefill(model, memory, first, src_mask)
-    run = _compiled.compile_step(_step, model, memory.device)  # kept per (model, fn, device)
+    run = compile_step(_step, model, memory.device)  # kept per (model, fn, device)
     filled = 1
 
     def step(tokens: Tensor) -> Tensor:
@@ -205,7 +195,7 @@ def greedy_step(
 def beam_step(
     model: Any, memory: Tensor, src_mask: Tensor | None, max_new_tokens: int, num_beams: int
 ) -> StepFn:
-    """The ``models.beam_search`` step function over the compiled static-shape decoder.
+    """The ``models.generation.beam_search`` step function over the compiled static-shape decoder.
 
     The first call (the start tokens, ``B`` rows) runs eagerly and fills the buffers; later calls map the
     search's rows (``A`` active sources × up to ``num_beams`` beams, grouped by source) onto the
@@ -218,14 +208,14 @@ def beam_step(
 
     Returns:
         ``step(tokens (N, 1), parents (N,) | None, sources_changed) -> logits (N, V)`` (see
-        ``models.beam_search.StepFn``).
+        ``models.generation.beam_search.StepFn``).
 
     Shapes: ``memory (B, S, d_model)``; the graph runs ``(B · num_beams, 1)`` tokens at every step.
     """
     k = num_beams
     vocab = model.config.vocab_size
     bucket = _bucket(model, max_new_tokens)
-    run = _compiled.compile_step(_step, model, memory.device)  # kept per (model, fn, device)
+    run = compile_step(_step, model, memory.device)  # kept per (model, fn, device)
     state: dict[str, Any] = {}
 
     def step(tokens: Tensor, parents: Tensor | None, sources_changed: bool) -> Tensor:

@@ -11,7 +11,7 @@ Both models keep a KV cache; rejected positions are dropped by rolling the cache
 buffers are written in place, so the stale entries are simply overwritten later). A round costs k one-token draft
 steps and one target pass over k + 1 tokens; on a CPU both are dispatch-bound (a one-token step of a 1-layer draft
 costs a fifth of the 4-layer target's, not the ratio of their weights), so ``compile=True`` runs the draft's
-one-token step as the compiled static-shape step of ``models.generation_compiled`` over a bucket cache, where
+one-token step as the compiled static-shape step of ``models.generation.compiled`` over a bucket cache, where
 rolling back hides the dropped slots in the cache's mask. ``python -m benchmarks.speculative`` measures the
 acceptance rate and the speed-up on the demo model.
 """
@@ -21,18 +21,18 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..core import stack
-from . import steps as _shared
+from ..core.base import ZooModel
+from . import steps  # steps.CACHE_CHUNK is read at call time (tests patch it)
+from .compiled import bucket_buffers, bucket_length, compile_step, next_token_logits
+from .requests import CONFIG_DEFAULT, LMRequest, check_compilable, check_count, check_flag, lm_request
 from .sampling import SamplingParams
-from .steps import _check_count, _make_room
-
-if TYPE_CHECKING:
-    from .decoder import _LMRequest
+from .steps import eval_mode, make_room
 
 
 @dataclasses.dataclass
@@ -97,17 +97,18 @@ def verify_draft(
     return accepted, next_token
 
 
-def check_draft(target: Any, draft: Any, num_draft_tokens: Any, request: _LMRequest) -> None:
+def check_draft(target: Any, draft: Any, num_draft_tokens: Any, request: LMRequest) -> None:
     """Reject a draft model or request that speculative decoding cannot serve, before any work.
 
     Raises:
-        ValueError: the draft is not a ``DecoderLM``, its vocabulary differs from the target's,
+        ValueError: the draft is not a model of the target's kind (a ``DecoderLM``: a ``ZooModel`` with the
+            target's config class), its vocabulary differs from the target's,
             ``num_draft_tokens`` is not an integer >= 1, the batch has more than one row or padding, a repetition
             penalty is asked for, or the draft's learned positions cannot hold the prompt + ``max_new_tokens``.
     """
-    from .decoder import DecoderLMGenerationMixin
-
-    if not isinstance(draft, DecoderLMGenerationMixin):
+    # A model of the target's kind: a ZooModel whose config is the target's config class (a DecoderLM's
+    # DecoderLMConfig), so it takes a cache and ``logits_to_keep`` as the target does.
+    if not isinstance(draft, ZooModel) or not isinstance(draft.config, type(target.config)):
         raise ValueError(f"draft_model must be a DecoderLM, got {type(draft).__name__}")
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
@@ -145,7 +146,7 @@ class _EagerDraft:
 
     def logits(self, end: int) -> Tensor:
         start = self.cache[0].self_attn.length
-        _make_room(self.cache, end - start, self.limit)
+        make_room(self.cache, end - start, self.limit)
         return self.draft(self.ids[:, start:end], cache=self.cache, logits_to_keep=1).logits[:, -1]  # (1, V)
 
     def rollback(self, n: int) -> None:
@@ -155,7 +156,7 @@ class _EagerDraft:
 
 
 class _CompiledDraft:
-    """``_EagerDraft``'s interface over the compiled static-shape one-token step of ``models.generation_compiled``.
+    """``_EagerDraft``'s interface over the compiled static-shape one-token step of ``models.generation.compiled``.
 
     The prompt is prefilled eagerly (its logits serve the first proposal); every later token runs the compiled
     step over the draft's bucket cache, whose write slot and visible-slot mask are moved in place, so one graph
@@ -164,19 +165,17 @@ class _CompiledDraft:
     """
 
     def __init__(self, draft: Any, ids: Tensor, length: int, limit: int) -> None:
-        from .compiled import _buffers, _step, bucket_length, compile_step
-
         self.draft, self.ids = draft, ids
         prefill = stack.new_caches(len(draft.layers), length)
         self.pending: Tensor | None = draft(ids[:, :length], cache=prefill, logits_to_keep=1).logits[:, -1]
         bucket = bucket_length(limit, draft.positional.max_positions)
-        self.caches, self.mask, self.index = _buffers(draft, prefill, 1, bucket, weakref.ref(self))
+        self.caches, self.mask, self.index = bucket_buffers(draft, prefill, 1, bucket, weakref.ref(self))
         self.mask.zero_()
         self.mask[:, :length] = True
         self.filled = length
         # A fixed input buffer: the graph sees the same tensor at every step, not a moving view of ``ids``.
         self.token = ids.new_empty((1, 1))
-        self.run = compile_step(_step, draft, ids.device)
+        self.run = compile_step(next_token_logits, draft, ids.device)
         self.checked = False  # the first compiled call of a decoding checks every guard (and may compile)
 
     def logits(self, end: int) -> Tensor:
@@ -204,7 +203,7 @@ class _CompiledDraft:
 
 
 @torch.inference_mode()
-def speculative_steps(target: Any, draft: Any, request: _LMRequest, k: int) -> SpeculativeOutput:
+def speculative_steps(target: Any, draft: Any, request: LMRequest, k: int) -> SpeculativeOutput:
     """Run speculative decoding for a checked request (the caller sets eval mode on both models).
 
     Every token lives in one preallocated ``(1, L + max_new_tokens)`` buffer: draft proposals are written after
@@ -218,7 +217,7 @@ def speculative_steps(target: Any, draft: Any, request: _LMRequest, k: int) -> S
     limit = length + request.max_new_tokens
     ids = prompt.new_empty((1, limit))
     ids[:, :length] = prompt
-    size = min(limit, length + _shared.CACHE_CHUNK)
+    size = min(limit, length + steps.CACHE_CHUNK)
     target_cache = stack.new_caches(len(target.layers), size)
     drafter = (_CompiledDraft(draft, ids, length, limit) if request.compile
                else _EagerDraft(draft, ids, size, limit))
@@ -241,7 +240,7 @@ def speculative_steps(target: Any, draft: Any, request: _LMRequest, k: int) -> S
                 ids[:, n + i] = logits.argmax(-1)
         # The target sees the last accepted token and every proposal: one forward pass of n_draft + 1 tokens.
         past = target_cache[0].self_attn.length
-        _make_room(target_cache, n + n_draft - past, limit)
+        make_room(target_cache, n + n_draft - past, limit)
         logits = target(ids[:, past : n + n_draft], cache=target_cache, logits_to_keep=n_draft + 1).logits[0]
         if sample:
             p = params.probabilities(logits)
@@ -285,7 +284,7 @@ def speculative_decode(
     num_draft_tokens: int = 4,
     *,
     sampling: SamplingParams | None = None,
-    eos_token_id: int | None = _shared.CONFIG_DEFAULT,
+    eos_token_id: int | None = CONFIG_DEFAULT,
     generator: torch.Generator | None = None,
     compile: bool = False,  # noqa: A002 - the name torch uses for this switch
 ) -> SpeculativeOutput:
@@ -301,7 +300,7 @@ def speculative_decode(
         eos_token_id: stop token (default ``target.config.eos_token_id``).
         generator: the random generator for sampling.
         compile: run the draft's one-token steps with the compiled static-shape step of
-            ``models.generation_compiled`` (the first call per draft model and cache bucket pays the compile). The
+            ``models.generation.compiled`` (the first call per draft model and cache bucket pays the compile). The
             target's verification pass stays eager: it sees 1 to k + 1 new tokens, a shape that changes.
 
     Returns:
@@ -313,18 +312,15 @@ def speculative_decode(
 
     Shapes: ``input_ids (1, L)`` -> ``sequences (1, L + n)``.
     """
-    _check_count(max_new_tokens, "max_new_tokens")
-    request = target._lm_request(
-        input_ids, None, max_new_tokens, False, 1.0, None, None, None, eos_token_id, _shared.CONFIG_DEFAULT,
+    check_count(max_new_tokens, "max_new_tokens")
+    request = lm_request(
+        target, input_ids, None, max_new_tokens, False, 1.0, None, None, None, eos_token_id, CONFIG_DEFAULT,
         generator, sampling,
     )
-    if not isinstance(compile, bool):
-        raise ValueError(f"compile must be True or False, got {compile!r}")
+    check_flag(compile, "compile")
     check_draft(target, draft, num_draft_tokens, request)
     if compile:
-        from .compiled import check_compilable
-
-        check_compilable(draft, request)  # the draft is what compiles here, not the target
+        check_compilable(draft)  # the draft is what compiles here, not the target
         request = dataclasses.replace(request, compile=True)
-    with _shared._eval_mode(target), _shared._eval_mode(draft):
+    with eval_mode(target), eval_mode(draft):
         return speculative_steps(target, draft, request, int(num_draft_tokens))

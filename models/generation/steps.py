@@ -1,17 +1,10 @@
-"""Generation: decoding loops for the three model families (mixed into the model classes), and what they share.
+"""What every decoding loop shares: the step type, the token loop, cache growth and eval-mode handling.
 
-One module per family:
-
-- ``models.generation_decoder`` — ``DecoderLM.generate`` / ``stream``: greedy or sampled continuation of
-  (left-padded) prompts with a KV cache, speculative decoding with a draft model (``models.speculative``), and a
-  compiled static-shape decode step (``models.generation_compiled``).
-- ``models.generation_seq2seq`` — ``Seq2SeqTransformer.generate``: beam search with the GNMT length penalty
-  (paper §6.1), or greedy/sampled decoding with ``num_beams=1``.
-- ``models.generation_fill_mask`` — ``EncoderLM.fill_mask`` / ``fill_mask_text``.
-
-How the next token is chosen is one frozen object, ``models.sampling.SamplingParams``: ``generate(...,
-sampling=SamplingParams(do_sample=True, top_p=0.9))``; the separate keyword arguments (``do_sample``,
-``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``) remain as a thin layer that builds it.
+The loops themselves live beside this module: ``models.generation.decoder`` (``DecoderLM.generate`` /
+``stream``), ``models.generation.seq2seq`` (``Seq2SeqTransformer.generate`` / ``stream``),
+``models.generation.compiled`` and ``models.generation.seq2seq_compiled`` (the compiled static-shape steps) and
+``models.generation.speculative`` (speculative decoding with a draft model). Their requests are checked in
+``models.generation.requests``.
 
 A decoding cache starts with room for the prompt and up to ``CACHE_CHUNK`` new tokens and doubles when full: a
 large ``max_new_tokens`` costs memory only for the tokens really generated.
@@ -26,9 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -37,17 +29,6 @@ from blocks.kv_cache import KVCache, LayerCache
 
 from .sampling import SamplingParams
 
-
-class _ConfigDefault:
-    """Marks a token-id argument left to the model's config (``None`` means "no such token")."""
-
-    def __repr__(self) -> str:
-        return "<config default>"
-
-
-#: Default of the token-id arguments: take the value from ``model.config``.
-CONFIG_DEFAULT: Any = _ConfigDefault()
-
 #: New positions a decoding cache has room for at first; it doubles whenever it is full.
 CACHE_CHUNK = 256
 
@@ -55,7 +36,7 @@ T = TypeVar("T")
 
 
 @dataclasses.dataclass
-class _Step:
+class Step:
     """One decoding step of a batch."""
 
     tokens: Tensor  # (B,) the chosen token of each row; pad for rows that had already finished
@@ -63,8 +44,7 @@ class _Step:
     live: Tensor | None  # (B,) bool, rows still generating before this step (None: all of them)
 
 
-
-def _token_loop(
+def token_loop(
     logits: Tensor,
     step: Callable[[Tensor], Tensor],
     params: SamplingParams,
@@ -73,7 +53,7 @@ def _token_loop(
     pad: int,
     max_new_tokens: int,
     seen: Tensor | None,
-) -> Iterator[_Step]:
+) -> Iterator[Step]:
     """Choose a token per row from ``logits``, yield it, feed it back through ``step`` for the next logits.
 
     Rows that have produced ``eos`` get ``pad`` from then on; the loop ends when every row has ended or after
@@ -89,7 +69,7 @@ def _token_loop(
             live = ~finished
             tokens = tokens.masked_fill(finished, pad)
             finished = finished | (tokens == eos)
-        yield _Step(tokens, logits, live)
+        yield Step(tokens, logits, live)
         if i + 1 == max_new_tokens or (finished is not None and bool(finished.all())):
             return
         if seen is not None:
@@ -97,7 +77,7 @@ def _token_loop(
         logits = step(tokens)
 
 
-def _make_room(caches: list[LayerCache], new: int, limit: int) -> None:
+def make_room(caches: list[LayerCache], new: int, limit: int) -> None:
     """Grow the self-attention caches so that ``new`` more positions fit: at least double their size, at most
     ``limit`` positions (what the request can ever need), keeping what they hold.
 
@@ -115,7 +95,7 @@ def _make_room(caches: list[LayerCache], new: int, limit: int) -> None:
         layer_cache.self_attn = grown
 
 
-def _each_step_in_eval_mode(module: nn.Module, steps: Generator[T, None, None]) -> Iterator[T]:
+def each_step_in_eval_mode(module: nn.Module, steps: Generator[T, None, None]) -> Iterator[T]:
     """Drive ``steps`` with ``module`` in eval mode while it computes, and as the caller left it between items.
 
     Holding eval mode across a ``yield`` would let two interleaved iterators restore each other's flags (the
@@ -124,7 +104,7 @@ def _each_step_in_eval_mode(module: nn.Module, steps: Generator[T, None, None]) 
     done = object()
     try:
         while True:
-            with _eval_mode(module):
+            with eval_mode(module):
                 item = next(steps, done)
             if item is done:
                 return
@@ -134,7 +114,7 @@ def _each_step_in_eval_mode(module: nn.Module, steps: Generator[T, None, None]) 
 
 
 @contextlib.contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
+def eval_mode(module: nn.Module) -> Iterator[None]:
     """Eval mode (dropout off) for the duration; every submodule's own flag is restored afterwards."""
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
@@ -143,62 +123,3 @@ def _eval_mode(module: nn.Module) -> Iterator[None]:
     finally:
         for m, training in modes:
             m.training = training
-
-
-def _resolve_token(value: Any, default: int | None, name: str, vocab_size: int) -> int | None:
-    """``value`` (or ``default`` for ``CONFIG_DEFAULT``) checked to be None or an id in the vocabulary."""
-    if value is CONFIG_DEFAULT:
-        value = default
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < vocab_size:
-        raise ValueError(f"{name}={value!r} must be None or an id in [0, vocab_size={vocab_size})")
-    return int(value)
-
-
-def _resolve_eos_pad(eos_token_id: Any, pad_token_id: Any, config: Any) -> tuple[int | None, int]:
-    """The stop id (None: never stop) and the id written after it (the pad id, else the EOS id)."""
-    eos = _resolve_token(eos_token_id, config.eos_token_id, "eos_token_id", config.vocab_size)
-    pad = _resolve_token(pad_token_id, config.pad_token_id, "pad_token_id", config.vocab_size)
-    if pad is None:
-        pad = eos if eos is not None else 0  # without an EOS no row ends early, so nothing is padded
-    return eos, pad
-
-
-def _check_count(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-
-
-def _check_generator(generator: Any, device: torch.device) -> None:
-    if generator is None:
-        return
-    if not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    if generator.device.type != device.type:
-        raise ValueError(f"generator is on {generator.device}, but the inputs are on {device}")
-
-
-def _sampling_params(
-    sampling: SamplingParams | None,
-    do_sample: bool,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    repetition_penalty: float | None,
-) -> SamplingParams:
-    """The one ``SamplingParams`` of a request: ``sampling`` itself, or one built from the keyword arguments.
-
-    Raises:
-        ValueError: ``sampling`` is not a ``SamplingParams``, or is given together with a keyword argument that
-            differs from its default (two sources for one setting), or as ``SamplingParams``.
-    """
-    built = SamplingParams(do_sample, temperature, top_k, top_p, repetition_penalty)
-    if sampling is None:
-        return built
-    if not isinstance(sampling, SamplingParams):
-        raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
-    if built != SamplingParams():
-        changed = [f.name for f in dataclasses.fields(built) if getattr(built, f.name) != f.default]
-        raise ValueError(f"give either sampling= or the keyword arguments {changed}, not both")
-    return sampling

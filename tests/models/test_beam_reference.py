@@ -31,7 +31,7 @@ LogProbs = Callable[[int, tuple[int, ...]], torch.Tensor]
 
 
 def lp(length: int, alpha: float) -> float:
-    """GNMT's length penalty, written out independently of ``models.beam_search``."""
+    """GNMT's length penalty, written out independently of ``models.generation.beam_search``."""
     return ((5.0 + length) / 6.0) ** alpha
 
 

@@ -125,7 +125,7 @@ def test_frozen_cpu_step_batches_and_follows_weight_changes() -> None:
     # in place (a stale frozen graph would keep the old weights' tokens).
     torch.manual_seed(0)
     model = decoder(positional="rotary")
-    assert compiled._freezes(model, torch.device("cpu"))
+    assert compiled.freezes_weights(model, torch.device("cpu"))
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)
     prompt = torch.randint(4, 64, (3, 5), generator=torch.Generator().manual_seed(2)).masked_fill(~mask, 0)
     kwargs = dict(attention_mask=mask, max_new_tokens=8, eos_token_id=None)
@@ -140,18 +140,18 @@ def test_frozen_cpu_step_batches_and_follows_weight_changes() -> None:
     assert torch.equal(model.generate(prompt, compile=True, **kwargs), after)
     # load_state_dict copies in place too: the next call compiles again (not run here: ~7 s of inductor).
     cpu = torch.device("cpu")
-    step = compiled.compile_step(compiled._step, model, cpu)
-    assert compiled.compile_step(compiled._step, model, cpu) is step
+    step = compiled.compile_step(compiled.next_token_logits, model, cpu)
+    assert compiled.compile_step(compiled.next_token_logits, model, cpu) is step
     model.load_state_dict(old)
-    assert compiled.compile_step(compiled._step, model, cpu) is not step
+    assert compiled.compile_step(compiled.next_token_logits, model, cpu) is not step
 
 
 def test_int8_models_are_not_frozen() -> None:
     # Freezing would fold the int8 -> float conversion into a float constant: the step would read 4-byte weights.
     model = decoder()
-    assert compiled._freezes(model, torch.device("cpu"))
-    assert not compiled._freezes(model.quantize("int8"), torch.device("cpu"))
-    assert not compiled._freezes(decoder(), torch.device("meta"))
+    assert compiled.freezes_weights(model, torch.device("cpu"))
+    assert not compiled.freezes_weights(model.quantize("int8"), torch.device("cpu"))
+    assert not compiled.freezes_weights(decoder(), torch.device("meta"))
 
 
 def test_compiled_steps_are_freed_with_their_model(graph_backend: None) -> None:
