@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         # A smoke run: dynamo captures the same graphs, without inductor's C++ build (minutes on 2 cores).
         import models.generation.compiled
 
-        models.generation_compiled.BACKEND = "aot_eager"
+        models.generation.compiled.BACKEND = "aot_eager"
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         # First calls are reported: compile from an empty cache, as a user's first run does.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="zoo-bench-inductor-")

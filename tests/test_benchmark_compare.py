@@ -37,7 +37,7 @@ def tables(markdown: str) -> dict[str, list[str]]:
 def quick_output(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
-        patch.setattr(models.generation_compiled, "BACKEND", models.generation_compiled.BACKEND)  # restored after
+        patch.setattr(models.generation.compiled, "BACKEND", models.generation.compiled.BACKEND)  # restored after
         patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
         compare.main(["--quick", "--no-memory"])
     torch._dynamo.reset()
