@@ -5,7 +5,8 @@
 - ``NoamLR``, ``noam_rate``, ``paper_adam``, ``WarmupCosineLR``: optimiser and schedules.
 - ``Trainer``, ``TrainerConfig``: accumulation, clipping, evaluation, progress bar, checkpoints, exact resume,
   DDP, FSDP2, tensor parallelism and both on a 2-D mesh (``training.parallel``); sharded checkpoints that
-  load at any world size (``training.checkpoint``).
+  load at any world size (``training.checkpoint``), checked and restored by ``training.resume``.
+- ``default_loss``: the Trainer's loss for a model; ``consolidated_state_dict``: a sharded model's whole weights.
 - ``init_distributed``: join a ``torchrun`` process group.
 - ``load_corpus``, ``stdlib_docstrings``, ``split_corpus``: text with no download; ``SyntheticTask``: copy,
   reverse and addition.
@@ -14,12 +15,13 @@
 from .collators import CausalLMCollator, MLMCollator, Seq2SeqCollator, pack_documents, packed_examples, pad_rows
 from .data import load_corpus, split_corpus, stdlib_docstrings
 from .distributed import DistributedContext, cleanup, init_distributed, is_main_process
-from .losses import LabelSmoothedCrossEntropy, MaskedTokenLoss, TokenLoss, label_smoothed_cross_entropy
-from .parallel import PARALLEL_MODES, apply_parallelism, clip_grad_norm
+from .losses import LabelSmoothedCrossEntropy, MaskedTokenLoss, TokenLoss, default_loss, label_smoothed_cross_entropy
+from .parallel import PARALLEL_MODES, apply_parallelism, clip_grad_norm, consolidated_state_dict
 from .sampler import ResumableBatchSampler
 from .schedules import NoamLR, WarmupCosineLR, decay_groups, noam_rate, paper_adam, warmup_cosine_rate
 from .synthetic import TASKS, SyntheticTask, held_out
-from .trainer import Trainer, TrainerConfig, consolidated_state_dict, default_loss, list_checkpoints
+from .trainer import Trainer, list_checkpoints
+from .trainer_config import TrainerConfig
 
 __all__ = [
     "PARALLEL_MODES",

@@ -1,5 +1,6 @@
-"""Multi-process training on ``torch.distributed``: set-up from ``torchrun``'s environment, and the few
-collectives the Trainer needs. Every helper also works in a single plain process (world size 1).
+"""Multi-process training on ``torch.distributed``: set-up from ``torchrun``'s environment, the few
+collectives the Trainer needs, and each process's random state (saved per process in checkpoints, shared
+by tensor-parallel peers). Every helper also works in a single plain process (world size 1).
 
 Launch: ``torchrun --nproc_per_node=N script.py``; the script calls ``init_distributed()`` first.
 """
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,6 +101,52 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def all_gather_object(obj: object) -> list[object]:
+    """Every process's ``obj``, in rank order (``[obj]`` in a single process)."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[object] = [None] * get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def default_device() -> torch.device:
+    """This process's current GPU if there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random state: torch's CPU generator, Python's ``random`` and, where present, every GPU's.
+
+    Returns:
+        ``{"torch": Tensor, "python": tuple, "cuda": [Tensor, ...]}`` (``"cuda"`` only with CUDA), plain data
+        that ``torch.save`` and ``torch.load(weights_only=True)`` round-trip.
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore a random state taken by ``rng_state`` (the GPUs' part only where CUDA is available).
+
+    Raises:
+        KeyError, TypeError, RuntimeError: ``state`` is not what ``rng_state`` returns.
+    """
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuple(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(value: Any) -> Any:
+    """``random.setstate`` needs tuples all the way down; a round trip may hand back lists."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def wrap_model(model: nn.Module, device: torch.device) -> nn.Module:

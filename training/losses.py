@@ -10,6 +10,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from models import DecoderLM, EncoderLM
+
+from .distributed import unwrap_model
+
 IGNORE_INDEX = -100
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -158,3 +162,20 @@ class MaskedTokenLoss(TokenLoss):
             logits, labels[labels != IGNORE_INDEX], self.label_smoothing, reduction="sum",
             exclude_from_smoothing=self.exclude_from_smoothing,
         )
+
+
+def default_loss(model: nn.Module) -> TokenLoss:
+    """The Trainer's default loss for ``model``: plain token cross-entropy, shifted for ``DecoderLM`` (its
+    labels are the inputs themselves), on the labelled positions only for ``EncoderLM``, aligned for
+    everything else.
+
+    Args:
+        model: a zoo model, possibly inside a DDP wrapper.
+
+    Returns:
+        ``MaskedTokenLoss()`` for an ``EncoderLM``, else ``TokenLoss(shift=<is a DecoderLM>)``.
+    """
+    inner = unwrap_model(model)
+    if isinstance(inner, EncoderLM):
+        return MaskedTokenLoss()
+    return TokenLoss(shift=isinstance(inner, DecoderLM))

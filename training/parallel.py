@@ -15,6 +15,7 @@ Everything here also runs in one plain process (world size 1), where sharding is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Iterable
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .distributed import get_rank, get_world_size, is_distributed
+from .distributed import get_rank, get_world_size, is_distributed, rng_state, set_rng_state
 
 if TYPE_CHECKING:  # imported when used: torch.distributed.tensor alone takes seconds to import
     from torch.distributed.device_mesh import DeviceMesh
@@ -223,3 +224,80 @@ def is_dtensor(tensor: Any) -> bool:
     """Whether ``tensor`` is a DTensor (without importing ``torch.distributed.tensor`` when nothing uses it)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """This process's part of ``tensor``: a DTensor's local shard, a plain tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def consolidated_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The model's whole state dict on the CPU, gathered from every process's shards (a collective: every
+    process calls it and gets the whole tensors).
+
+    Args:
+        model: the model, sharded (FSDP2, tensor parallel) or not.
+
+    Returns:
+        ``name -> tensor`` like ``model.state_dict()``; tied weights stay one tensor under each name.
+
+    Shapes: each tensor has its unsharded (global) shape.
+    """
+    full: dict[str, Tensor] = {}
+    gathered: dict[int, Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if id(tensor) not in gathered:  # tied weights are gathered once
+            whole = tensor.full_tensor() if is_dtensor(tensor) else tensor
+            gathered[id(tensor)] = whole.detach().cpu()
+        full[name] = gathered[id(tensor)]
+    return full
+
+
+def unsharded_class(model: nn.Module) -> type:
+    """The model's own class (FSDP2 swaps in a subclass ``FSDP<Name>``), to build a plain copy from."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def share_rng_in_tensor_parallel_group(layout: ParallelLayout) -> None:
+    """Tensor-parallel peers must draw the same random numbers (dropout on the replicated residual stream):
+    each takes its group's first process's generator state. A collective over the ``"tp"`` mesh dimension.
+
+    Args:
+        layout: a layout with a ``"tp"`` mesh dimension (``tp_size > 1``).
+    """
+    group = layout.mesh["tp"].get_group()
+    box = [rng_state()]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    set_rng_state(box[0])
+
+
+def gradient_sync(wrapped: nn.Module, model: nn.Module, layout: ParallelLayout,
+                  last: bool) -> contextlib.AbstractContextManager[None]:
+    """Reduce gradients over the data-parallel replicas only in the backward pass of a step's last micro-batch.
+
+    Args:
+        wrapped: what ``apply_parallelism`` returned to call (a DDP wrapper or the model).
+        model: the model itself (FSDP2 switches its gradient sync on the model).
+        layout: the layout ``apply_parallelism`` returned.
+        last: whether the coming backward pass is the step's last.
+
+    Returns:
+        The context to run the forward and backward pass in (DDP's ``no_sync`` before the last micro-batch).
+    """
+    if not is_distributed() or layout.dp_size == 1:
+        return contextlib.nullcontext()
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if last else wrapped.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 keeps unsharded gradients until then
+        model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def replica_sum(tensor: Tensor, layout: ParallelLayout) -> Tensor:
+    """Sum ``tensor`` in place over the data-parallel replicas (not over tensor-parallel peers, which hold the
+    same batch); a no-op with one replica. Returns ``tensor``."""
+    if is_distributed() and layout.dp_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=layout.dp_group)
+    return tensor

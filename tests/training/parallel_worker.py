@@ -18,8 +18,7 @@ import torch
 
 from models import DecoderLM, EncoderLM
 from training import CausalLMCollator, Trainer, TrainerConfig, WarmupCosineLR, cleanup, init_distributed
-from training.parallel import apply_parallelism
-from training.trainer import consolidated_state_dict
+from training.parallel import apply_parallelism, consolidated_state_dict
 
 GLOBAL_BATCH = 4
 CONFIG = dict(vocab_size=40, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, n_layers=2, max_len=32, dropout=0.0,
