@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -83,13 +84,25 @@ def write_folder(target: Path, write: Callable[[Path], None], *, what: str = "a 
 
     Raises:
         NotADirectoryError: ``target`` exists and is not a folder (checked before anything is written).
+        OSError: writing or flushing failed (a full disk, ...): the message names ``target``, the file and whether
+            ``target`` is unchanged (the failure came before the commit point: nearly always) or the new files are
+            committed and the next save or load of the folder finishes moving them in.
     """
     target = Path(target).expanduser().resolve()  # leftovers are found beside the real folder
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"cannot save {what} to {target}: it exists and is not a folder")
     with staging_folder(target) as staging:
-        write(staging)
-        publish(staging, target)
+        try:
+            write(staging)
+            publish(staging, target)
+        except OSError as e:
+            if e.errno is None:
+                raise  # one of ours, already saying what is wrong
+            state = (
+                f"{target} is unchanged" if staging.exists() else
+                f"the new files are committed, and the next save or load of {target} finishes moving them in"
+            )
+            raise OSError(e.errno, f"saving {what} to {target} failed ({e}); {state}", e.filename) from e
 
 
 @contextmanager
@@ -411,15 +424,24 @@ def _flock(fd: int, *, exclusive: bool, blocking: bool = True) -> bool:
 
 
 def fsync(path: Path) -> None:
-    """Flush a file or folder to disk (best effort: some platforms cannot open folders)."""
+    """Flush a file or folder to disk. For a folder this is best effort (some platforms cannot open or flush
+    folders); for a file a failure is an error, since the data may not be on disk.
+
+    Raises:
+        OSError: a file could not be flushed (e.g. ``EIO``, ``ENOSPC`` from a delayed write); the path is named.
+            Filesystems that cannot flush at all (``EINVAL``, ``ENOTSUP``) are not an error.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return
+        if os.path.isdir(path):
+            return
+        raise
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP) and not stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(e.errno, f"flushing to disk failed ({e.strerror})", str(path)) from e
     finally:
         os.close(fd)
 

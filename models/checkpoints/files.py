@@ -9,11 +9,14 @@ folder atomically is ``models.checkpoints.atomic``.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import pickle
+import re
 from dataclasses import dataclass
 from importlib import metadata
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -33,6 +36,9 @@ FORMAT_VERSION = 1
 #: ``models.checkpoints.persistence``).
 QUANTIZATION_KEY = "quantization"
 LIBRARY_NAME = "transformer-zoo"
+#: How deeply the JSON files of a checkpoint (config, shard index, adapter config) may nest objects and arrays.
+#: Real ones nest under 10 levels; Python's parser would recurse once per level and fail with RecursionError.
+MAX_JSON_DEPTH = 64
 
 WeightsFormat = Literal["safetensors", "sharded", "pickle"]
 
@@ -101,8 +107,16 @@ def save_weights(state: dict[str, Tensor], path: Path) -> None:
 
     Only one metadata key, because safetensors writes metadata in hash-map order: with more, saving the same
     weights twice could give different bytes, and an unchanged model would make a new Hub commit.
+
+    Raises:
+        OSError: the write failed (a full disk, a file size limit, ...): safetensors' own ``SafetensorError`` is
+            turned into the ``OSError`` it stands for, with its errno and the path.
     """
-    save_file(state, str(path), metadata={"format": "pt"})
+    try:
+        save_file(state, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        raise OSError(int(code[1]) if code else errno.EIO, f"writing the weights failed ({e})", str(path)) from e
 
 
 def write_json(obj: dict[str, Any], path: Path) -> None:
@@ -112,18 +126,56 @@ def write_json(obj: dict[str, Any], path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- reading
 def read_json(path: Path) -> dict[str, Any]:
-    """Parse a JSON object from ``path``.
+    """Parse a JSON object from ``path``; every JSON file of a checkpoint is read here.
 
     Raises:
-        ValueError: the file is not valid UTF-8 JSON or not an object (the path is named).
+        ValueError: the file is not valid UTF-8 JSON, not an object, or nests objects and arrays deeper than
+            ``MAX_JSON_DEPTH`` (checked before parsing; the path is named).
     """
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(
+            f"{path} nests JSON objects and arrays {depth} levels deep; expected at most {MAX_JSON_DEPTH}"
+        )
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:  # ValueError: e.g. an integer of too many digits
         raise ValueError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+_JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')
+
+
+def json_depth(text: str) -> int:
+    """How deeply ``text`` nests JSON arrays and objects (brackets inside strings do not count), in one linear
+    pass that never recurses, so it is safe on any input, valid JSON or not."""
+    depth = deepest = 0
+    in_string = False
+    skip = -1  # the index of a character escaped by a backslash
+    for match in _JSON_STRUCTURE.finditer(text):
+        char, at = match[0], match.start()
+        if at == skip:
+            continue
+        if in_string:
+            if char == "\\":
+                skip = at + 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -153,11 +205,12 @@ def read_weights(files: CheckpointFiles) -> dict[str, Tensor]:
     weight_map = _weight_map(files.index)
     state: dict[str, Tensor] = {}
     for shard in files.weights:
+        shard_name = Path(os.path.relpath(shard, files.index.parent)).as_posix()  # as the index names it
         for name, tensor in read_safetensors(shard).items():
             if name in state:
                 raise ValueError(f"tensor {name!r} appears in more than one shard of {files.source}")
-            if weight_map.get(name) != shard.name:
-                raise ValueError(f"{files.index} puts {name!r} in {weight_map.get(name)!r}, but it is in {shard.name}")
+            if weight_map.get(name) != shard_name:
+                raise ValueError(f"{files.index} puts {name!r} in {weight_map.get(name)!r}, but it is in {shard_name}")
             state[name] = tensor
     absent = sorted(set(weight_map) - set(state))
     if absent:
@@ -166,16 +219,13 @@ def read_weights(files: CheckpointFiles) -> dict[str, Tensor]:
 
 
 def shard_names(index: Path) -> list[str]:
-    """The distinct shard files named by a ``model.safetensors.index.json``, in order of first use.
+    """The distinct shard files named by a ``model.safetensors.index.json``, in order of first use, as written
+    there: names read from a file, which the caller joins to the folder through ``paths.confined``.
 
     Raises:
-        ValueError: a malformed index, or a shard name that is not a plain file name in the same folder.
+        ValueError: a malformed index.
     """
-    names = list(dict.fromkeys(_weight_map(index).values()))
-    for name in names:
-        if PurePosixPath(name).name != name or name in ("", ".", "..") or "\\" in name:
-            raise ValueError(f"{index} names shard {name!r}; expected a file name in the checkpoint folder")
-    return names
+    return list(dict.fromkeys(_weight_map(index).values()))
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -200,6 +250,10 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
             f"{path} is not a valid safetensors file ({e}); it is probably truncated or corrupted: save or "
             "download it again"
         ) from e
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # e.g. a folder where the file should be: safetensors does not name the path
+        raise OSError(e.errno, f"cannot read the weights ({e})", str(path)) from e
 
 
 def read_pickle(path: Path) -> dict[str, Tensor]:

@@ -12,7 +12,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
+from huggingface_hub import (
+    CommitOperationAdd,
+    HfApi,
+    constants,
+    get_hf_file_metadata,
+    hf_hub_download,
+    hf_hub_url,
+    try_to_load_from_cache,
+)
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
@@ -20,10 +28,12 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import validate_repo_id
 
 from .atomic import staging_folder
 from .files import LIBRARY_NAME, library_version
+from .paths import check_commit, check_etag, confined
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -53,7 +63,13 @@ def hub_download(
     Returns:
         The cached file's path.
 
+    Before ``huggingface_hub`` writes anything, the file's metadata is asked for and checked (``check_metadata``):
+    the cache names files after the server's ETag and commit id, so a hostile server could otherwise make it
+    write outside the cache.
+
     Raises:
+        ValueError: the server sent an ETag or commit id that is not hex, or ``revision`` would name a cache
+            file outside the cache (the value is quoted).
         huggingface_hub.errors.HfHubHTTPError: the Hub kept answering an error status (the status is in the
             message and in ``.response.status_code``), or answered a non-transient one.
         huggingface_hub.errors.RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError: as
@@ -63,6 +79,7 @@ def hub_download(
     wait = HUB_RETRY_WAIT_S
     for attempt in range(HUB_RETRIES + 1):
         try:
+            check_metadata(repo_id, filename, revision=revision, token=token, endpoint=endpoint)
             return Path(hf_hub_download(
                 repo_id, filename, revision=revision, token=token, endpoint=endpoint,
                 library_name=LIBRARY_NAME, library_version=library_version(),
@@ -90,6 +107,47 @@ def hub_download(
             time.sleep(wait)
             wait = min(HUB_RETRY_MAX_WAIT_S, wait * 2)
     raise AssertionError("unreachable")
+
+
+def check_metadata(
+    repo_id: str, filename: str, *, revision: str, token: str | bool | None = None, endpoint: str | None = None
+) -> None:
+    """Check what ``huggingface_hub`` would name cache files after, before it writes any: the revision (a
+    branch or tag is written as ``refs/<revision>``), and the ETag and ``X-Repo-Commit`` that the server sends for
+    the file (the blob is ``blobs/<etag>``, a missing file is recorded as ``.no_exist/<commit>/<filename>``).
+
+    Nothing is asked when the file is already cached at a commit or the Hub is offline (``hf_hub_download`` then
+    sends nothing either). A request that fails is left for ``hf_hub_download`` to repeat and report (or to
+    answer from the cache).
+
+    Raises:
+        ValueError: an ETag that is not a sha1 or sha256 in hex, a commit id that is not a sha1 in hex, or a
+            revision that leads out of the cache's ``refs`` folder (each quoted, with the file it came with).
+    """
+    what = f"downloading {filename!r} of {repo_id!r} at revision {revision!r}"
+    storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    if not is_commit_sha(revision):
+        confined(storage / "refs", revision, f"{what}: the revision")
+    if constants.is_offline_mode() or (is_commit_sha(revision) and isinstance(
+        try_to_load_from_cache(repo_id, filename, revision=revision), str
+    )):
+        return
+    url = hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint)
+    try:
+        metadata = get_hf_file_metadata(
+            url, token=token, endpoint=endpoint, library_name=LIBRARY_NAME, library_version=library_version()
+        )
+    except HfHubHTTPError as e:  # a missing file's answer still names the commit (huggingface_hub records it)
+        commit = e.response.headers.get(constants.HUGGINGFACE_HEADER_X_REPO_COMMIT) if e.response is not None else None
+        if commit is not None:
+            check_commit(commit, f"{what} (the X-Repo-Commit header)")
+        return
+    except Exception:  # noqa: BLE001 - a network failure: hf_hub_download repeats the request and reports it
+        return
+    if metadata.commit_hash is not None:
+        check_commit(metadata.commit_hash, f"{what} (the X-Repo-Commit header)")
+    if metadata.etag is not None:
+        check_etag(metadata.etag, f"{what} (the ETag header)")
 
 
 def check_push_arguments(repo_id: str, private: bool, revision: str | None) -> None:

@@ -32,6 +32,7 @@ from .files import (
     shard_names,
 )
 from .hub import append_to_message, hub_download, is_commit_sha, naming_the_repo
+from .paths import confined
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def _local_files(location: Location) -> CheckpointFiles:
         return CheckpointFiles(weights=(folder / WEIGHTS_NAME,), weights_format="safetensors", **common)
     index = folder / WEIGHTS_INDEX_NAME
     if index.is_file():
-        shards = tuple(folder / name for name in shard_names(index))
+        shards = _shards(index)
         absent = [s.name for s in shards if not s.is_file()]
         if absent:
             raise FileNotFoundError(f"{index} names shards that are not in {folder}: {absent}")
@@ -192,6 +193,7 @@ def _fetch_weights(location: Location) -> tuple[tuple[Path, ...], WeightsFormat,
         return (single,), "safetensors", None
     index = location.fetch_optional(WEIGHTS_INDEX_NAME)
     if index is not None:
+        _shards(index)  # every name checked before the first shard is downloaded
         return tuple(location.fetch(name) for name in shard_names(index)), "sharded", index
     try:
         return (location.fetch(PICKLE_WEIGHTS_NAME),), "pickle", None
@@ -201,3 +203,17 @@ def _fetch_weights(location: Location) -> tuple[tuple[Path, ...], WeightsFormat,
         )
         raise
 
+
+def _shards(index: Path) -> tuple[Path, ...]:
+    """The shard files a ``model.safetensors.index.json`` names, each confined to the index's folder.
+
+    A shard may itself be a link the folder holds (a Hugging Face cache snapshot links every file into its
+    ``blobs``), but a name cannot lead out of the folder.
+
+    Raises:
+        ValueError: a malformed index, or a name that leads outside the folder (quoted).
+    """
+    return tuple(
+        confined(index.parent, name, f"the weight_map of {index}", file_may_link=True)
+        for name in shard_names(index)
+    )

@@ -17,13 +17,17 @@ _ETAG = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
-def confined(folder: str | os.PathLike[str], name: object, what: str) -> Path:
+def confined(folder: str | os.PathLike[str], name: object, what: str, *, file_may_link: bool = False) -> Path:
     """``folder / name``, checked to lie inside ``folder`` (after resolving ``..`` and symlinks).
 
     Args:
         folder: the folder the name is relative to.
         name: the name as read from the file or server (must be a non-empty relative path string).
         what: what the name is, for the message (e.g. ``"the shard index entry for 'lm_head.weight'"``).
+        file_may_link: for a file that is only read: the file itself may be a symlink that the folder holds and
+            that leads elsewhere (a Hugging Face cache snapshot links every file to ``../../blobs/<etag>``), as
+            every reader of such folders follows it. The name still cannot step out, through ``..`` or through a
+            linked sub-folder. Writers keep the default, which resolves the whole path.
 
     Returns:
         The joined path (not resolved: the caller opens it as it would have).
@@ -38,7 +42,12 @@ def confined(folder: str | os.PathLike[str], name: object, what: str) -> Path:
         raise ValueError(f"{what} must be a relative file name inside {folder}, got the absolute path {name!r}")
     base = Path(folder).resolve()
     path = Path(folder) / name
-    resolved = path.resolve()
+    if file_may_link:
+        if PurePosixPath(name.replace("\\", "/")).name in ("", ".", ".."):
+            raise ValueError(f"{what} names {name!r}, which is not a file name; expected a file inside {folder}")
+        resolved = path.parent.resolve()
+    else:
+        resolved = path.resolve()
     if resolved != base and base not in resolved.parents:
         raise ValueError(f"{what} names {name!r}, which leads outside {folder}; expected a file inside that folder")
     return path

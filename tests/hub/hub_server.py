@@ -111,6 +111,7 @@ class HubServer:
         self.repos: dict[tuple[str, str], Repo] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self.faults: list[Fault] = []
+        self.forged: list[tuple[str, dict[str, str]]] = []  # (path part, headers) from ``forge``
         self.lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._httpd.hub = self  # type: ignore[attr-defined]
@@ -151,6 +152,12 @@ class HubServer:
         with self.lock:
             self.faults.append(fault)
         return fault
+
+    def forge(self, path_part: str, headers: dict[str, str]) -> None:
+        """Send ``headers`` (replacing the real ones) with every answer, error or not, to a request whose path has
+        ``path_part`` in it, as a hostile or broken server would: e.g. ``{"ETag": '"../../x"'}``."""
+        with self.lock:
+            self.forged.append((path_part, dict(headers)))
 
     def count(self, method: str, path_part: str) -> int:
         """How many requests with ``method`` had ``path_part`` in their path."""
@@ -200,6 +207,9 @@ class _Handler(BaseHTTPRequestHandler):
                 if e.code:
                     headers["X-Error-Code"] = e.code
                 payload = {"error": e.message, **e.body}
+            for path_part, forged in self.hub.forged:
+                if path_part in url.path:
+                    headers = {**headers, **forged}
         if isinstance(payload, (dict, list)):
             data = json.dumps(payload).encode()
             headers.setdefault("Content-Type", "application/json")

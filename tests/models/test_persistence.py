@@ -507,7 +507,7 @@ def test_shard_index_cannot_point_outside_the_folder(tmp_path: Path) -> None:
     tiny("EncoderLM").save_pretrained(tmp_path)
     keys = sorted(load_file(str(tmp_path / "model.safetensors")))
     _shard(tmp_path, [keys], index_map=dict.fromkeys(keys, "../elsewhere.safetensors"))
-    with pytest.raises(ValueError, match="names shard '../elsewhere.safetensors'"):
+    with pytest.raises(ValueError, match="weight_map of .* names '../elsewhere.safetensors', which leads outside"):
         EncoderLM.from_pretrained(tmp_path)
 
 

@@ -238,3 +238,69 @@ def test_a_live_save_in_another_process_is_never_disturbed(pair: dict, tmp_path:
             os.waitpid(pid, 0)
         for fd in (paused_r, paused_w, go_r, go_w):
             os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------ what is flushed
+def _durability_log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
+    """Record, in order, every ``os.fsync`` (as the path of the descriptor flushed), ``os.rename`` and
+    ``os.replace`` of this process, and let each go on."""
+    log: list[tuple[str, ...]] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd: int) -> None:
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src, dst, **kw) -> None:
+        log.append(("rename", os.fspath(src), os.fspath(dst)))
+        real_rename(src, dst, **kw)
+
+    def replace(src, dst, **kw) -> None:
+        log.append(("replace", os.fspath(src), os.fspath(dst)))
+        real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
+    return log
+
+
+def _assert_flushed_before_commit(log: list[tuple[str, ...]], target: Path) -> None:
+    """Every file of the save and its staging folder were fsynced before the rename that commits it (the staging
+    folder renamed to the target, or to its ``.commit`` name), the parent after it, and, when files were switched
+    into an existing target, the target after the last of them."""
+    commits = [i for i, event in enumerate(log) if event[0] == "rename" and event[1].endswith(".saving")]
+    assert len(commits) == 1, log
+    at = commits[0]
+    staging = Path(log[at][1])
+    flushed_before = {event[1] for event in log[:at] if event[0] == "fsync"}
+    written = {str(staging / name) for name in os.listdir(target)} | {str(staging)}
+    assert written <= flushed_before, f"not flushed before the commit: {sorted(written - flushed_before)}"
+    assert ("fsync", str(target.parent)) in log[at + 1:], "the parent folder is not flushed after the commit"
+    replaced = [i for i, event in enumerate(log) if event[0] == "replace"]
+    if replaced:  # a save over an existing checkpoint: its files are switched in, then the target is flushed
+        assert ("fsync", str(target)) in log[replaced[-1] + 1:], "the target is not flushed after the switch"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="maps descriptors to paths through /proc")
+@pytest.mark.parametrize("kind", ["model", "adapter"])
+def test_every_file_and_the_folder_are_flushed_before_the_commit(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tiny(0)
+    if kind == "adapter":
+        model.add_adapter(r=2, alpha=4, target_modules=["q_proj", "v_proj"])
+    target = (tmp_path / kind).resolve()
+
+    def save() -> None:
+        if kind == "adapter":
+            model.save_adapter(target, base_model="tiny-base")
+        else:
+            model.save_pretrained(target, tokenizer=tokenizer())
+
+    for _ in ("first save: one rename", "save over it: commit, then switch"):
+        log = _durability_log(monkeypatch)
+        save()
+        monkeypatch.undo()
+        _assert_flushed_before_commit(log, target)
+    assert len(os.listdir(target)) >= 3  # the files checked: config, weights and the card at least
