@@ -13,7 +13,9 @@ What llama.cpp's converter changed is undone here:
 - Llama 3.1's ``rope_scaling`` was replaced by a ``rope_freqs`` tensor of per-frequency divisors; the
   ``llama3`` parameters are recovered from it and checked to reproduce every divisor.
 
-The ``gguf`` package is an optional extra (``pip install transformer-zoo[gguf]``), imported only here.
+The file itself (header, metadata, tensor layout) is read and checked by ``models.gguf_file``; this module checks that
+its metadata and tensors form one llama model before anything is decoded. The ``gguf`` package is an optional extra
+(``pip install transformer-zoo[gguf]``), imported only when a file is read.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from tokenization import Tokenizer
 
 from .checkpoints.loading import register_file_format
 from .checkpoints.options import parse_dtype
+from .gguf_file import GGUFArray, GGUFFile, TensorInfo, import_gguf, read_gguf_file
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -40,8 +42,6 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )
-
-_MAGIC = b"GGUF"
 
 # llama.cpp tensor -> transformers LlamaForCausalLM name (the ``.weight``/``.bias`` suffix is kept).
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -61,25 +61,20 @@ _ROPE_FREQS = "rope_freqs.weight"
 _IGNORED_LAYER_TENSORS = ("attn_rot_embd",)
 
 
-def _import_gguf() -> Any:
-    try:
-        import gguf
-    except ImportError as err:
-        raise ImportError(
-            "reading GGUF files needs the gguf package; install it with `pip install transformer-zoo[gguf]`"
-        ) from err
-    return gguf
-
-
 def read_gguf(
     path: str | os.PathLike[str], dtype: str | torch.dtype | None = None
 ) -> tuple[dict[str, Any], dict[str, Tensor], Tokenizer | None]:
     """Read a llama-architecture GGUF file as a ``transformers`` Llama checkpoint.
 
-    Every check (architecture, tensor types, names and shapes) runs before any tensor is decoded.
+    Every check runs before any tensor is decoded or any array is turned into Python objects: the header's
+    counts, lengths and tensor layout against the file (``models.gguf_file``), then the architecture, tensor
+    types, the sizes the metadata states against the tensors present, names and shapes, and the tokenizer
+    lists' lengths against the vocabulary. Peak memory is the mapped file, the returned tensors and a few
+    times the largest tensor while it is decoded; a header that claims more than its file holds fails in time
+    proportional to the header.
 
     Args:
-        path: a ``.gguf`` file (a single file; split ``-00001-of-0000N.gguf`` sets are not read).
+        path: a ``.gguf`` file (a single file; split ``-00001-of-0000N.gguf`` sets are refused, not followed).
         dtype: floating dtype of the returned tensors (``torch.dtype`` or a name such as ``"bfloat16"``).
             Default: float32, which holds every F16/BF16 value and every dequantized value exactly.
 
@@ -93,47 +88,53 @@ def read_gguf(
     Raises:
         ImportError: the ``gguf`` package is not installed.
         FileNotFoundError: ``path`` does not exist.
-        ValueError: not a GGUF file; an architecture other than llama; a tensor type outside
-            ``SUPPORTED_TYPES``; unknown, missing or mis-shaped tensors; metadata the llama config cannot
-            represent (mixture of experts, partial rotary, a ``rope_freqs`` tensor that is not llama3 scaling).
+        ValueError: not a GGUF file; a header count, string or array length, tensor dims, type, offset or size
+            the file cannot hold (or overlapping tensors); an architecture other than llama; a tensor type outside
+            ``SUPPORTED_TYPES``; metadata sizes that disagree with the tensors; unknown, missing or mis-shaped
+            tensors; metadata the llama config cannot represent (mixture of experts, partial rotary, a
+            ``rope_freqs`` tensor that is not llama3 scaling); a split file. The message names the field.
     """
     target_dtype = parse_dtype(dtype) or torch.float32
-    path = _check_path(path)
-    gguf = _import_gguf()
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as err:  # the reader raises bare ValueError/struct errors on corrupt files
-        raise ValueError(f"{str(path)!r} is not a readable GGUF file: {err}") from err
-
-    metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    file = read_gguf_file(path)
+    gguf = import_gguf()
+    metadata = file.metadata
+    splits = metadata.get("split.count", 1)
+    if splits != 1:
+        raise ValueError(
+            f"GGUF split.count={splits!r} in {str(file.path)!r}: split sets are not followed; expected a single file "
+            "(merge the parts with llama.cpp's `llama-gguf-split --merge`)"
+        )
     architecture = metadata.get("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"GGUF architecture {architecture!r} in {str(path)!r} is not supported; "
+            f"GGUF architecture {architecture!r} in {str(file.path)!r} is not supported; "
             f"expected one of {list(SUPPORTED_ARCHITECTURES)}"
         )
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    bad_types = sorted({t.tensor_type.name for t in tensors.values()} - set(SUPPORTED_TYPES))
+    tensors = file.tensors
+    bad_types = sorted({t.type_name for t in tensors.values()} - set(SUPPORTED_TYPES))
     if bad_types:
-        which = [name for name, t in tensors.items() if t.tensor_type.name in bad_types][:5]
+        which = [name for name, t in tensors.items() if t.type_name in bad_types][:5]
         raise ValueError(
             f"GGUF tensor type(s) {bad_types} (in {which}) are not supported; expected one of {list(SUPPORTED_TYPES)}"
         )
 
-    shapes = {name: tuple(int(d) for d in reversed(t.shape.tolist())) for name, t in tensors.items()}
+    shapes = {name: t.shape for name, t in tensors.items()}
     config, names = _config_and_names(metadata, shapes)
-    rope_freqs = _decode(gguf, tensors[_ROPE_FREQS]) if _ROPE_FREQS in tensors else None
+    tokenizer_metadata = _tokenizer_metadata(metadata, config["vocab_size"])
+    rope_freqs = _decode(gguf, file, tensors[_ROPE_FREQS]) if _ROPE_FREQS in tensors else None
     if rope_freqs is not None:
         _add_llama3_rope_scaling(config, rope_freqs)
     tokenizer = None
-    if "tokenizer.ggml.tokens" in metadata:  # built before the weights are decoded: its errors come first
+    if tokenizer_metadata is not None:  # built before the weights are decoded: its errors come first
         from tokenization.gguf import tokenizer_from_gguf
 
-        tokenizer = tokenizer_from_gguf(metadata)
+        tokenizer = tokenizer_from_gguf(tokenizer_metadata)
 
     state: dict[str, Tensor] = {}
     for gguf_name, hf_name in names.items():
-        weight = _decode(gguf, tensors[gguf_name])
+        weight = _decode(gguf, file, tensors[gguf_name])
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute(weight, config["num_attention_heads"])
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -142,26 +143,26 @@ def read_gguf(
     return config, state, tokenizer
 
 
-def _check_path(path: str | os.PathLike[str]) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {str(path)!r}")
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != _MAGIC:
-        raise ValueError(f"{str(path)!r} is not a GGUF file: it starts with {magic!r}, expected {_MAGIC!r}")
-    return path
+def _tokenizer_metadata(metadata: Mapping[str, Any], vocab_size: int) -> dict[str, Any] | None:
+    """The ``tokenizer.*`` keys with arrays decoded, after their lengths are checked against the vocabulary."""
+    if "tokenizer.ggml.tokens" not in metadata:
+        return None
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        value = metadata.get(key)
+        if value is not None and (not isinstance(value, GGUFArray) or len(value) != vocab_size):
+            got = f"{len(value)} entries" if isinstance(value, GGUFArray) else repr(value)
+            raise ValueError(f"GGUF metadata {key} has {got}; expected an array of one entry per row of "
+                             f"token_embd.weight ({vocab_size})")
+    return {key: value.tolist() if isinstance(value, GGUFArray) else value
+            for key, value in metadata.items() if key.startswith("tokenizer.")}
 
 
-def _decode(gguf: Any, tensor: Any) -> Tensor:
+def _decode(gguf: Any, file: GGUFFile, tensor: TensorInfo) -> Tensor:
     """A tensor's values as float32, in torch's dimension order (ggml lists the fastest dimension first)."""
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    values = gguf.quants.dequantize(file.raw(tensor), gguf.GGMLQuantizationType(tensor.type_id))
     if not values.flags.writeable:  # F32 comes back as a read-only view of the memory-mapped file
         values = values.copy()
-    return torch.from_numpy(values).reshape(shape)
+    return torch.from_numpy(values).reshape(tensor.shape)
 
 
 def _unpermute(weight: Tensor, n_heads: int) -> Tensor:
@@ -190,6 +191,30 @@ def _size(metadata: Mapping[str, Any], key: str, default: int | None = None) -> 
     return value
 
 
+def _number(metadata: Mapping[str, Any], key: str, default: float | None) -> float:
+    """A finite positive number from the metadata (a NaN epsilon or base would give NaN logits, silently)."""
+    value = _meta(metadata, key, default, required=True)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"GGUF metadata {key}={value!r}: expected a finite positive number")
+    return float(value)
+
+
+def _token_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int | None:
+    value = metadata.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size):
+        raise ValueError(f"GGUF metadata {key}={value!r}: expected a token id below the vocabulary size {vocab_size}")
+    return value
+
+
+def _agree(shapes: Mapping[str, tuple[int, ...]], key: str, value: Any, tensor: str, axis: int, per: int = 1) -> None:
+    """``value`` (times ``per``, the head size for head counts) is the size of ``tensor`` along ``axis``."""
+    shape = shapes.get(tensor)
+    if shape is not None and (len(shape) <= axis or shape[axis] != value * per):
+        times = f" (x head size {per} = {value * per})" if per != 1 else ""
+        raise ValueError(f"GGUF metadata {key}={value!r}{times} disagrees with the tensor {tensor} of shape {shape}; "
+                         f"expected its size along dimension {axis}")
+
+
 def _config_and_names(
     metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
 ) -> tuple[dict[str, Any], dict[str, str]]:
@@ -199,8 +224,12 @@ def _config_and_names(
     d_ff = _size(metadata, "llama.feed_forward_length")
     n_heads = _size(metadata, "llama.attention.head_count")
     n_kv_heads = _size(metadata, "llama.attention.head_count_kv", n_heads)
+    if "llama.attention.key_length" not in metadata and d_model % n_heads:
+        raise ValueError(f"GGUF llama.attention.head_count={n_heads} does not divide llama.embedding_length={d_model} "
+                         "and the file states no llama.attention.key_length")
     head_dim = _size(metadata, "llama.attention.key_length", d_model // n_heads)
-    if int(_meta(metadata, "llama.expert_count", 0)) > 0:
+    experts = _meta(metadata, "llama.expert_count", 0)
+    if not isinstance(experts, int) or experts > 0:
         raise ValueError(f"mixture-of-experts llama GGUF (llama.expert_count={metadata['llama.expert_count']}) "
                          "is not supported")
     value_dim = _size(metadata, "llama.attention.value_length", head_dim)
@@ -213,9 +242,19 @@ def _config_and_names(
     if n_heads % n_kv_heads or head_dim % 2:
         raise ValueError(f"head_count={n_heads} must be a multiple of head_count_kv={n_kv_heads} and the head "
                          f"size {head_dim} even")
-    if "token_embd.weight" not in shapes:
-        raise ValueError("the GGUF file has no token_embd.weight tensor")
+    if len(shapes.get("token_embd.weight", ())) != 2:
+        raise ValueError(f"the GGUF file has no 2-D token_embd.weight tensor (got {shapes.get('token_embd.weight')})")
     vocab_size = shapes["token_embd.weight"][0]
+    # The sizes the metadata states must be those of the tensors stored, before anything is built from them.
+    blocks = {name.split(".")[1] for name in shapes if name.startswith("blk.")}
+    if len(blocks) != n_layers or blocks != {str(i) for i in range(n_layers)}:
+        raise ValueError(f"GGUF llama.block_count={n_layers}, but the file stores the blocks {sorted(blocks)[:10]} "
+                         f"({len(blocks)}); expected blk.0 ... blk.{n_layers - 1}")
+    _agree(shapes, "llama.embedding_length", d_model, "token_embd.weight", 1)
+    _agree(shapes, "llama.vocab_size", _meta(metadata, "llama.vocab_size", vocab_size), "token_embd.weight", 0)
+    _agree(shapes, "llama.feed_forward_length", d_ff, "blk.0.ffn_up.weight", 0)
+    _agree(shapes, "llama.attention.head_count", n_heads, "blk.0.attn_q.weight", 0, head_dim)
+    _agree(shapes, "llama.attention.head_count_kv", n_kv_heads, "blk.0.attn_k.weight", 0, head_dim)
 
     expected = {"token_embd.weight": (vocab_size, d_model), "output_norm.weight": (d_model,)}
     optional = {"output.weight": (vocab_size, d_model)}
@@ -256,17 +295,17 @@ def _config_and_names(
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
-        "rms_norm_eps": float(_meta(metadata, "llama.attention.layer_norm_rms_epsilon", required=True)),
-        "rope_theta": float(_meta(metadata, "llama.rope.freq_base", 10000.0)),  # llama.cpp's default base
+        "rms_norm_eps": _number(metadata, "llama.attention.layer_norm_rms_epsilon", None),
+        "rope_theta": _number(metadata, "llama.rope.freq_base", 10000.0),  # llama.cpp's default base
         "max_position_embeddings": _size(metadata, "llama.context_length"),
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in shapes,  # llama.cpp omits output.weight when tied
         "hidden_act": "silu",
         "attention_bias": has_attn_bias,
         "mlp_bias": has_mlp_bias,
-        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+        "bos_token_id": _token_id(metadata, "tokenizer.ggml.bos_token_id", vocab_size),
+        "eos_token_id": _token_id(metadata, "tokenizer.ggml.eos_token_id", vocab_size),
+        "pad_token_id": _token_id(metadata, "tokenizer.ggml.padding_token_id", vocab_size),
     }
     if head_dim != d_model // n_heads:
         config["head_dim"] = head_dim
@@ -297,27 +336,28 @@ def _bias_group(shapes: Mapping[str, tuple[int, ...]], group: Mapping[str, Any],
 def _rope_scaling(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
     """``rope_scaling`` from the ``llama.rope.scaling.*`` keys (``rope.scale_linear`` in older files)."""
     kind = metadata.get("llama.rope.scaling.type")
-    factor = metadata.get("llama.rope.scaling.factor")
+    factor_key = "llama.rope.scaling.factor"
     if kind is None and metadata.get("llama.rope.scale_linear") not in (None, 1.0):
-        kind, factor = "linear", metadata["llama.rope.scale_linear"]
+        kind, factor_key = "linear", "llama.rope.scale_linear"
     if kind in (None, "none"):
         return None
-    if factor is None:
+    if not isinstance(kind, str):
+        raise ValueError(f"GGUF metadata llama.rope.scaling.type={kind!r}: expected a string")
+    if factor_key not in metadata:
         raise ValueError(f"llama.rope.scaling.type={kind!r} without llama.rope.scaling.factor")
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": _number(metadata, factor_key, None)}
     if kind == "linear":
         return scaling
     # Any other type is passed on with what the file states; the converter refuses types it cannot compute.
     extra = {
-        "original_context_length": ("original_max_position_embeddings", int),
-        "attn_factor": ("attention_factor", float),
-        "yarn_beta_fast": ("beta_fast", float),
-        "yarn_beta_slow": ("beta_slow", float),
+        "original_context_length": ("original_max_position_embeddings", _size),
+        "attn_factor": ("attention_factor", _number),
+        "yarn_beta_fast": ("beta_fast", _number),
+        "yarn_beta_slow": ("beta_slow", _number),
     }
-    for suffix, (name, cast) in extra.items():
-        value = metadata.get(f"llama.rope.scaling.{suffix}")
-        if value is not None:
-            scaling[name] = cast(value)
+    for suffix, (name, check) in extra.items():
+        if f"llama.rope.scaling.{suffix}" in metadata:
+            scaling[name] = check(metadata, f"llama.rope.scaling.{suffix}", None)
     return scaling
 
 
@@ -334,6 +374,8 @@ def _add_llama3_rope_scaling(config: dict[str, Any], factors: Tensor) -> None:
         ValueError: the file also states a rope scaling type, or the divisors are not llama3's.
     """
     divisors = factors.double().tolist()
+    if not all(0 < d < math.inf for d in divisors):
+        raise ValueError(f"the GGUF rope_freqs tensor holds divisors that are not finite and positive: {divisors[:8]}")
     if all(d == 1.0 for d in divisors):
         return  # frequencies unchanged
     if "rope_scaling" in config:

@@ -17,6 +17,7 @@ needs only ``tokenizers``; reading the file is ``models.gguf``'s job.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,6 +66,10 @@ _ROLE_KEYS = {
 
 SUPPORTED_MODELS = ("llama", "gpt2")
 
+#: The longest piece of a SentencePiece vocabulary whose merges are derived from its scores (SentencePiece's own
+#: trainer caps ``max_sentencepiece_length`` at 512).
+MAX_PIECE_CHARS = 512
+
 
 def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
     """Build the tokenizer a GGUF file's metadata describes.
@@ -88,10 +93,17 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise ValueError("the GGUF metadata has no tokenizer.ggml.tokens list, so it embeds no tokenizer")
+    bad = next((i for i, token in enumerate(tokens) if not isinstance(token, str)), None)
+    if bad is not None:
+        raise ValueError(f"tokenizer.ggml.tokens[{bad}]={tokens[bad]!r}: expected a list of strings")
     hf_json = metadata.get("tokenizer.huggingface.json")
     if isinstance(hf_json, str):
         # The file carries the exact tokenizer.json it was converted from: nothing to rebuild.
-        whole = Tokenizer.from_str(hf_json)
+        try:
+            whole = Tokenizer.from_str(hf_json)
+        except Exception as err:  # tokenizers raises its own bare Exception on a bad document
+            raise ValueError(f"tokenizer.huggingface.json is not a tokenizer.json the tokenizers library reads: "
+                             f"{err}") from err
         size = whole.vocab_size
         named = {role: metadata[key] for role, key in _ROLE_KEYS.items() if metadata.get(key) is not None}
         ids = {role: i for role, i in named.items() if isinstance(i, int) and 0 <= i < size}
@@ -107,6 +119,10 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
         if not isinstance(scores, list) or len(scores) != len(tokens):
             got = len(scores) if isinstance(scores, list) else scores
             raise ValueError(f"tokenizer.ggml.scores must list one score per token ({len(tokens)}), got {got!r}")
+        bad = next((i for i, v in enumerate(scores) if isinstance(v, bool) or not isinstance(v, (int, float))
+                    or not math.isfinite(v)), None)
+        if bad is not None:
+            raise ValueError(f"tokenizer.ggml.scores[{bad}]={scores[bad]!r}: expected finite numbers")
         add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
         backend = _sentencepiece_bpe(tokens, scores, metadata.get("tokenizer.ggml.merges"), roles["unk"], add_prefix)
         default_bos = True  # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
@@ -152,7 +168,10 @@ def _int_list(metadata: Mapping[str, Any], key: str, length: int) -> list[int]:
     if not isinstance(values, list) or len(values) != length:
         got = len(values) if isinstance(values, list) else values
         raise ValueError(f"{key} must list one value per token ({length}), got {got!r}")
-    return [int(v) for v in values]
+    bad = next((i for i, v in enumerate(values) if isinstance(v, bool) or not isinstance(v, int)), None)
+    if bad is not None:
+        raise ValueError(f"{key}[{bad}]={values[bad]!r}: expected integers")
+    return values
 
 
 def _sentencepiece_bpe(
@@ -160,7 +179,7 @@ def _sentencepiece_bpe(
 ) -> Backend:
     vocab = {token: i for i, token in enumerate(tokens)}
     pairs = _split_merges(merges) if isinstance(merges, list) else _merges_from_scores(vocab, scores)
-    backend = Backend(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    backend = Backend(_bpe(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     # llama.cpp (like SentencePiece) prepends a space to every run of text, also after a special token and
     # also when the text starts with spaces; a normalizer does that, since special tokens are split off first.
     # (transformers' Metaspace prepend_scheme="first" skips texts that start with a space.)
@@ -179,29 +198,42 @@ def _merges_from_scores(vocab: Mapping[str, int], scores: Sequence[float]) -> li
     Ties go to the longer left part, then the longer right part, then the lower id of the piece made
     (the order SentencePiece's own converter, and transformers', give them).
     """
-    candidates: list[tuple[float, int, int, str, str]] = []
+    too_long = next(((i, len(p)) for p, i in vocab.items() if len(p) > MAX_PIECE_CHARS), None)
+    if too_long is not None:  # each cut of a piece copies it: a long one would take time and memory squared
+        raise ValueError(f"tokenizer.ggml.tokens[{too_long[0]}] is {too_long[1]} characters long; a SentencePiece "
+                         f"piece has at most {MAX_PIECE_CHARS} (without tokenizer.ggml.merges its merges are derived)")
+    by_id = {i: piece for piece, i in vocab.items()}  # the vocabulary's own strings, so merges copy none
+    candidates: list[tuple[float, int, int, int, int]] = []
     for piece, piece_id in vocab.items():  # in id order, which a stable sort keeps for full ties
         for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in vocab and right in vocab:
-                candidates.append((-float(scores[piece_id]), -len(left), -len(right), left, right))
+            left, right = vocab.get(piece[:cut]), vocab.get(piece[cut:])
+            if left is not None and right is not None:
+                candidates.append((-float(scores[piece_id]), -cut, cut - len(piece), left, right))
     candidates.sort(key=lambda c: c[:3])
-    return [(left, right) for *_, left, right in candidates]
+    return [(by_id[left], by_id[right]) for *_, left, right in candidates]
 
 
 def _split_merges(merges: Sequence[str]) -> list[tuple[str, str]]:
     pairs = []
     for merge in merges:
-        left, sep, right = merge.partition(" ")
+        left, sep, right = merge.partition(" ") if isinstance(merge, str) else ("", "", "")
         if not sep or not left or not right:
             raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens separated by a space")
         pairs.append((left, right))
     return pairs
 
 
+def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options: Any) -> models.BPE:
+    """``tokenizers``' BPE, its refusal (a merge of tokens not in the vocabulary) raised as ``ValueError``."""
+    try:
+        return models.BPE(vocab, merges, **options)
+    except Exception as err:  # tokenizers raises a bare Exception here
+        raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {err}") from err
+
+
 def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str) -> Backend:
     vocab = {token: i for i, token in enumerate(tokens)}
-    backend = Backend(models.BPE(vocab, _split_merges(merges), ignore_merges=pre in _IGNORE_MERGES))
+    backend = Backend(_bpe(vocab, _split_merges(merges), ignore_merges=pre in _IGNORE_MERGES))
     split = _BYTE_LEVEL_SPLITS[pre]
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
