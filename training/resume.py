@@ -1,5 +1,6 @@
 """Exact resume: the trainer state a checkpoint holds, the checks that decide whether it fits this run, and
-the restore that follows only once every check passed on every process.
+the restore that follows only once every check passed on every process. Every field read from the files is
+checked first (``training.state_checks``): a checkpoint that does not fit, or holds one bad value, changes nothing.
 
 Functions over explicit arguments (model, optimiser, scheduler, parallel layout, trainer state), so each
 check can be exercised without building a ``Trainer``; the files themselves are ``training.checkpoint``'s.
@@ -9,6 +10,7 @@ every process's problems and refuses the checkpoint, naming them all, before any
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from . import checkpoint as ckpt
 from .distributed import all_gather_object, is_distributed, rng_state, set_rng_state
 from .parallel import ParallelLayout, local_tensor
+from .state_checks import check_optimizer_tensors, check_rng, check_state, compare_optimizer, compare_scheduler
 
 TensorShapes = dict[str, tuple[torch.Size, torch.dtype]]
 
@@ -216,9 +219,10 @@ def check_checkpoint(
 ) -> CheckpointCheck:
     """Read and check this process's part of the checkpoint folder ``path``; nothing is changed.
 
-    Process 0 checks every file against the manifest first (and stops there if any is damaged); then the
-    trainer state, the sharded index and this process's random state are read, and the run and the model
-    compared (``compare_run``, ``compare_model``).
+    Process 0 checks every file against the manifest first (and stops there if any is damaged or unlisted);
+    then the trainer state, the sharded index and this process's random state are read and checked field by
+    field (``training.state_checks``), and the run, the model, the optimiser's groups and the scheduler compared
+    with the live ones (``compare_run``, ``compare_model``, ``compare_optimizer``, ``compare_scheduler``).
 
     Args:
         path: the checkpoint folder.
@@ -232,8 +236,7 @@ def check_checkpoint(
         A ``CheckpointCheck``; its ``problems`` name every damaged or missing file and every difference.
 
     Raises:
-        Exception: a trainer state of the right format whose contents are malformed (a missing key, a wrong
-            type); ``restore_checkpoint`` reports it as a problem.
+        OSError: a file could not be read; ``restore_checkpoint`` reports it.
     """
     problems = ckpt.verify_manifest(path) if rank == 0 else []
     if problems:
@@ -245,12 +248,22 @@ def check_checkpoint(
         metadata = ckpt.read_metadata(path / ckpt.SHARDED_DIR)
     except ValueError as err:
         return CheckpointCheck([str(err)], None, None, None)
+    problems = [f"{path / ckpt.STATE_NAME}: {problem}" for problem in check_state(state)]
+    if problems:
+        return CheckpointCheck(problems, None, None, None)
+    shapes = ckpt.tensor_shapes(metadata)
     problems = compare_run(state, run, optimizer, scheduler, allow_world_size_change=allow_world_size_change)
-    problems += compare_model(state, ckpt.tensor_shapes(metadata), model, optimizer)
+    problems += compare_model(state, shapes, model, optimizer) + check_optimizer_tensors(shapes, model)
+    fields = compare_optimizer(state, optimizer)
+    if scheduler is not None and state["scheduler_class"] == qualified_name(scheduler):
+        fields += compare_scheduler(state, scheduler)
+    problems += [f"{path / ckpt.STATE_NAME}: {problem}" for problem in fields]
     rng_rank = rng_source_rank(state["run"], layout, rank=rank, world_size=run["world_size"])
+    rng_path = path / ckpt.rng_name(rng_rank)
     rng = None
     try:
-        rng = ckpt.load_torch(path / ckpt.rng_name(rng_rank), f"random state of process {rng_rank}")
+        rng = ckpt.load_torch(rng_path, f"random state of process {rng_rank}")
+        problems += check_rng(rng, rng_state(), str(rng_path))
     except ValueError as err:
         problems.append(str(err))
     return CheckpointCheck(problems, state, rng, metadata)
@@ -303,8 +316,8 @@ def restore_state(
 
     Raises:
         ValueError: a target missing or of another shape, optimiser state naming a parameter of no group,
-            parameter groups the optimiser does not have, or no scheduler state for the scheduler; the model,
-            optimiser, scheduler and random state are then as they were.
+            parameter groups the optimiser does not have, or a scheduler or random state that does not load; the
+            model, optimiser, scheduler and random state are then as they were.
     """
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     wrong = [n for n, p in params.items() if f"model/{n}" not in targets or targets[f"model/{n}"].shape != p.shape]
@@ -322,18 +335,22 @@ def restore_state(
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["optimizer"]["param_groups"]]
     if scheduler is not None and not isinstance(state["scheduler"], Mapping):
         raise ValueError(f"the saved scheduler state is a {type(state['scheduler']).__name__}, not a dict")
-    previous_rng = rng_state()
-    try:  # the steps that can still refuse their input (torch checks the groups before it changes anything)
+    previous = (rng_state(), optimizer.state_dict(), None if scheduler is None else scheduler.state_dict())
+    try:  # the steps that can still refuse their input: undone together if any of them does
         set_rng_state(rng)
         optimizer.load_state_dict({"state": per_param, "param_groups": groups})
-    except Exception:
-        set_rng_state(previous_rng)
-        raise
-    with torch.no_grad():
+        if scheduler is not None:
+            scheduler.load_state_dict(copy.deepcopy(dict(state["scheduler"])))
+    except Exception as err:
+        set_rng_state(previous[0])
+        optimizer.load_state_dict(previous[1])
+        if scheduler is not None:
+            scheduler.load_state_dict(previous[2])
+        raise ValueError(f"the saved optimizer, scheduler or random state does not load: {type(err).__name__}: "
+                         f"{err}") from err
+    with torch.no_grad():  # shapes checked above: copying cannot fail
         for name, p in params.items():
             p.copy_(targets[f"model/{name}"])
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
 
 
 def restore_checkpoint(
@@ -365,25 +382,35 @@ def restore_checkpoint(
         The saved trainer state, for the caller to take the data position and history from.
 
     Raises:
-        ValueError: every problem found on any process (damaged or missing files, a run or model that does
-            not fit, a malformed state), or a failed read of the sharded tensors.
+        ValueError: every problem found on any process (damaged, missing or unlisted files, a run or model that
+            does not fit, a bad field), a failed read of the sharded tensors, or non-finite values in them.
+        OSError: a file could not be read on some process (the message names it); nothing was restored.
     """
+    io_error = False
     try:
         problems, state, rng, metadata = check_checkpoint(path, model, optimizer, scheduler, layout, run, rank=rank,
                                                           allow_world_size_change=allow_world_size_change)
-    except Exception as err:  # a malformed state: reported, never left to hang the other processes
-        problems, state, rng, metadata = [f"{path / ckpt.STATE_NAME} is malformed: {type(err).__name__}: {err}"], \
-            None, None, None
-    if is_distributed():
-        gathered = all_gather_object(problems)
-        problems = list(dict.fromkeys(p for ps in gathered for p in (ps or [])))
+    except Exception as err:  # reported, never left to hang the other processes
+        io_error = isinstance(err, OSError)
+        problems, state, rng, metadata = [f"{type(err).__name__}: {err}"], None, None, None
+    problems, io_error = _everywhere(problems, io_error)
     if problems:
-        raise ValueError(f"cannot resume from {str(path)!r}:\n  - " + "\n  - ".join(problems))
+        error = OSError if io_error else ValueError
+        raise error(f"cannot resume from {str(path)!r}:\n  - " + "\n  - ".join(problems))
     assert state is not None and rng is not None and metadata is not None
     targets = load_targets(model, ckpt.tensor_shapes(metadata))
-    try:
-        ckpt.load_sharded(targets, path / ckpt.SHARDED_DIR)
-    except Exception as err:  # DCP wraps every process's failure; nothing has been restored yet
-        raise ValueError(f"cannot read the sharded state in {path / ckpt.SHARDED_DIR}: {err}") from err
+    ckpt.load_sharded(targets, path / ckpt.SHARDED_DIR)  # ValueError or OSError on every process alike
+    problems, _ = _everywhere([f"{path / ckpt.SHARDED_DIR} holds non-finite values in {key}" for key, t in
+                               targets.items() if t.is_floating_point() and not torch.isfinite(local_tensor(t)).all()])
+    if problems:
+        raise ValueError(f"cannot resume from {str(path)!r}:\n  - " + "\n  - ".join(problems[:5]))
     restore_state(model, optimizer, scheduler, state, targets, rng)
     return state
+
+
+def _everywhere(problems: list[str], io_error: bool = False) -> tuple[list[str], bool]:
+    """Every process's problems (and whether any was an I/O failure), so that all refuse together."""
+    if not is_distributed():
+        return problems, io_error
+    gathered = all_gather_object((problems, io_error))
+    return list(dict.fromkeys(p for ps, _ in gathered for p in ps)), any(io for _, io in gathered)

@@ -401,9 +401,10 @@ class Trainer:
 
         Raises:
             FileNotFoundError: no such checkpoint.
-            ValueError: a damaged or missing file (each named), or a checkpoint that does not fit this run
-                (what changed is said): another dataset length, global batch, accumulation, data order,
-                world size (unless allowed), optimiser or scheduler class, or model.
+            ValueError: a damaged, missing or unlisted file or a bad field (each named), or a checkpoint that does
+                not fit this run (what changed is said): another dataset length, global batch, accumulation, data
+                order, world size (unless allowed), optimiser, scheduler (class or settings), or model.
+            OSError: a file could not be read (named). On any error the trainer and model are as they were.
         """
         if not isinstance(allow_world_size_change, bool):
             raise ValueError(f"allow_world_size_change must be True or False, got {allow_world_size_change!r}")
