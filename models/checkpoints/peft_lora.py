@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 import blocks
 from blocks.adapters import LoRA
 
-from .peft_names import Placement, name_map, name_maps
+from .peft_names import PeftTargets, Placement, check_pattern, name_map, name_maps
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
@@ -35,7 +36,9 @@ TASK_TYPES = {"DecoderLM": "CAUSAL_LM", "Seq2SeqTransformer": "SEQ_2_SEQ_LM"}
 UNSUPPORTED = {
     "use_dora": (None, False), "bias": (None, "none"), "lora_bias": (None, False), "modules_to_save": (None, []),
     "target_parameters": (None, []), "trainable_token_indices": (None, {}, []), "layer_replication": (None, []),
-    "alora_invocation_tokens": (None, []),
+    "alora_invocation_tokens": (None, []), "use_qalora": (None, False), "use_bdlora": (None, False),
+    "arrow_config": (None,), "kasa_config": (None,), "monteclora_config": (None,), "velora_config": (None,),
+    "megatron_config": (None,),
 }
 
 
@@ -163,7 +166,7 @@ def zoo_adapters(
     Raises:
         ValueError: see ``AdapterFilesMixin.load_adapter`` (``models.checkpoints.adapter_files``).
     """
-    loras, dropout = _read_peft(config, tensors, source)
+    loras, dropout, selection, missing_ok = _read_peft(config, tensors, source)
     candidates = [name_map(model, model_type)] if model_type is not None else list(name_maps(model).values())
     errors: list[ValueError] = []
     for names in candidates:
@@ -174,6 +177,13 @@ def zoo_adapters(
         except ValueError as e:
             errors.append(e)
             continue
+        missing = sorted(m for m in parts_of if m not in targets.values() and selection.selects(m))
+        if missing and not missing_ok:
+            raise ValueError(
+                f"{source}: {ADAPTER_CONFIG_NAME}'s target_modules={config.get('target_modules')!r} selects {missing}, "
+                f"which the adapter holds no weights for, and init_lora_weights={config.get('init_lora_weights')!r} "
+                "makes peft initialise them at random; expected weights for every targeted module"
+            )
         return _zoo_loras(model, loras, targets, parts_of, dropout, source)
     raise errors[0]
 
@@ -230,57 +240,107 @@ def _zoo_loras(
 
 def _read_peft(
     config: Mapping[str, Any], tensors: Mapping[str, Tensor], source: str
-) -> tuple[dict[str, tuple[Tensor, Tensor, float]], float]:
-    """Check a ``peft`` LoRA config and its tensors; ``{module: (A, B, scaling)}`` and the dropout."""
+) -> tuple[dict[str, tuple[Tensor, Tensor, float]], float, PeftTargets, bool]:
+    """Check a ``peft`` LoRA config and its tensors, every field before any tensor; the LoRAs ``peft`` applies
+    ``{module: (A, B, scaling)}`` (those ``target_modules``/``exclude_modules``/``layers_to_transform`` select: the
+    others are ignored, with a warning, as ``peft`` ignores them), the dropout, the targets, and whether a targeted
+    module without tensors is left unchanged by ``peft`` (its ``init_lora_weights`` makes ``B = 0``)."""
+    where = f"{source}: {ADAPTER_CONFIG_NAME}"
     if not isinstance(config, Mapping) or config.get("peft_type") != "LORA":
         got = config.get("peft_type") if isinstance(config, Mapping) else type(config).__name__
-        raise ValueError(f"{source}: {ADAPTER_CONFIG_NAME} has peft_type={got!r}; only 'LORA' adapters load")
+        raise ValueError(f"{where} has peft_type={got!r}; only 'LORA' adapters load")
     for key, accepted in UNSUPPORTED.items():
         if config.get(key) not in accepted:
             raise ValueError(
-                f"{source}: {ADAPTER_CONFIG_NAME} sets {key}={config[key]!r}, which transformer-zoo does not implement "
-                f"(it accepts {[v for v in accepted if v is not None]})"
+                f"{where} sets {key}={config[key]!r}, which transformer-zoo does not implement (expected it unset"
+                f"{''.join(f' or {v!r}' for v in accepted if v is not None)})"
             )
-    r, alpha = config.get("r"), config.get("lora_alpha")
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"{source}: {ADAPTER_CONFIG_NAME} has r={r!r}; expected a positive integer")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-        raise ValueError(f"{source}: {ADAPTER_CONFIG_NAME} has lora_alpha={alpha!r}; expected a number")
-    dropout = config.get("lora_dropout") or 0.0
-    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"{source}: {ADAPTER_CONFIG_NAME} has lora_dropout={dropout!r}; expected a value in [0, 1)")
-    rank_pattern = dict(config.get("rank_pattern") or {})
-    alpha_pattern = dict(config.get("alpha_pattern") or {})
-    rslora = bool(config.get("use_rslora", False))
+    r = _checked(config.get("r"), "r", where, rank=True)
+    alpha = _checked(config.get("lora_alpha"), "lora_alpha", where, rank=False)
+    dropout = config.get("lora_dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"{where} has lora_dropout={dropout!r}; expected a number in [0, 1)")
+    rslora = config.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise ValueError(f"{where} has use_rslora={rslora!r}; expected true or false")
+    init = config.get("init_lora_weights", True)
+    if not (isinstance(init, bool) or init == "gaussian"):
+        raise ValueError(
+            f"{where} has init_lora_weights={init!r}, an initialisation that peft runs again on the base model when "
+            "it loads the adapter, which transformer-zoo does not implement (expected true, false or 'gaussian')"
+        )
+    patterns = {}
+    for field, rank in (("rank_pattern", True), ("alpha_pattern", False)):
+        pattern = config.get(field) or {}
+        if not isinstance(pattern, Mapping) or not all(isinstance(k, str) and k for k in pattern):
+            raise ValueError(f"{where} has {field}={pattern!r}; expected an object of module patterns -> numbers")
+        for key, value in pattern.items():
+            check_pattern(rf"(.*\.)?({key})$", field, key, where)
+            _checked(value, f"{field}[{key!r}]", where, rank=rank)
+        patterns[field] = dict(pattern)
+    targets = PeftTargets.from_config(config, where)
 
     pairs: dict[str, dict[str, Tensor]] = {}
     for key, tensor in tensors.items():
-        match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)\.weight", key)
+        match = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.(lora_A|lora_B)\.weight", key) if isinstance(
+            key, str) else None
         if match is None:
             raise ValueError(
                 f"{source}: tensor {key!r} is not a LoRA weight '<module>.lora_A.weight' / '.lora_B.weight' "
                 "(embedding LoRA, DoRA magnitudes and saved modules are not supported)"
             )
+        if not isinstance(tensor, Tensor) or not tensor.is_floating_point() or tensor.dim() != 2:
+            got = f"a {tensor.dim()}-d {tensor.dtype} tensor" if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(f"{source}: {key!r} is {got}; expected a 2-d floating-point tensor")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{source}: {key!r} holds NaN or infinite values")
         pairs.setdefault(match[1], {})[match[2]] = tensor
     if not pairs:
         raise ValueError(f"{source}: the adapter holds no LoRA weights")
-    out = {}
+    out, ignored = {}, []
     for module, pair in pairs.items():
         if set(pair) != {"lora_A", "lora_B"}:
             raise ValueError(f"{source}: {module!r} has {sorted(pair)} but a LoRA needs lora_A and lora_B")
         a, b = pair["lora_A"], pair["lora_B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or not a.is_floating_point():
+        if a.shape[0] != b.shape[1]:
             raise ValueError(
                 f"{source}: {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; expected (r, in) "
-                "and (out, r) floating tensors"
+                "and (out, r)"
             )
-        rank = rank_pattern.get(_pattern_key(rank_pattern, module), r)
+        if not targets.selects(module):
+            ignored.append(module)
+            continue
+        rank_key = _pattern_key(patterns["rank_pattern"], module)
+        rank = patterns["rank_pattern"][rank_key] if rank_key is not None else r
         if a.shape[0] != rank:
-            raise ValueError(f"{source}: {module!r} has rank {a.shape[0]} but the config says r={rank}")
-        module_alpha = alpha_pattern.get(_pattern_key(alpha_pattern, module), alpha)
+            field = f"rank_pattern[{rank_key!r}]" if rank_key is not None else "r"
+            raise ValueError(
+                f"{source}: {module!r} has rank {a.shape[0]} but {ADAPTER_CONFIG_NAME} says {field}={rank}"
+            )
+        alpha_key = _pattern_key(patterns["alpha_pattern"], module)
+        module_alpha = patterns["alpha_pattern"][alpha_key] if alpha_key is not None else alpha
         scaling = module_alpha / (math.sqrt(rank) if rslora else rank)
         out[module] = (a.float(), b.float(), scaling)
-    return out, float(dropout)
+    if not out:
+        raise ValueError(
+            f"{where}'s target_modules={config.get('target_modules')!r} (with exclude_modules, layers_to_transform) "
+            f"selects none of the modules the adapter holds weights for ({sorted(pairs)[:4]} ...)"
+        )
+    if ignored:
+        warnings.warn(
+            f"{where}: target_modules/exclude_modules/layers_to_transform do not select {sorted(ignored)}; their "
+            "LoRA weights are ignored, as peft ignores them", stacklevel=4,
+        )
+    return out, float(dropout), targets, init is True or init == "gaussian"
+
+
+def _checked(value: Any, field: str, where: str, *, rank: bool) -> int | float:
+    """A rank (an integer >= 1) or an alpha (a finite number) read from ``field``."""
+    if rank and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{where} has {field}={value!r}; expected a positive integer")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where} has {field}={value!r}; expected a finite number")
+    return value
 
 
 def _pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections import Counter
 from collections.abc import Mapping
 
@@ -185,3 +186,121 @@ def _identity(model: nn.Module) -> NameMap:
         if isinstance(m, nn.Linear) and owners[id(m.weight)] == 1
     }
     return NameMap(placements, frozenset(placements), None)
+
+
+# ---------------------------------------------------------------------------------------------- peft's targets
+@dataclasses.dataclass(frozen=True)
+class PeftTargets:
+    """Which modules a ``peft`` LoRA config adapts, decided as ``peft.tuners.tuners_utils.check_target_module_exists``
+    decides it: ``exclude_modules`` first, then ``target_modules`` (a regular expression matched against the whole
+    module name, or names matched exactly or as a ``.``-separated suffix) and, for a suffix match only, the layer
+    index (the first ``<layers_pattern>.<index>.`` in the name, any ``<name>.<index>.`` without a pattern) must be
+    in ``layers_to_transform``.
+
+    Build it with ``from_config``, which checks every field's type and each pattern.
+    """
+
+    target_modules: str | frozenset[str]
+    exclude_modules: str | frozenset[str] | None = None
+    layers_to_transform: frozenset[int] | None = None
+    layers_pattern: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: Mapping, where: str) -> PeftTargets:
+        """The targets of an ``adapter_config.json`` dict; ``where`` starts each error message (the file).
+
+        Raises:
+            ValueError: naming the field: ``target_modules`` missing, empty, ``"all-linear"`` (``peft`` expands it
+                against the ``transformers`` classes when it loads; a file it saved lists the names), or not a
+                valid regular expression or list of names; ``exclude_modules`` likewise; ``layers_to_transform``
+                not a non-negative integer or a list of them; ``layers_pattern`` not a string or list of valid
+                patterns; and the combinations ``peft``'s ``LoraConfig`` refuses (layers with a regex
+                ``target_modules``, ``layers_pattern`` without ``layers_to_transform``).
+        """
+        target = config.get("target_modules")
+        if target == "all-linear":
+            raise ValueError(
+                f"{where} has target_modules='all-linear', which peft expands against the transformers model's layer "
+                "classes when it loads; transformer-zoo does not: expected the module names (peft saves them)"
+            )
+        target = _names_or_regex(target, "target_modules", where, optional=False)
+        exclude = _names_or_regex(config.get("exclude_modules"), "exclude_modules", where, optional=True)
+        layers, pattern = config.get("layers_to_transform"), config.get("layers_pattern")
+        if isinstance(target, str) and (layers is not None or pattern is not None):
+            field = "layers_to_transform" if layers is not None else "layers_pattern"
+            raise ValueError(
+                f"{where} sets {field}={(layers if layers is not None else pattern)!r} with a regular expression "
+                f"target_modules={target!r}; peft refuses that combination (expected {field}=null)"
+            )
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            layers = [layers]
+        if layers is not None and (
+            not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                    for i in layers)
+        ):
+            raise ValueError(
+                f"{where} has layers_to_transform={layers!r}; expected null, a layer index or a list of layer indices "
+                "(integers >= 0)"
+            )
+        patterns = [pattern] if isinstance(pattern, str) else pattern if pattern is not None else []
+        if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+            raise ValueError(f"{where} has layers_pattern={pattern!r}; expected null, a string or a list of strings")
+        for p in patterns:
+            check_pattern(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", "layers_pattern", p, where)
+        patterns = [p for p in patterns if p]
+        if patterns and layers is None:
+            raise ValueError(
+                f"{where} sets layers_pattern={pattern!r} without layers_to_transform; peft refuses that (expected "
+                "layers_to_transform to name the layers)"
+            )
+        return cls(target, exclude, frozenset(layers) if layers else None, tuple(patterns))
+
+    def selects(self, module: str) -> bool:
+        """Whether ``peft`` adapts the module named ``module`` (its name in the ``transformers`` model)."""
+        if self.exclude_modules and _matches(self.exclude_modules, module):
+            return False
+        if isinstance(self.target_modules, str):
+            return re.fullmatch(self.target_modules, module) is not None
+        if module in self.target_modules:
+            return True  # an exact name is adapted whatever its layer (peft checks the layer for suffixes only)
+        if not _matches(self.target_modules, module):
+            return False
+        if self.layers_to_transform is None:
+            return True
+        match = None
+        for pattern in self.layers_pattern or (None,):
+            regex = r".*?\.[^.]*\.(?P<idx>\d+)\." if pattern is None else rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\."
+            match = re.match(regex, module)
+            if match is not None:
+                break
+        return match is not None and int(match["idx"]) in self.layers_to_transform
+
+
+def _matches(names: str | frozenset[str], module: str) -> bool:
+    if isinstance(names, str):
+        return re.fullmatch(names, module) is not None
+    return module in names or any(module.endswith("." + name) for name in names)
+
+
+def _names_or_regex(value: object, field: str, where: str, *, optional: bool) -> str | frozenset[str] | None:
+    """A checked ``target_modules``/``exclude_modules`` value: a valid regex, or a non-empty list of names."""
+    if value is None and optional:
+        return None
+    if isinstance(value, str) and (value or optional):
+        check_pattern(value, field, value, where)
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) and v for v in value) and (value or optional):
+        return frozenset(value)
+    raise ValueError(
+        f"{where} has {field}={value!r}; expected {'null, ' if optional else ''}a regular expression or a non-empty "
+        "list of module names"
+    )
+
+
+def check_pattern(regex: str, field: str, pattern: str, where: str) -> None:
+    """``re.compile(regex)``, whose error (a ``ValueError``) names ``field`` and the ``pattern`` it was built from."""
+    try:
+        re.compile(regex)
+    except re.error as e:
+        raise ValueError(f"{where} has {field} {pattern!r}, which is not a valid regular expression: {e}") from e
+

@@ -322,7 +322,7 @@ def test_name_map_places_every_linear_weight_where_the_exporter_writes_it(model_
 
 
 # ---------------------------------------------------------------------------------------------- peft parity
-def _transformers_copy(model: nn.Module, folder: Path) -> nn.Module:
+def transformers_copy(model: nn.Module, folder: Path) -> nn.Module:
     """The ``transformers`` model the zoo model's base (without adapters) exports to."""
     model = copy.deepcopy(model)
     model.set_adapter(None)
@@ -354,7 +354,7 @@ def test_zoo_adapter_saved_and_loaded_by_peft_gives_the_same_logits(family: str,
 
     model.set_adapter(None)
     base = logits(model, x)
-    hf = _transformers_copy(model, tmp_path / "hf")
+    hf = transformers_copy(model, tmp_path / "hf")
     torch.testing.assert_close(hf_logits(hf, x), base, atol=1e-5, rtol=1e-5)  # the base models agree
     adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     theirs = hf_logits(adapted, x)
@@ -366,7 +366,7 @@ def test_zoo_adapter_saved_and_loaded_by_peft_gives_the_same_logits(family: str,
 def test_peft_adapter_loaded_by_the_zoo_gives_the_same_logits(family: str, tmp_path: Path) -> None:
     make, _, hf_targets = CASES[family]
     model = make()
-    hf = _transformers_copy(model, tmp_path / "hf")
+    hf = transformers_copy(model, tmp_path / "hf")
     config = peft.LoraConfig(r=4, lora_alpha=12, target_modules=hf_targets, init_lora_weights=False)
     peft_model = peft.get_peft_model(hf, config).eval()
     peft_model.save_pretrained(tmp_path / "adapter")
@@ -381,7 +381,7 @@ def test_peft_adapter_loaded_by_the_zoo_gives_the_same_logits(family: str, tmp_p
 
 def test_fused_c_attn_lora_becomes_q_k_v_loras_with_one_shared_a(tmp_path: Path) -> None:
     model = gpt2_like()
-    hf = _transformers_copy(model, tmp_path / "hf")
+    hf = transformers_copy(model, tmp_path / "hf")
     peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=3, lora_alpha=6, target_modules=["c_attn"],
                                                          init_lora_weights=False))
     peft_model.save_pretrained(tmp_path / "fused")
@@ -426,7 +426,7 @@ def test_separate_q_and_v_loras_are_written_block_diagonal_and_read_back_apart(t
 def test_adapter_saved_on_a_base_model_loads_into_the_task_model(tmp_path: Path) -> None:
     """peft on ``BertModel`` names ``encoder.layer.0…``; the zoo's BERT exports as ``BertForMaskedLM`` (``bert.…``)."""
     model = bert_like()
-    hf = _transformers_copy(model, tmp_path / "hf").bert
+    hf = transformers_copy(model, tmp_path / "hf").bert
     peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules=["query", "value"],
                                                          init_lora_weights=False)).eval()
     peft_model.save_pretrained(tmp_path / "adapter")
@@ -457,7 +457,7 @@ def test_model_without_a_transformers_family_keeps_zoo_names_that_peft_applies_t
 
 # ---------------------------------------------------------------------------------------------- bad files
 def _peft_adapter(model: nn.Module, folder: Path, **config) -> Path:
-    hf = _transformers_copy(model, folder / "hf")
+    hf = transformers_copy(model, folder / "hf")
     peft.get_peft_model(hf, peft.LoraConfig(init_lora_weights=False, **config)).save_pretrained(folder / "adapter")
     return folder / "adapter"
 
