@@ -153,9 +153,12 @@ class AdapterFilesMixin:
 
         Raises:
             ValueError: a used or invalid name; a config that is not LoRA or uses what the zoo does not implement
-                (DoRA, trained biases, ``modules_to_save``, embedding LoRA); modules this model does not have (an
+                (DoRA, trained biases, ``modules_to_save``, embedding LoRA, ``target_modules="all-linear"``); a config
+                field of the wrong type or range or an invalid pattern (the field is named); tensors that are not 2-d,
+                floating point and finite, or whose rank is not the config's; modules this model does not have (an
                 adapter for another architecture) or tensors of other shapes; a fused module whose LoRA cannot be
-                split. Nothing is changed then.
+                split. Nothing is changed then. Tensors of modules that ``target_modules``, ``exclude_modules`` and
+                ``layers_to_transform`` do not select are ignored with a warning, as ``peft`` ignores them.
             FileNotFoundError: a folder without the adapter files.
             huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: from the Hub.
         """
