@@ -12,6 +12,7 @@ checked set of keyword arguments, ``names`` and ``kinds`` list what exists.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -108,6 +109,74 @@ def check_kwargs(
     ]
     if missing:
         raise ValueError(f"missing required config key(s) {missing} for {what}")
+
+
+#: what a value of each plain annotation must be, and how the error message says so.
+_SCALARS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "bool": (lambda v: isinstance(v, bool), "a bool"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+    "float": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+              "a finite float"),
+    "str": (lambda v: isinstance(v, str), "a str"),
+    "Mapping": (lambda v: isinstance(v, Mapping), "a mapping"),
+}
+
+
+def expected_type(annotation: Any, value: Any) -> str | None:
+    """What ``value`` should have been for ``annotation`` (e.g. ``"int | None"``), or None when it fits.
+
+    Plain annotations are checked strictly: a bool is not an int, a string is not a bool, a float must be finite
+    (an int is a float). ``Mapping[...]``/``dict[...]`` need a mapping. An annotation with any other part
+    (``Tensor``, ``Any``, a module) accepts every value.
+    """
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    parts = [part.strip() for part in text.replace("Optional[", "None | ").rstrip("]").split("|")]
+    if "None" in parts and value is None:
+        return None
+    heads = [part.split("[")[0].removeprefix("typing.") for part in parts if part != "None"]
+    heads = ["Mapping" if head in ("dict", "Mapping", "MutableMapping") else head for head in heads]
+    if not heads or any(head not in _SCALARS for head in heads):
+        return None
+    if any(_SCALARS[head][0](value) for head in heads):
+        return None
+    return " or ".join([*(_SCALARS[head][1] for head in heads), *(["None"] if "None" in parts else [])])
+
+
+def check_option_types(obj: Callable[..., Any], cfg: Mapping[str, Any], *, what: str) -> None:
+    """Raise ``ValueError`` unless every value of ``cfg`` fits ``obj``'s parameter of that name.
+
+    The parameter's annotation decides (``expected_type``); without one, the type of its default (a bool, int,
+    float or str). Every float anywhere in a value, nested mappings and lists included, must be finite:
+    ``{"scale": inf}`` or ``{"bias": "false"}`` are refused when the config is built, not used by the model.
+    Call ``check_kwargs`` first (it rejects unknown keys).
+
+    Raises:
+        ValueError: naming ``what``, the option, its value and what was expected.
+    """
+    params = inspect.signature(obj).parameters
+    for name, value in cfg.items():
+        param = params.get(name)
+        expected = None
+        if param is not None:
+            annotation = param.annotation
+            if annotation is inspect.Parameter.empty and isinstance(param.default, (bool, int, float, str)):
+                annotation = type(param.default).__name__
+            if annotation is not inspect.Parameter.empty:
+                expected = expected_type(annotation, value)
+        if expected is None and not _all_finite(value):
+            expected = "finite numbers (no inf or nan)"
+        if expected is not None:
+            raise ValueError(f"option {name!r} of {what} must be {expected}, got {value!r}")
+
+
+def _all_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, Mapping):
+        return all(_all_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_all_finite(v) for v in value)
+    return True
 
 
 def _entries(kind: str) -> dict[str, Any]:

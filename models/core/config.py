@@ -10,6 +10,7 @@ from typing import Any, ClassVar, TypeVar
 
 import blocks
 from blocks.layers import SUPPLIED as LAYER_SUPPLIED
+from blocks.registry import check_option_types, expected_type
 
 C = TypeVar("C", bound="ConfigBase")
 
@@ -166,10 +167,13 @@ def check_options(config: Any, options: Any, where: str) -> dict[str, dict[str, 
     """Validate block options against the signatures of the blocks the config names; return a plain copy.
 
     ``options`` maps a key of ``config.option_blocks`` (or ``"layer"``) to keyword options of that block. Keys the
-    model sets itself (the block's shape) are refused, and so are keys the block does not take.
+    model sets itself (the block's shape) are refused, and so are keys the block does not take. Values are typed
+    like config fields (``blocks.registry.check_option_types``): checked against the block's annotation (or its
+    default's type), a bool is not an int, a string is not a bool, floats are finite.
 
     Raises:
-        ValueError: not a dict of dicts, an unknown block key, or an option the block does not accept (named).
+        ValueError: not a dict of dicts, an unknown block key, an option the block does not accept, or a value of
+            the wrong type or not finite (block, option and value named).
     """
     if not isinstance(options, Mapping) or not all(isinstance(v, Mapping) for v in options.values()):
         raise ValueError(f"{where} must map block names to dicts of options, got {options!r}")
@@ -182,14 +186,16 @@ def check_options(config: Any, options: Any, where: str) -> dict[str, dict[str, 
             raise ValueError(f"{where}[{key!r}] must have string keys, got {sorted(map(repr, values))}")
         if key == "layer":
             for builder in config.layer_builders():
-                blocks.check_kwargs(blocks.get("layer", builder), values, what=f"{where}['layer'] (layer {builder!r})",
-                                    supplied=LAYER_BUILDER_SUPPLIED)
+                what = f"{where}['layer'] (layer {builder!r})"
+                blocks.check_kwargs(blocks.get("layer", builder), values, what=what, supplied=LAYER_BUILDER_SUPPLIED)
+                check_option_types(blocks.get("layer", builder), values, what=what)
             continue
         field, kind = config.option_blocks[key]
         name = getattr(config, field)
         supplied = POSITIONAL_SUPPLIED if kind == "positional" else LAYER_SUPPLIED[kind]
-        blocks.check_kwargs(blocks.get(kind, name), values, what=f"{where}[{key!r}] ({kind} {name!r})",
-                            supplied=supplied)
+        what = f"{where}[{key!r}] ({kind} {name!r})"
+        blocks.check_kwargs(blocks.get(kind, name), values, what=what, supplied=supplied)
+        check_option_types(blocks.get(kind, name), values, what=what)
     return copy.deepcopy({key: dict(values) for key, values in options.items()})
 
 
@@ -236,25 +242,13 @@ def check_field_types(config: Any) -> None:
     Raises:
         ValueError: naming the field, the value and the expected type.
     """
-    checks = {
-        "bool": lambda v: isinstance(v, bool),
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-        "str": lambda v: isinstance(v, str),
-    }
     for field in dataclasses.fields(config):
         annotation = str(field.type)
-        optional = annotation.endswith(" | None")
-        base = annotation.removesuffix(" | None")
-        if base not in checks:
+        if "[" in annotation:  # containers (options, layer_options, ...) are checked by their own validators
             continue
-        value = getattr(config, field.name)
-        if value is None and optional:
-            continue
-        if not checks[base](value):
-            expected = {"float": "a finite float", "int": "an int"}.get(base, f"a {base}")
-            expected += " or None" if optional else ""
-            raise ValueError(f"{field.name} must be {expected}, got {value!r}")
+        expected = expected_type(annotation, getattr(config, field.name))
+        if expected is not None:
+            raise ValueError(f"{field.name} must be {expected}, got {getattr(config, field.name)!r}")
 
 
 def check_positive_int(config: Any, name: str) -> None:

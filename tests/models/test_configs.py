@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 
 import pytest
 import torch
@@ -110,6 +112,65 @@ def test_block_options_round_trip_and_reach_the_blocks():
     assert "0" not in model.layer_positionals
     with pytest.raises(ValueError, match="one per layer"):
         config.replace(n_layers=3)
+
+
+# ------------------------------------------------------------------------------- typed, finite block options
+#: wrong values for each plain annotation (written here, not taken from the code under test).
+BAD_VALUES = {
+    "bool": ["false", 1, None],
+    "int": [True, 2.5, "3", None],
+    "float": [float("inf"), float("-inf"), float("nan"), "1.0", True, None],
+    "str": [1, True, None],
+    "Mapping": ["linear", [1.0], None],
+}
+
+
+def typed_options():
+    """(config key, block field, block name, option, plain annotation) for every option of every registered block
+    a config names, and of the layer builders (generated over the registries: a new block joins the test)."""
+    from blocks.layers import SUPPLIED
+    from models.core.config import LAYER_BUILDER_SUPPLIED, POSITIONAL_SUPPLIED
+
+    cases = []
+    targets = [(key, field, kind, name) for key, (field, kind) in DecoderLMConfig.option_blocks.items()
+               for name in blocks.names(kind)]
+    targets += [("layer", None, "layer", name) for name in DecoderLMConfig().layer_builders()]
+    for key, field, kind, name in targets:
+        supplied = {"positional": POSITIONAL_SUPPLIED, "layer": LAYER_BUILDER_SUPPLIED}.get(kind) or SUPPLIED[kind]
+        for option, param in inspect.signature(blocks.get(kind, name)).parameters.items():
+            if option in supplied or param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+                continue
+            text = str(param.annotation)
+            optional = text.endswith(" | None")
+            base = text.removesuffix(" | None").split("[")[0].replace("dict", "Mapping")
+            if base in BAD_VALUES:
+                cases.append(pytest.param(key, field, name, option, base, optional, id=f"{kind}-{name}-{option}"))
+    return cases
+
+
+@pytest.mark.parametrize(("key", "field", "name", "option", "base", "optional"), typed_options())
+def test_block_options_are_typed_and_finite(key, field, name, option, base, optional):
+    select = {} if field is None else {field: name}
+    for bad in BAD_VALUES[base]:
+        if bad is None and optional:
+            continue
+        message = f"{option!r} of options\\[{key!r}\\].*{name!r}.*got {re.escape(repr(bad))}"
+        with pytest.raises(ValueError, match=message):
+            DecoderLMConfig(**select, options={key: {option: bad}})
+        with pytest.raises(ValueError, match=f"layer_options\\[0\\]\\[{key!r}\\].*{re.escape(repr(bad))}"):
+            DecoderLMConfig(**select, n_layers=1, layer_options=[{key: {option: bad}}])
+    default = inspect.signature(blocks.get("layer" if field is None else DecoderLMConfig.option_blocks[key][1],
+                                           name)).parameters[option].default
+    if default is not inspect.Parameter.empty:  # the block's own default is a valid option value
+        assert DecoderLMConfig(**select, options={key: {option: default}}).options[key][option] == default
+
+
+def test_nested_option_values_must_be_finite():
+    with pytest.raises(ValueError, match="'scaling' of options\\['positional'\\].*finite.*inf"):
+        DecoderLMConfig(positional="rotary", options={"positional": {"scaling": {"rope_type": "linear",
+                                                                                  "factor": float("inf")}}})
+    # An int where a float is expected is a float; a bool never is an int or a float.
+    assert DecoderLMConfig(options={"attention": {"scale": 1}}).options == {"attention": {"scale": 1}}
 
 
 def test_old_config_files_without_options_load():
