@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .sampling import raise_nan_logits
+
 #: ``step(tokens (N, 1), parents (N,) | None, sources_changed) -> logits (N, V)``: row ``i`` of this step
 #: continues row ``parents[i]`` of the previous one (None: the same rows as before). ``sources_changed`` says
 #: the rows no longer map to the sources as before (beams were expanded or finished sources dropped), so
@@ -87,7 +89,8 @@ def beam_search(
         ``BeamSearchOutput`` with the best hypothesis of each source.
 
     Raises:
-        ValueError: ``num_beams < 1``, ``batch_size < 1`` or ``max_new_tokens < 0``.
+        ValueError: ``num_beams < 1``, ``batch_size < 1`` or ``max_new_tokens < 0``; NaN logits from ``step``
+            (checked at the host sync each step makes anyway).
 
     Shapes: ``sequences (B, T)`` with ``T <= max_new_tokens``, ``scores (B,)``, ``lengths (B,)``.
     """
@@ -142,7 +145,11 @@ def beam_search(
         sources_changed = n_beams != beam.shape[1]
 
         done = _sources_done(fin_scores[active, 0], alive_scores[:, 0], t, t_max, length_penalty, early_stopping)
-        if bool(done.any()):
+        # One host sync for both questions: NaN logits (nothing chosen from them may be returned), sources done.
+        has_nan, any_done = torch.stack([torch.isnan(logits).any(), done.any()]).tolist()
+        if has_nan:
+            raise_nan_logits(torch.isnan(logits).any(dim=-1), t - 1)
+        if any_done:
             keep = (~done).nonzero().squeeze(-1)
             if keep.numel() == 0:
                 alive_seqs = alive_seqs[:0]

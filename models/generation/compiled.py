@@ -4,8 +4,11 @@ Decoding one token at a time is dispatch-bound in eager mode (hundreds of small 
 one-token step is compiled once (``torch.compile``: inductor on CPU; CUDA graphs, ``mode="reduce-overhead"``, on
 CUDA) over a cache whose shapes never change:
 
-- the cache (``blocks.kv_cache.BucketKVCache``) is preallocated in *buckets* of length (powers of two from
-  ``MIN_BUCKET``), so prompts of different lengths with the same bucket reuse one graph;
+- the cache (``blocks.kv_cache.BucketKVCache``) is allocated in *buckets* of length (powers of two from
+  ``MIN_BUCKET``), so prompts of different lengths with the same bucket reuse one graph. A loop starts in the bucket
+  holding the prompt and ``steps.CACHE_CHUNK`` new tokens and moves to a bucket twice as long when it is full (as
+  the eager cache grows), so memory follows the tokens really generated, not ``max_new_tokens``; each bucket
+  reached compiles the step once;
 - the write slot is a long tensor and the visible slots are a ``(B, bucket)`` mask, both updated in place between
   steps: positions (counted from the mask, as for left padding) and the write index are tensors, never Python
   numbers a graph would specialise on;
@@ -36,6 +39,7 @@ from blocks.kv_cache import BucketKVCache, LayerCache
 from blocks.small_matmul import SmallRowsLinear
 
 from ..core import stack
+from . import steps  # steps.CACHE_CHUNK is read at call time (tests patch it)
 from .requests import LMRequest
 from .sampling import seen_tokens
 from .steps import Step, token_loop
@@ -174,13 +178,14 @@ class _Kept:
 
 
 def bucket_buffers(model: Any, caches: list[LayerCache], b: int, bucket: int, owner: weakref.ref,
-             ) -> tuple[list[LayerCache], Tensor, Tensor]:
+                   filled: int | None = None) -> tuple[list[LayerCache], Tensor, Tensor]:
     """A free set of kept bucket buffers for this model and shape (made when none is free), claimed for ``owner``
-    and filled with ``caches``' prompt.
+    and filled with the first ``filled`` positions of ``caches`` (default: what they hold, e.g. the prompt).
 
     A set stays ``owner``'s until it is freed (the end of a ``generate`` call, or of a stream: exhausted, closed or
-    dropped): two streams open at once, or a stream left open around a ``generate`` call of the same shapes, each
-    decode in their own buffers. A second set needs no new graph (dynamo guards on shapes, not on the tensors).
+    dropped; or ``release_buffers`` when a loop moves to a larger bucket): two streams open at once, or a stream
+    left open around a ``generate`` call of the same shapes, each decode in their own buffers. A second set needs no
+    new graph (dynamo guards on shapes, not on the tensors).
     """
     first = caches[0].self_attn.k
     key = (b, bucket, first.dtype, first.device)
@@ -205,10 +210,33 @@ def bucket_buffers(model: Any, caches: list[LayerCache], b: int, bucket: int, ow
         pool.append(kept_set)
     kept_set.owner = owner
     for src, dst in zip(caches, kept_set.caches, strict=True):
-        n = src.self_attn.length
+        n = src.self_attn.length if filled is None else filled
         dst.self_attn.k[:, :, :n] = src.self_attn.k[:, :, :n]
         dst.self_attn.v[:, :, :n] = src.self_attn.v[:, :, :n]
     return kept_set.caches, kept_set.mask, kept_set.index
+
+
+def release_buffers(model: Any, caches: list[LayerCache]) -> None:
+    """Free the kept set whose caches are ``caches`` (a loop that moved to a larger bucket), for later calls."""
+    for pool in _BUFFERS.get(model, {}).values():
+        for kept_set in pool:
+            if kept_set.caches is caches:
+                kept_set.owner = None
+
+
+def first_bucket(needed: int, start: int, capacity: int | None) -> int:
+    """The bucket a decoding loop starts in: room for ``start`` positions (the prompt) and up to
+    ``steps.CACHE_CHUNK`` new ones, never more than ``needed`` (all a request can use), rounded up to a bucket.
+
+    Like the eager cache, the bucket grows (``grown_bucket``) when it is full: a huge ``max_new_tokens`` costs
+    memory only for the tokens really generated, and the step compiles once more per bucket reached.
+    """
+    return bucket_length(min(needed, start + steps.CACHE_CHUNK), capacity)
+
+
+def grown_bucket(bucket: int, needed: int, capacity: int | None) -> int:
+    """The bucket after a full ``bucket``: twice as long, at most ``needed`` positions (rounded up to a bucket)."""
+    return bucket_length(min(needed, 2 * bucket), capacity)
 
 
 @torch.inference_mode()
@@ -224,25 +252,36 @@ def compiled_steps(model: Any, request: LMRequest, steady: bool = True) -> Itera
         return
     prompt, prompt_mask = request.prompt, request.mask
     b, length = prompt.shape
-    bucket = bucket_length(length + request.max_new_tokens, model.positional.max_positions)
+    needed, capacity = length + request.max_new_tokens, model.positional.max_positions
+    bucket = first_bucket(needed, length, capacity)
     prefill = stack.new_caches(len(model.layers), length)
     logits = model(prompt, attention_mask=prompt_mask, cache=prefill, logits_to_keep=1).logits[:, -1]
     filled = length
     run = compile_step(next_token_logits, model, prompt.device)
+    guarded = True  # the next call checks dynamo's guards (the first step, and the first in a new bucket)
 
     def step(tokens: Tensor) -> Tensor:
-        nonlocal filled
+        nonlocal filled, bucket, caches, mask, index, guarded
+        if filled == bucket:  # full: move to the next bucket (its graph is compiled at its first step)
+            old_caches, old_mask = caches, mask
+            bucket = grown_bucket(bucket, needed, capacity)
+            caches, mask, index = bucket_buffers(model, old_caches, b, bucket, owner, filled)
+            mask.zero_()
+            mask[:, :filled] = old_mask
+            release_buffers(model, old_caches)
+            guarded = True
         # The new token goes to slot `filled`: visible from now on, and the write index of this step.
         mask[:, filled] = True
         index.fill_(filled)
         filled += 1
         # Clone: CUDA graphs reuse their output buffer at the next replay.
-        # Every guard is checked at the first step (which may compile), and at every step of a stream.
-        skip = steady and filled > length + 1
+        # Every guard is checked at the first step of a bucket (which may compile), and at every step of a stream.
+        skip, guarded = steady and not guarded, False
         return run(model, tokens[:, None], mask, caches, skip_guards=skip).clone()
 
-    # The buffers are this loop's while `step` lives (it dies with this generator).
-    caches, mask, index = bucket_buffers(model, prefill, b, bucket, weakref.ref(step))
+    # The buffers are this loop's while `step` lives (it dies with this generator; weak: no cycle through itself).
+    owner = weakref.ref(step)
+    caches, mask, index = bucket_buffers(model, prefill, b, bucket, owner)
     mask.zero_()
     mask[:, :length] = True if prompt_mask is None else prompt_mask
 

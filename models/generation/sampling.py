@@ -181,5 +181,24 @@ def seen_tokens(ids: Tensor, mask: Tensor | None, vocab_size: int) -> Tensor:
     return counts.scatter_add_(1, ids, weights) > 0
 
 
+def nan_rows(logits: Tensor, live: Tensor | None = None) -> Tensor:
+    """Which rows (of those still choosing, ``live``) hold a NaN among their logits: a token chosen from them
+    would mean nothing (``argmax`` of NaN logits picks a NaN's index; sampling fails inside ``torch.multinomial``).
+
+    Shapes: logits ``(B, V)``, live ``(B,)`` bool -> ``(B,)`` bool.
+    """
+    bad = torch.isnan(logits).any(dim=-1)
+    return bad if live is None else bad & live
+
+
+def raise_nan_logits(bad: Tensor, step: int) -> None:
+    """Raise the ``ValueError`` of NaN logits at decoding ``step`` (0: the prompt's), naming the rows ``bad``."""
+    rows = bad.nonzero().flatten().tolist()
+    raise ValueError(
+        f"the next-token logits of step {step} are NaN in row(s) {rows}; expected finite logits to choose tokens "
+        "from (the model's weights or inputs hold NaN or inf values)"
+    )
+
+
 def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -27,12 +27,16 @@ from torch import Tensor, nn
 
 from blocks.kv_cache import KVCache, LayerCache
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, nan_rows, raise_nan_logits
 
 #: New positions a decoding cache has room for at first; it doubles whenever it is full.
 CACHE_CHUNK = 256
 
 T = TypeVar("T")
+
+#: Device types where ``token_loop`` checks every step's logits for NaN before choosing (a host sync costs nothing
+#: there); elsewhere the check after the prompt's logits rides on the loop's own sync.
+NAN_CHECK_EVERY_STEP = ("cpu",)
 
 
 @dataclasses.dataclass
@@ -58,19 +62,42 @@ def token_loop(
 
     Rows that have produced ``eos`` get ``pad`` from then on; the loop ends when every row has ended or after
     ``max_new_tokens`` tokens. ``seen`` (``(B, V)`` bool, for the repetition penalty) is updated in place.
+
+    Raises:
+        ValueError: the logits a live row chooses from hold a NaN (NaN weights or inputs): checked before the
+            first token, and on the CPU before every token; elsewhere at the sync the loop makes anyway (whether
+            every row has ended) or at its end, so a stream off the CPU may yield a few tokens first.
     """
     b = logits.shape[0]
     finished = None if eos is None else torch.zeros(b, dtype=torch.bool, device=logits.device)
     rows = torch.arange(b, device=logits.device)
+    # Off the CPU a check costs a host sync: after the prompt's logits, NaN is checked at the sync the loop makes
+    # anyway (whether every row has ended), or at the end when there is none.
+    check_every_step = logits.device.type in NAN_CHECK_EVERY_STEP
+    pending = None
     for i in range(max_new_tokens):
+        live = None if finished is None else ~finished
+        bad = nan_rows(logits, live)
+        if i == 0 or check_every_step:
+            if bool(bad.any()):
+                raise_nan_logits(bad, i)
+        else:
+            pending = bad if pending is None else pending | bad
         tokens = params.next_tokens(logits, seen, generator)
-        live = None
+        done = False
         if finished is not None:
-            live = ~finished
             tokens = tokens.masked_fill(finished, pad)
             finished = finished | (tokens == eos)
+            if pending is None:
+                done = bool(finished.all())
+            else:
+                done, nan = torch.stack([finished.all(), pending.any()]).tolist()
+                if nan:
+                    raise_nan_logits(pending, i)
         yield Step(tokens, logits, live)
-        if i + 1 == max_new_tokens or (finished is not None and bool(finished.all())):
+        if i + 1 == max_new_tokens or done:
+            if pending is not None and bool(pending.any()):
+                raise_nan_logits(pending, i)
             return
         if seen is not None:
             seen[rows, tokens] = True

@@ -312,3 +312,27 @@ def test_enumeration_covers_every_sequence() -> None:
         [(1,)] + [(a, b) for a, b in itertools.product([0, 2], [0, 1, 2])]
     )
     assert sum(math.exp(log_p) for _, log_p in hyps) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("alpha", [-0.5, -1.0, -3.0])
+@pytest.mark.parametrize("seed", range(8))
+def test_early_stopping_with_a_negative_length_penalty_equals_enumeration(alpha: float, seed: int) -> None:
+    # alpha < 0 makes lp fall with the length: a live beam's best reachable score is at its next length, not at
+    # max_new_tokens (a bound taken there stops too early and loses the best hypothesis). Fixed seeds, so every
+    # run checks cases that stop early and cases that must wait (the hypothesis test above may draw few of them).
+    vocab, t_max, eos, batch = 3, 4, 1, 2
+    log_probs = random_log_probs(seed, vocab, eos, 0.5, 2.0)
+    step = Scripted(log_probs, batch)
+    found = beam_search(step, batch_size=batch, start_token_id=START, num_beams=exhaustive_beams(vocab, t_max, eos),
+                        max_new_tokens=t_max, eos_token_id=eos, pad_token_id=PAD, length_penalty=alpha,
+                        early_stopping=True)
+    check_against_enumeration(found, log_probs, batch, vocab, t_max, eos, alpha)
+    expected = [optimal_stopping_step(log_probs, s, vocab, t_max, eos, alpha) for s in range(batch)]
+    assert step.steps_per_source == expected
+
+
+def test_negative_length_penalty_cases_stop_early_and_late() -> None:
+    # The seeds above cover both: some sources settle before max_new_tokens, some only at it.
+    stops = {optimal_stopping_step(random_log_probs(seed, 3, 1, 0.5, 2.0), s, 3, 4, 1, alpha)
+             for seed in range(8) for s in range(2) for alpha in (-0.5, -1.0, -3.0)}
+    assert min(stops) < 4 and 4 in stops and len(stops) >= 3

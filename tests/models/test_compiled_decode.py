@@ -7,7 +7,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import models.generation.compiled as compiled
+from blocks.kv_cache import BucketKVCache
 from models import DecoderLM, DecoderLMConfig
+from models.generation import steps
+from models.generation.requests import lm_request
 from tests.models.test_kv_cache import build
 
 
@@ -180,3 +183,63 @@ def test_cuda_graphs_tokens_equal_eager_across_calls_and_lengths() -> None:
         kwargs = dict(max_new_tokens=12, eos_token_id=None)
         assert torch.equal(model.generate(prompt, compile=True, **kwargs), model.generate(prompt, **kwargs))
     assert counters["stats"]["unique_graphs"] == 1
+
+
+# ================================================================================= growing buckets, logit values
+@pytest.fixture
+def bucket_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of every compiled-decoding bucket cache created while the test runs."""
+    sizes: list[int] = []
+    init = BucketKVCache.__init__
+
+    def recording_init(self: BucketKVCache, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+        sizes.append(k.shape[2])
+        init(self, k, v, index)
+
+    monkeypatch.setattr(BucketKVCache, "__init__", recording_init)
+    return sizes
+
+
+def spread(model: DecoderLM) -> DecoderLM:
+    """Wider logits than the initialisation gives: steps differ in value, and tokens do not repeat."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def test_compiled_logits_equal_an_uncached_forward_at_every_step_across_buckets(
+    graph_backend: None, bucket_sizes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One new token of room at first and buckets from 8: the loop starts in the 8 bucket and must move to the 16
+    # one. Every step's logits (not only its tokens) must equal a full forward pass over the prompt and the tokens
+    # so far; sampled tokens, so that the steps differ.
+    monkeypatch.setattr(steps, "CACHE_CHUNK", 1)
+    monkeypatch.setattr(compiled, "MIN_BUCKET", 8)
+    model = spread(decoder(positional="rotary"))
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    prompt = torch.randint(4, 64, (2, 3), generator=torch.Generator().manual_seed(4)).masked_fill(~mask, 0)
+    request = lm_request(model, prompt, mask, 14, True, 1.0, None, None, None, None, None,
+                         torch.Generator().manual_seed(0), None, True)
+    with torch.inference_mode():
+        got = [(s.tokens.clone(), s.logits.clone()) for s in compiled.compiled_steps(model, request)]
+    assert sorted(set(bucket_sizes)) == [8, 16]  # grew once, at slot 8
+    assert counters["stats"]["unique_graphs"] == 2  # one graph per bucket
+    ids, full_mask = prompt, mask
+    with torch.no_grad():
+        for tokens, logits in got:
+            expected = model(ids, attention_mask=full_mask).logits[:, -1]
+            torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+            ids = torch.cat([ids, tokens[:, None]], dim=1)
+            full_mask = torch.cat([full_mask, torch.ones(2, 1, dtype=torch.bool)], dim=1)
+    assert len(got) == 14 and len(set(ids[0, 3:].tolist())) > 5  # non-trivial: many different tokens
+
+
+def test_huge_max_new_tokens_compiles_over_the_first_bucket_only(graph_backend: None, bucket_sizes: list[int]) -> None:
+    # EOS at the first token: with max_new_tokens = 2**21 the old code preallocated a 2**21-slot bucket per layer.
+    model = decoder(positional="rotary")
+    prompt = torch.tensor([[7, 8, 9]])
+    eos = int(model.generate(prompt, max_new_tokens=1, eos_token_id=None)[0, -1])
+    out = model.generate(prompt, max_new_tokens=2**21, eos_token_id=eos, compile=True)
+    assert out.tolist() == [[7, 8, 9, eos]]
+    # The prompt and CACHE_CHUNK = 256 new tokens, rounded up to a power of two: 512 slots.
+    assert steps.CACHE_CHUNK == 256 and bucket_sizes == [512] * 2  # one per layer

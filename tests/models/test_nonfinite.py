@@ -1,0 +1,81 @@
+"""NaN weights never give tokens: every decoding path raises ``ValueError`` on NaN logits it would pick from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models.generation.compiled as compiled
+from models import DecoderLM, DecoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer
+from tests.models.test_kv_cache import build
+
+VOCAB = 32
+
+
+def decoder(**overrides: object) -> DecoderLM:
+    config = dict(vocab_size=VOCAB, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=64, dropout=0.0)
+    return build(DecoderLM, DecoderLMConfig(**{**config, **overrides}), 0)
+
+
+def seq2seq() -> Seq2SeqTransformer:
+    config = Seq2SeqConfig(vocab_size=VOCAB, d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1,
+                           max_len=64, dropout=0.0)
+    return build(Seq2SeqTransformer, config, 0)
+
+
+def poison(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    with torch.no_grad():
+        dict(model.named_parameters())[name].view(-1)[0] = float("nan")
+    return model
+
+
+@pytest.fixture
+def graph_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+
+
+SAMPLE = dict(do_sample=True, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("kwargs", [{}, SAMPLE, {"eos_token_id": None}, {"compile": True}],
+                         ids=["greedy", "sampled", "no-eos", "compiled"])
+def test_nan_weights_raise_in_decoder_generate_and_stream(kwargs: dict, graph_backend: None) -> None:
+    model = poison(decoder(), "layers.0.ffn.up_proj.weight")
+    prompt = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"logits of step 0 are NaN in row\(s\) \[0\]"):
+        model.generate(prompt, max_new_tokens=4, **kwargs)
+    with pytest.raises(ValueError, match="NaN"):
+        next(model.stream(prompt, max_new_tokens=4, **kwargs))
+
+
+@pytest.mark.parametrize("kwargs", [{"num_beams": 1}, {"num_beams": 1, **SAMPLE}, {"num_beams": 3},
+                                    {"num_beams": 1, "compile": True}, {"num_beams": 3, "compile": True}],
+                         ids=["greedy", "sampled", "beams", "compiled", "compiled-beams"])
+def test_nan_weights_raise_in_seq2seq_generate(kwargs: dict, graph_backend: None) -> None:
+    model = poison(seq2seq(), "encoder_layers.0.ffn.up_proj.weight")
+    with pytest.raises(ValueError, match="logits of step 0 are NaN"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, **kwargs)
+
+
+@pytest.mark.parametrize("every_step", [True, False], ids=["cpu-check", "folded-check"])
+def test_nan_at_a_later_step_raises_before_its_token(every_step: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Untied embeddings: the prompt's logits are finite; the embeddings of the tokens they pick are NaN, so the
+    # logits of step 1 are NaN. With the folded check (off the CPU) it is found at the loop's EOS sync.
+    from models.generation import steps
+
+    if not every_step:
+        monkeypatch.setattr(steps, "NAN_CHECK_EVERY_STEP", ())
+    model = decoder(tie_embeddings=False)
+    prompt = torch.tensor([[5, 6, 7], [4, 5, 6]])
+    first = model.generate(prompt, max_new_tokens=1, eos_token_id=None)[:, -1]
+    assert not set(first.tolist()) & set(prompt.flatten().tolist())
+    eos = next(t for t in range(4, VOCAB) if t not in first.tolist())
+    with torch.no_grad():
+        model.embed_tokens.weight[first] = float("nan")
+    with pytest.raises(ValueError, match=r"logits of step 1 are NaN in row\(s\) \[0, 1\]"):
+        model.generate(prompt, max_new_tokens=5, eos_token_id=eos)
+    stream = model.stream(prompt, max_new_tokens=5, eos_token_id=eos)
+    assert torch.equal(next(stream), first)
+    with pytest.raises(ValueError, match="NaN"):
+        list(stream)
