@@ -104,8 +104,10 @@ def load_pretrained(
     Raises:
         TypeError: an unknown keyword argument, or arguments of the wrong type.
         ValueError: bad option values; a config of another architecture than ``expected_class``; weights that
-            do not fit the config (missing, unexpected or mis-shaped tensors, all listed); unreadable or
-            corrupted files; a pickle that is not plain tensors.
+            do not fit the config (missing, unexpected or mis-shaped tensors, all listed); a config that counts
+            other layers than the weights store, or would build a model larger than the weights (the field is
+            named; checked before the model is built, see ``models.convert.registry.build_bounded``); unreadable
+            or corrupted files; a pickle that is not plain tensors.
         FileNotFoundError: a local folder without ``config.json`` or weights; a ``.gguf`` path that is no file.
         ImportError: a ``.gguf`` file without the ``gguf`` package.
         huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: the repo,
@@ -135,6 +137,8 @@ def load_pretrained(
                 quantization = _quantization(raw, location.source)
                 files = checkpoint_files(location)
                 state = read_weights(files)
+                # Before the real build: the config may not claim more layers or elements than the weights hold.
+                converters.build_bounded(cls, config, state, files.source)
             elif is_transformers_config(raw):
                 files = checkpoint_files(location)
                 state = read_weights(files)

@@ -10,6 +10,10 @@ package and this module imports no family.
 A converter never returns a model that computes something different from the checkpoint's: a config
 value or a tensor the zoo cannot represent raises ``ValueError`` naming it.
 
+Sizes are bounded before anything is allocated: a config may not count more layers than the checkpoint stores
+(checked in O(tensors) before a converter runs), and the model it builds may not hold more elements than the
+checkpoint's tensors (``build_bounded``, on the meta device; the zoo loader calls it for zoo checkpoints too).
+
 The other direction: ``to_transformers(model)`` gives a ``transformers`` config dict and state dict, and
 ``save_transformers(model, directory)`` writes a folder ``transformers``' ``from_pretrained`` loads
 (see ``models.convert.export``).
@@ -18,11 +22,14 @@ The other direction: ``to_transformers(model)`` gives a ``transformers`` config 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 import blocks
 
@@ -92,6 +99,7 @@ def from_transformers(hf_config: Mapping[str, Any], state_dict: Mapping[str, Ten
     supported = supported_model_types()
     if model_type not in supported:
         raise ValueError(f"no converter for transformers model_type {model_type!r}; supported: {supported}")
+    _check_hf_layer_counts(hf_config, state_dict)  # before a converter loops over the layers or builds anything
     converter = blocks.get(CONVERTER_KIND, model_type)
     return check_converted(converter(hf_config, state_dict))
 
@@ -107,11 +115,10 @@ def check_converted(converted: Converted) -> Converted:
         parameter the checkpoint lacks.
 
     Raises:
-        ValueError: keys missing or unknown to the model, conflicting values for one tied parameter, or a
-            tensor whose shape differs from the model's.
+        ValueError: keys missing or unknown to the model, conflicting values for one tied parameter, a
+            tensor whose shape differs from the model's, or a config larger than the weights (``build_bounded``).
     """
-    with torch.device("meta"):
-        model = converted.architecture(converted.config)
+    model = build_bounded(converted.architecture, converted.config, converted.state_dict)
     expected = model.state_dict()
     state_dict = dict(converted.state_dict)
     allow_missing = set(converted.allow_missing)
@@ -145,16 +152,180 @@ def check_converted(converted: Converted) -> Converted:
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ValueError(
                 f"checkpoint tensor for {name!r} has shape {tuple(tensor.shape)}, but the config builds "
-                f"{tuple(expected[name].shape)}: the config and the weights disagree"
+                f"{tuple(expected[name].shape)}{_fields_named(converted.config, expected[name].shape, tensor.shape)}"
+                ": the config and the weights disagree"
             )
     return dataclasses.replace(converted, state_dict=state_dict, allow_missing=frozenset(allow_missing))
 
 
+# ------------------------------------------------------------------------------- sizes bounded before allocation
+#: The model a config builds may hold at most ``1 + SLACK_FRACTION`` times the elements its checkpoint stores, plus
+#: ``SLACK_ELEMENTS``: room for what a checkpoint legitimately lacks (non-persistent tables such as sinusoids, a head
+#: a base-model checkpoint leaves at its initialisation), never for a config that claims more than its weights hold.
+SLACK_FRACTION = 1 / 16
+SLACK_ELEMENTS = 1 << 22
+#: ``transformers`` config fields that count the layers of a stack (each family's name for ``num_hidden_layers``).
+HF_LAYER_FIELDS = (
+    "num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers"
+)
+_INDEXED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def stored_layers(names: Iterable[str]) -> dict[str, set[int]]:
+    """The layer indices stored under each prefix: ``{"model.layers": {0, 1}}`` for ``model.layers.0.*`` and
+    ``model.layers.1.*`` (the first numeric part of each tensor name is its layer index)."""
+    stacks: dict[str, set[int]] = {}
+    for name in names:
+        match = _INDEXED.match(name)
+        if match is not None:
+            stacks.setdefault(match[1], set()).add(int(match[2]))
+    return stacks
+
+
+def _check_hf_layer_counts(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> None:
+    """Refuse a ``transformers`` config counting more layers than any stack of the checkpoint stores.
+
+    Cost O(tensors), whatever the config says: a converter loops over the layers and builds the model on the meta
+    device, which for ``num_hidden_layers = 10**6`` would run for hours.
+    """
+    most = max((len(indices) for indices in stored_layers(state_dict).values()), default=0)
+    for field in HF_LAYER_FIELDS:
+        value = hf_config.get(field)
+        if isinstance(value, int) and not isinstance(value, bool) and value > most:
+            raise ValueError(
+                f"{hf_config['model_type']} config field {field}={value}, but no stack of the checkpoint stores more "
+                f"than {most} layers: the config and the weights disagree"
+            )
+
+
+def check_layer_counts(config: ConfigBase, names: Iterable[str], source: str = "") -> None:
+    """Check each layer count of a zoo config (``n_layers``, ``n_encoder_layers``, ...) against the layers stored.
+
+    A field ``n_<stack>`` counts the modules ``<stack>.<i>``, whose tensors are named ``<stack>.<i>.*``. Cost
+    O(tensors) whatever the config says, so it runs before any model (even on the meta device) is built.
+
+    Raises:
+        ValueError: a count that differs from the number of layer indices stored under its stack (field named).
+    """
+    stacks = stored_layers(names)
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if not (field.name.startswith("n_") and field.name.endswith("layers") and isinstance(value, int)):
+            continue
+        stack = field.name.removeprefix("n_")
+        stored = len(stacks.get(stack, ()))
+        if value != stored:
+            raise ValueError(
+                f"{_prefix(source)}config field {field.name}={value}, but the checkpoint stores {stored} layers "
+                f"({stack}.<i>.*): the config and the weights disagree"
+            )
+
+
+def build_bounded(
+    architecture: type[nn.Module], config: ConfigBase, state: Mapping[str, Tensor], source: str = ""
+) -> nn.Module:
+    """Build ``architecture(config)`` on the meta device, after checking that the real build stays bounded.
+
+    The layer counts are checked first (``check_layer_counts``), so the meta build is bounded by the checkpoint's
+    tensor count; then the model's parameters and buffers together may hold at most ``1 + SLACK_FRACTION`` times
+    the elements ``state`` stores, plus ``SLACK_ELEMENTS`` (a tensor given under several names counts once).
+
+    Returns:
+        The model on the meta device (no memory, no initialisation cost).
+
+    Raises:
+        ValueError: a layer count that disagrees with the layers stored, or a config that builds more elements
+            than allowed: the tensors that outgrow the checkpoint's are listed with the config fields behind them.
+    """
+    check_layer_counts(config, state, source)
+    with torch.device("meta"), _MetaBuild():
+        model = architecture(config)
+    stored = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    built = sum(t.numel() for t in {id(t): t for t in tensors.values()}.values())
+    if built <= stored * (1 + SLACK_FRACTION) + SLACK_ELEMENTS:
+        return model
+    grown = sorted(
+        (name for name, t in tensors.items() if name not in state or state[name].numel() < t.numel()),
+        key=lambda name: -tensors[name].numel(),
+    )
+    listed = [
+        f"{name} {tuple(tensors[name].shape)}"
+        + (f" (stored {tuple(state[name].shape)})" if name in state else " (not stored)")
+        + _fields_named(config, tensors[name].shape, state[name].shape if name in state else ())
+        for name in grown[:5]
+    ]
+    raise ValueError(
+        f"{_prefix(source)}the config builds a {architecture.__name__} of {built:,} elements, but the checkpoint "
+        f"stores only {stored:,}: the config and the weights disagree; largest differences: {'; '.join(listed)}"
+    )
+
+
+#: in-place methods that change a tensor's shape or flags, which a meta build must still run.
+_SHAPING = frozenset({
+    "requires_grad_", "resize_", "resize_as_", "set_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_",
+    "swapaxes_", "as_strided_", "detach_", "share_memory_", "rename_", "refine_names_", "sparse_resize_",
+    "sparse_resize_and_clear_",
+})
+
+
+class _MetaBuild(TorchFunctionMode):
+    """Used inside ``torch.device("meta")``: skips in-place value updates of meta tensors (initialisation:
+    ``normal_``, ``trunc_normal_``'s ``erfinv_`` ...) and gives ``arange`` its shape directly. Meta tensors hold no
+    values, and torch runs these ops through its Python references, whose first use imports ``torch._dynamo``
+    (seconds in a fresh process)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes its tensor by keyword
+        if name.endswith("_") and not name.endswith("__") and name not in _SHAPING and _is_meta(target):
+            return target
+        if (
+            func is torch.arange and args and all(type(v) in (int, float) for v in args)
+            and set(kwargs) <= {"dtype", "requires_grad"}
+        ):
+            start, end, step = (0, *args, 1)[-3:] if len(args) == 1 else (*args, 1)[:3]
+            dtype = kwargs.get("dtype") or (
+                torch.get_default_dtype() if any(isinstance(v, float) for v in (start, end, step)) else torch.int64
+            )
+            return torch.empty(max(0, math.ceil((end - start) / step)), dtype=dtype)
+        return func(*args, **kwargs)
+
+
+def _is_meta(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.is_meta
+
+
+def _prefix(source: str) -> str:
+    return f"{source}: " if source else ""
+
+
+def _fields_named(config: ConfigBase, built: Iterable[int], stored: Iterable[int]) -> str:
+    """`` from config field vocab_size=...`` naming the integer fields whose values are the dimensions in which
+    ``built`` departs from ``stored`` (its largest dimension when the ranks differ), or ``""`` when none is."""
+    built, stored = tuple(built), tuple(stored)
+    if len(built) == len(stored):
+        dims = {b for b, s in zip(built, stored, strict=True) if b != s}
+    else:
+        dims = {max(built, default=0)}
+    fields = [
+        f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
+        if type(getattr(config, f.name)) is int and getattr(config, f.name) in dims
+    ]
+    return f" from config field {', '.join(fields)}" if fields else ""
+
+
 __all__ = [
     "CONVERTER_KIND",
+    "SLACK_ELEMENTS",
+    "SLACK_FRACTION",
     "Converted",
+    "build_bounded",
     "check_converted",
+    "check_layer_counts",
     "from_transformers",
     "register_converter",
+    "stored_layers",
     "supported_model_types",
 ]
