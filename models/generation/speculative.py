@@ -31,7 +31,7 @@ from ..core.base import ZooModel
 from . import steps  # steps.CACHE_CHUNK is read at call time (tests patch it)
 from .compiled import bucket_buffers, bucket_length, compile_step, next_token_logits
 from .requests import CONFIG_DEFAULT, LMRequest, check_compilable, check_count, check_flag, lm_request
-from .sampling import SamplingParams
+from .sampling import SamplingParams, nan_rows, raise_nan_logits
 from .steps import eval_mode, make_room
 
 
@@ -232,6 +232,11 @@ def speculative_steps(target: Any, draft: Any, request: LMRequest, k: int) -> Sp
         n_draft = min(k, limit - n - 1)
         for i in range(n_draft):
             logits = drafter.logits(n + i)  # (1, V)
+            if bool(nan_rows(logits).any()):
+                raise ValueError(
+                    f"the draft model's next-token logits at position {n + i} are NaN; expected finite logits (the "
+                    "draft's weights or inputs hold NaN or inf values)"
+                )
             if sample:
                 q = params.probabilities(logits)
                 draft_probs[:, i] = q
@@ -242,6 +247,9 @@ def speculative_steps(target: Any, draft: Any, request: LMRequest, k: int) -> Sp
         past = target_cache[0].self_attn.length
         make_room(target_cache, n + n_draft - past, limit)
         logits = target(ids[:, past : n + n_draft], cache=target_cache, logits_to_keep=n_draft + 1).logits[0]
+        bad = nan_rows(logits)  # (n_draft + 1,): the target's distributions at each checked position
+        if bool(bad.any()):
+            raise_nan_logits(bad.new_ones(1), n - length + int(bad.nonzero()[0, 0]))  # batch 1: row 0
         if sample:
             p = params.probabilities(logits)
             if n_draft:

@@ -8,8 +8,10 @@ import logging
 import warnings
 from pathlib import Path
 
+import peft
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import blocks
@@ -18,9 +20,6 @@ from models import DecoderLM, EncoderLM, Seq2SeqConfig, Seq2SeqTransformer
 from models.checkpoints.peft_names import name_map, name_maps
 from models.convert import save_transformers, supported_model_types, to_transformers
 from models.vit import VisionTransformer
-
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 50
 TINY = dict(vocab_size=VOCAB, d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.0, attention_dropout=0.0)

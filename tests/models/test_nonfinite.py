@@ -49,6 +49,16 @@ def test_nan_weights_raise_in_decoder_generate_and_stream(kwargs: dict, graph_ba
         next(model.stream(prompt, max_new_tokens=4, **kwargs))
 
 
+@pytest.mark.parametrize("poisoned", ["target", "draft"])
+@pytest.mark.parametrize("kwargs", [{}, SAMPLE], ids=["greedy", "sampled"])
+def test_nan_weights_raise_in_speculative_decoding(poisoned: str, kwargs: dict) -> None:
+    target, draft = decoder(), decoder(d_model=8, d_ff=16)
+    poison(target if poisoned == "target" else draft, "layers.0.ffn.up_proj.weight")
+    message = "logits of step 0 are NaN" if poisoned == "target" else "draft model's next-token logits"
+    with pytest.raises(ValueError, match=message):
+        target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, draft_model=draft, num_draft_tokens=3, **kwargs)
+
+
 @pytest.mark.parametrize("kwargs", [{"num_beams": 1}, {"num_beams": 1, **SAMPLE}, {"num_beams": 3},
                                     {"num_beams": 1, "compile": True}, {"num_beams": 3, "compile": True}],
                          ids=["greedy", "sampled", "beams", "compiled", "compiled-beams"])
