@@ -10,7 +10,17 @@ from torch import nn
 
 import blocks
 from blocks.quantized import Int8Linear, quantize_linears
-from models import DecoderLM, DecoderLMConfig, EncoderLM, EncoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer
+from models import (
+    DecoderLM,
+    DecoderLMConfig,
+    EncoderLM,
+    EncoderLMConfig,
+    Seq2SeqConfig,
+    Seq2SeqTransformer,
+    VisionTransformer,
+    VisionTransformerConfig,
+    auto,
+)
 from tests.models.test_kv_cache import build
 
 SMALL = dict(vocab_size=64, d_model=32, n_heads=4, d_ff=64, max_len=64, dropout=0.0)
@@ -49,7 +59,13 @@ def test_quantize_replaces_every_linear_and_rejects_bad_schemes() -> None:
         quantize_linears(nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("family", ["decoder", "encoder", "seq2seq"])
+def test_every_architecture_has_quantize_and_dequantize() -> None:
+    for name in auto.architectures():
+        cls = auto.get_architecture(name)
+        assert callable(getattr(cls, "quantize", None)) and callable(getattr(cls, "dequantize", None)), name
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder", "seq2seq", "vision"])
 def test_logits_of_every_family_stay_close(family: str) -> None:
     # Measured on these models at their own init: relative RMS error of the logits 0.005 (decoder), 0.008
     # (encoder), 0.009 (seq2seq); max |difference| / std(logits) 0.020, 0.025, 0.034. Bounds: 0.015 and 0.05.
@@ -61,12 +77,20 @@ def test_logits_of_every_family_stay_close(family: str) -> None:
     elif family == "encoder":
         model = build(EncoderLM, EncoderLMConfig(**SMALL, n_layers=2), 0)
         run = lambda m: m(ids).logits  # noqa: E731
-    else:
+    elif family == "seq2seq":
         model = build(Seq2SeqTransformer, Seq2SeqConfig(**SMALL, n_encoder_layers=1, n_decoder_layers=1), 0)
         run = lambda m: m(ids, ids[:, :7]).logits  # noqa: E731
+    else:
+        model = build(VisionTransformer, VisionTransformerConfig(
+            image_size=16, patch_size=4, num_channels=3, d_model=32, n_heads=4, d_ff=64, n_layers=2, num_labels=10,
+            dropout=0.0), 0)
+        pixels = torch.randn(2, 3, 16, 16)
+        run = lambda m: m(pixels).logits  # noqa: E731
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
     with torch.no_grad():
         before = run(model)
         after = run(model.quantize("int8"))
+    assert n_linear and sum(isinstance(m, Int8Linear) for m in model.modules()) == n_linear
     assert (after - before).norm() / before.norm() <= 0.015
     assert (after - before).abs().max() / before.std() <= 0.05
     assert (after - before).abs().max() > 0  # the weights really changed
