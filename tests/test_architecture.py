@@ -26,8 +26,8 @@ PACKAGES = ("blocks", "tokenization", "models", "training", "benchmarks")
 CONTRACT_TYPES = {
     cls.type_name: cls for cls in (LayersContract, ForbiddenContract, IndependenceContract, AcyclicSiblingsContract)
 }
-#: "about 450 lines" (the issue that set the layout); a module past this is split along its seams.
-MAX_MODULE_LINES = 460
+#: The issue that set the layout asked for about 450 lines at most; a module past this is split along its seams.
+MAX_MODULE_LINES = 450
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ carries ``(B, L)`` bool masks, True = real token, and ``labels`` with -100 where
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -385,3 +385,17 @@ def _check_max_length(max_length: int | None) -> int | None:
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
     return max_length
+
+
+#: The (ids, padding mask) key pairs of the batches the collators build, for every model class.
+INPUT_KEYS = (("input_ids", "attention_mask"), ("src_ids", "src_mask"), ("tgt_ids", "tgt_mask"))
+
+
+def input_tokens(batch: Mapping[str, Any]) -> int:
+    """Real input tokens of a collated batch (what the Trainer's tokens/s counts): the unmasked entries of each id
+    tensor, or all of them when the batch has no mask for it."""
+    total = 0
+    for ids, mask in INPUT_KEYS:
+        if ids in batch:
+            total += int(batch[mask].sum()) if mask in batch else batch[ids].numel()
+    return total

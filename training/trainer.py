@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from .checkpoint import CHECKPOINT_PREFIX, list_checkpoints
+from .collators import input_tokens
 from .distributed import barrier, default_device, get_rank, get_world_size, is_distributed, rng_state, unwrap_model
 from .losses import TokenLoss, default_loss
 from .parallel import (
@@ -49,8 +50,6 @@ from .trainer_config import TrainerConfig
 
 __all__ = ["CHECKPOINT_PREFIX", "Trainer", "TrainerConfig", "consolidated_state_dict", "default_loss",
            "list_checkpoints"]
-
-_INPUT_KEYS = (("input_ids", "attention_mask"), ("src_ids", "src_mask"), ("tgt_ids", "tgt_mask"))
 
 LossFunction = Callable[[nn.Module, Mapping[str, Any]], Tensor]
 OptimizerFactory = Callable[[list[nn.Parameter]], Optimizer]
@@ -219,7 +218,7 @@ class Trainer:
                 loss = self.loss_fn(self.wrapped, batch)
                 (loss * scale).backward()
             loss_sum += loss.detach().float()
-        tokens = float(sum(_input_tokens(b) for b in micro_batches))
+        tokens = float(sum(input_tokens(b) for b in micro_batches))
         stats = replica_sum(torch.stack([loss_sum, torch.tensor(tokens, device=self.device)]), self.layout)
         loss_value = stats[0].item() / max(targets, 1.0)
         if not math.isfinite(loss_value):
@@ -441,12 +440,3 @@ def _check_optimizer(optimizer: Optimizer, model: nn.Module) -> None:
             f"the optimizer holds {foreign} parameter(s) that are not the model's and {frozen} frozen one(s) "
             f"(requires_grad=False); build it over the model's trainable parameters (or pass a factory)"
         )
-
-
-def _input_tokens(batch: Mapping[str, Any]) -> int:
-    """Real input tokens of a batch (what tokens/s counts): masked entries of each id tensor."""
-    total = 0
-    for ids, mask in _INPUT_KEYS:
-        if ids in batch:
-            total += int(batch[mask].sum()) if mask in batch else batch[ids].numel()
-    return total

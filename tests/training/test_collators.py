@@ -182,3 +182,16 @@ def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
     mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
     return ids, mask
+
+
+def test_input_tokens_counts_the_real_tokens_of_every_id_tensor() -> None:
+    from training.collators import input_tokens
+
+    batch = {
+        "src_ids": torch.zeros(2, 5, dtype=torch.long),
+        "src_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool),
+        "tgt_ids": torch.zeros(2, 3, dtype=torch.long),  # no mask: every entry counts
+        "labels": torch.zeros(2, 3, dtype=torch.long),  # not an input
+    }
+    assert input_tokens(batch) == 3 + 5 + 6
+    assert input_tokens({"input_ids": torch.zeros(4, 7, dtype=torch.long)}) == 28
