@@ -4,19 +4,24 @@
 Importing this package registers every component.
 """
 
-from . import adapters, backends, ffn, masks, norm, patch_embedding, positional, quantized, sublayer  # noqa: F401  (registers components)
+from . import adapters, backends, ffn, heads, masks, norm, patch_embedding, positional, quantized, sublayer  # noqa: F401  (registers components)
 from .attention import MultiHeadAttention
 from .kv_cache import KVCache, LayerCache, StaticKVCache, reorder_caches
 from .layers import DecoderLayer, EncoderLayer, decoder_layer, encoder_layer
 from .masks import causal_mask, document_mask, padding_mask, prefix_lm_mask, sliding_window_mask
+from .paged_cache import BlockAllocator, PagedBatch, PagedKVCache, PagedLayerCache
 from .registry import build, check_kwargs, get, kinds, names, register
 
 __all__ = [
+    "BlockAllocator",
     "DecoderLayer",
     "EncoderLayer",
     "KVCache",
     "LayerCache",
     "MultiHeadAttention",
+    "PagedBatch",
+    "PagedKVCache",
+    "PagedLayerCache",
     "StaticKVCache",
     "build",
     "causal_mask",

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from .backends.common import check_softcap
 from .kv_cache import KVCache, StaticKVCache
+from .paged_cache import PagedKVCache
 from .positional.base import PositionalEncoding
 from .registry import build, get, register
 
@@ -151,7 +152,7 @@ class MultiHeadAttention(nn.Module):
         rotary: PositionalEncoding | None = None,
         positions: Tensor | None = None,
         key_positions: Tensor | None = None,
-        cache: KVCache | StaticKVCache | None = None,
+        cache: KVCache | StaticKVCache | PagedKVCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from ``x`` to itself (``context=None``) or to ``context``.
@@ -167,8 +168,8 @@ class MultiHeadAttention(nn.Module):
             positions: ``(B, Lq)`` positions of the queries (and of the new keys), for ``rotary`` and ``window``.
             key_positions: ``(B, Lk)`` positions of all keys, cached ones included (default ``positions``), for
                 ``window``.
-            cache: ``KVCache`` (self-attention: new keys appended) or ``StaticKVCache`` (cross-attention:
-                keys/values computed once).
+            cache: ``KVCache`` (self-attention: new keys appended), ``StaticKVCache`` (cross-attention:
+                keys/values computed once) or ``PagedKVCache`` (packed rows ``(1, T)`` over a paged pool).
             need_weights: also return the attention weights, computed by the ``math`` backend.
 
         Returns:
@@ -200,6 +201,11 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.update(k, v)
         if rotary is not None and context is None:
             q = rotary.rotate(q, positions)
+        if isinstance(cache, PagedKVCache):  # packed rows: the cache gathers each row's keys (blocks/paged_cache.py)
+            if bias is not None or need_weights:
+                raise NotImplementedError("a paged cache supports neither attention biases (ALiBi) nor need_weights")
+            out = cache.attend(q, self._backend, scale=self.scale, softcap=self.softcap, window=self.window)
+            return self.o_proj(out.transpose(1, 2).flatten(2)), None  # (1, T, H*Dv)
         if self.window is not None:
             mask = self._window_mask(mask, positions, key_positions)
         dropout_p = self.dropout if self.training else 0.0

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .registry import register
 
+
+@register("kv_cache", "contiguous")
 class KVCache:
     """A preallocated per-layer cache of keys and values, written in place.
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 import blocks
+from blocks.heads import check_head_options
 from blocks.kv_cache import LayerCache
 
 from .checkpoints.adapter_files import AdapterFilesMixin
@@ -31,6 +32,7 @@ from .core.stack import (
     positions_from_mask,
 )
 from .generation import DecoderLMGenerationMixin
+from .tasks import TASK_HEADS, TaskHeadMixin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +40,8 @@ class DecoderLMConfig(TransformerConfig):
     """Config of ``DecoderLM``; defaults are GPT-2's choices at a tiny size.
 
     ``layer`` names the registered layer builder: ``"decoder"`` (sequential residuals) or ``"parallel"``
-    (GPT-NeoX's attention and FFN side by side).
+    (GPT-NeoX's attention and FFN side by side). ``head`` names the registered head (``"lm"`` or a task head of
+    ``models.tasks.TASK_HEADS``), its options go in ``options["head"]``.
     """
 
     n_layers: int = 2
@@ -46,6 +49,13 @@ class DecoderLMConfig(TransformerConfig):
     ffn: str = "gelu_tanh"
     sublayer: str = "pre_norm"
     layer: str = "decoder"
+    head: str = "lm"
+
+    option_blocks: ClassVar[dict[str, tuple[str, str]]] = {
+        **TransformerConfig.option_blocks, "head": ("head", "head"),
+    }
+    #: the heads a ``DecoderLM`` can take.
+    heads: ClassVar[tuple[str, ...]] = ("lm", *TASK_HEADS)
 
     def __post_init__(self) -> None:
         if isinstance(self.n_layers, bool) or not isinstance(self.n_layers, int) or self.n_layers < 1:
@@ -57,19 +67,27 @@ class DecoderLMConfig(TransformerConfig):
             )
         super().__post_init__()
         self.check_layer_options_length(self.n_layers)
+        head_options = check_head_options(self.head, self.options.get("head", {}), self.heads, "DecoderLM")
+        if "head" in self.options:
+            object.__setattr__(self, "options", {**self.options, "head": head_options})
 
     def layer_builders(self) -> list[str]:
         return [self.layer]
 
 
 @register_architecture
-class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, AdapterFilesMixin, ZooModel):
+class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, PersistenceMixin, AdapterFilesMixin, ZooModel):
     """Token embedding + positions → pre-norm decoder blocks (no cross-attention) → final norm →
     output projection tied to the token embedding.
 
     Initialisation (GPT-2): every weight ~ N(0, 0.02), biases 0, and the projections that write into
     the residual stream (``o_proj``, ``down_proj``) ~ N(0, 0.02 / sqrt(2 · n_layers)).
+
+    With a task head (``config.head``) the output projection is replaced by that head (``model.head``); sequence
+    classification reads the last real token (``pooling="last"``), as ``transformers``' decoders do.
     """
+
+    default_pooling = "last"
 
     config_class: ClassVar[type[TransformerConfig]] = DecoderLMConfig
     presets: ClassVar[dict[str, dict[str, Any]]] = {
@@ -87,9 +105,12 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, AdapterFilesMixin, Z
         self.layers = build_layers(c, c.layer, range(c.n_layers), cross_attention=False)
         # GPT-2 ln_f (pre-norm stacks end with a norm).
         self.final_norm = final_norm(c)
-        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        if c.head == "lm":
+            self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        else:
+            self.head = self.build_task_head()
         self.reset_parameters()
-        if c.tie_embeddings:
+        if c.tie_embeddings and c.head == "lm":
             self.lm_head.weight = self.embed_tokens.weight
 
     def reset_parameters(self) -> None:
@@ -103,6 +124,33 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, AdapterFilesMixin, Z
             std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
             nn.init.normal_(p, std=std)
 
+    def pooling_mask(self, input_ids: Tensor, attention_mask: Tensor | None, cache: Any) -> Tensor | None:
+        """The real tokens a task head reads: the attention mask, else (as ``transformers``) the tokens that are not
+        ``pad_token_id``; None (every token) for a single row without either.
+
+        Raises:
+            ValueError: a cache (task heads read whole sequences), or a batch of several rows without an attention
+                mask on a model without ``pad_token_id`` (the last real token of each row is unknown).
+        """
+        if cache is not None:
+            raise ValueError(f"the {self.config.head!r} head reads whole sequences; call it without a cache")
+        if attention_mask is not None:
+            return attention_mask
+        if self.config.pad_token_id is not None:
+            return input_ids != self.config.pad_token_id
+        if input_ids.shape[0] > 1:
+            raise ValueError(
+                "a batch of several rows needs an attention_mask or a config pad_token_id to find each row's last "
+                f"token; got {input_ids.shape[0]} rows, no attention_mask and pad_token_id=None"
+            )
+        return None
+
+    def final_hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """The last hidden state ``(B, L, d_model)`` after the final norm (what the heads read)."""
+        out = self.forward(input_ids, attention_mask, output_hidden_states=True,
+                           logits_to_keep=0 if self.has_task_head else 1)
+        return out.hidden_states[-1]
+
     def forward(
         self,
         input_ids: Tensor,
@@ -111,7 +159,8 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, AdapterFilesMixin, Z
         *,
         document_ids: Tensor | None = None,
         cache: list[LayerCache] | None = None,
-        logits_to_keep: int = 0,
+        positions: Tensor | None = None,
+        logits_to_keep: int | Tensor = 0,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> ModelOutput:
@@ -127,8 +176,11 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, AdapterFilesMixin, Z
                 ``training.CausalLMCollator(document_ids=True)`` returns): attention stays inside each
                 document and positions restart at every document start. Not with a ``cache``.
             cache: per-layer KV caches for incremental decoding (see ``models.core.stack.new_caches``).
+            positions: ``(B, L)`` long positions of the tokens, instead of counting them from the mask: a
+                packed batch over a paged cache (``blocks.paged_cache``) holds several sequences in one row.
             logits_to_keep: if > 0, project only the last ``logits_to_keep`` positions to the vocabulary
-                (a prompt's prefill needs only the last one); 0 keeps all.
+                (a prompt's prefill needs only the last one); 0 keeps all; a 1-D long tensor keeps those
+                positions (each packed sequence's last one).
 
         Returns:
             ``ModelOutput`` with ``logits (B, L, vocab_size)`` and ``loss`` when labels are given.
@@ -141,7 +193,7 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, AdapterFilesMixin, Z
         b, length = input_ids.shape
         past = cached_length(cache)
         attention_mask = self.check_mask(attention_mask, (b, past + length), "attention_mask")
-        if labels is not None and tuple(labels.shape) != (b, length):
+        if labels is not None and not self.has_task_head and tuple(labels.shape) != (b, length):
             raise ValueError(f"labels must have shape {(b, length)} like input_ids, got {tuple(labels.shape)}")
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} layers, the model has {len(self.layers)}")
@@ -151,7 +203,13 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, AdapterFilesMixin, Z
                 raise ValueError("document_ids cannot be combined with a cache")
             if tuple(document_ids.shape) != (b, length):
                 raise ValueError(f"document_ids must have shape {(b, length)}, got {tuple(document_ids.shape)}")
-        positions, key_positions = positions_from_mask(attention_mask, past, length, input_ids.device)
+        if positions is None:
+            positions, key_positions = positions_from_mask(attention_mask, past, length, input_ids.device)
+        elif tuple(positions.shape) != (b, length) or positions.dtype != torch.long:
+            raise ValueError(f"positions must be a {(b, length)} long tensor, got {tuple(positions.shape)} "
+                             f"{positions.dtype}")
+        else:
+            key_positions = positions  # a paged cache finds each packed sequence's keys itself
         if document_ids is not None:
             # Packed documents: every document starts again at position 0.
             index = torch.arange(length, device=input_ids.device).expand(b, length)
@@ -178,6 +236,14 @@ class DecoderLM(DecoderLMGenerationMixin, PersistenceMixin, AdapterFilesMixin, Z
             attentions.append(weights)
         x = self.final_norm(x)
         hidden_states[-1] = x
+        if self.has_task_head:
+            return self.task_output(x, self.pooling_mask(input_ids, attention_mask, cache), labels,
+                                    hidden_states if output_hidden_states else None,
+                                    attentions if output_attentions else None)
+        if isinstance(logits_to_keep, Tensor):
+            if labels is not None:
+                raise ValueError("logits_to_keep cannot be combined with labels (the loss needs every position)")
+            x, logits_to_keep = x[:, logits_to_keep], 0  # (B, L', d_model)
         if logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
         if logits_to_keep and labels is not None:

@@ -1,0 +1,307 @@
+"""A paged key/value cache (Kwon et al. 2023, "PagedAttention", §4.1–4.3): fixed-size blocks, per-request block
+tables, a block allocator with reference counts, a free list and a prefix cache with LRU eviction.
+
+Keys and values live in one pool per layer of ``block_size``-position blocks; a request owns the blocks its tokens
+fill (its *block table*), so the memory in use follows the tokens in use, not batch × maximum length. The pool
+itself grows (doubling) up to ``n_blocks`` as higher block ids are first written; the allocator hands out the
+lowest free ids, so a lightly loaded cache stays small.
+
+A batch over the cache is **packed** (flattened tokens): the new tokens of every row — a prefill chunk or one
+decode token — are concatenated into one sequence ``(1, T)``, so the projections and the FFN run on ``T`` real
+tokens with no padding. ``PagedBatch`` records where each row's queries sit, the cache slot each new key/value is
+written to, and which blocks each row reads. Attention (``PagedKVCache.attend``) gathers each row's keys from its
+blocks and calls the module's backend on rows padded to the longest query of their group: decode rows (one query)
+form one group and prefill rows another, so a long prefill chunk does not pad every decode row to its length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .registry import register
+
+
+class BlockAllocator:
+    """Block ids of a paged cache: reference counts, a free list and a prefix cache of full blocks.
+
+    A full block can be *committed* under the hash of its tokens chained with the hash of the blocks before it
+    (``block_hash``): a later request with the same prefix acquires it instead of recomputing it. A block whose
+    count drops to 0 is free; if it is committed it keeps its contents and stays findable until it is reused —
+    uncommitted free blocks are handed out first, then committed ones least recently freed first (LRU eviction).
+
+    Args:
+        n_blocks: blocks in the cache (>= 1).
+        block_size: positions per block (>= 1).
+    """
+
+    def __init__(self, n_blocks: int, block_size: int) -> None:
+        for name, value in (("n_blocks", n_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.refs = [0] * n_blocks
+        self._plain: list[int] = list(range(n_blocks))  # a heap: the lowest free id first keeps the pool small
+        self._lru: OrderedDict[int, None] = OrderedDict()  # free committed blocks, least recently freed first
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
+
+    @staticmethod
+    def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+        """The prefix-cache key of a full block: SHA-256 of the previous block's key and this block's tokens."""
+        digest = hashlib.sha256(parent or b"")
+        digest.update(b",".join(str(int(t)).encode() for t in tokens))
+        return digest.digest()
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now (free uncommitted ones and evictable cached ones)."""
+        return len(self._plain) + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        """Committed blocks (in use or free) that a prefix can hit."""
+        return len(self._by_hash)
+
+    def cached_free_blocks(self) -> list[int]:
+        """Committed blocks with no reference, least recently freed first."""
+        return list(self._lru)
+
+    def allocate(self) -> int:
+        """A free block with one reference; evicts the least recently freed cached block if no plain one is free.
+
+        Raises:
+            RuntimeError: no block is free (callers check ``num_free`` first).
+        """
+        if self._plain:
+            block = heapq.heappop(self._plain)
+        elif self._lru:
+            block, _ = self._lru.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+        else:
+            raise RuntimeError(f"the paged cache has no free block (all {self.n_blocks} are in use)")
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        """One more reference to a block in use (a sample forked from a request shares its full blocks)."""
+        if self.refs[block] < 1:
+            raise ValueError(f"block {block} is free; only a block in use can be shared")
+        self.refs[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block; blocks reaching 0 are free. The last block of a table is released
+        first, so the blocks at the start of a prefix — the ones most often shared — are evicted last."""
+        for block in reversed(blocks):
+            if self.refs[block] < 1:
+                raise ValueError(f"block {block} is already free")
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if block in self._hash_of:
+                    self._lru[block] = None
+                else:
+                    heapq.heappush(self._plain, block)
+
+    def lookup(self, key: bytes) -> int | None:
+        """Take a reference to the committed block of ``key``, or return None on a miss."""
+        block = self._by_hash.get(key)
+        if block is None:
+            return None
+        if self.refs[block] == 0:
+            del self._lru[block]
+        self.refs[block] += 1
+        return block
+
+    def commit(self, block: int, key: bytes) -> None:
+        """Make a full block in use findable under ``key`` (a no-op if that key or this block is taken)."""
+        if self.refs[block] < 1:
+            raise ValueError(f"block {block} is free; only a block in use can be committed")
+        if key not in self._by_hash and block not in self._hash_of:
+            self._by_hash[key] = block
+            self._hash_of[block] = key
+
+
+@dataclass
+class _Group:
+    """Rows attended together: their queries padded to ``Lq``, their keys to ``K = n_blocks · block_size``."""
+
+    q_index: Tensor  # (G, Lq) long, the packed index of each query (0 where padded)
+    valid: Tensor  # (G, Lq) bool
+    flat: Tensor  # (n_valid,) long, q_index[valid]
+    tables: Tensor  # (G, nb) long block ids (0 where padded: read but masked)
+    q_pos: Tensor  # (G, Lq) long positions of the queries
+    masks: dict[int | None, Tensor]  # window -> (G, 1, Lq, K) bool, True = may attend
+
+    def mask(self, window: int | None, block_size: int) -> Tensor:
+        if window not in self.masks:
+            keys = torch.arange(self.tables.shape[1] * block_size, device=self.q_pos.device)
+            distance = self.q_pos[:, :, None] - keys  # (G, Lq, K)
+            allowed = (distance >= 0) & self.valid[:, :, None]
+            if window is not None:
+                allowed &= distance < window
+            self.masks[window] = allowed[:, None]  # (G, 1, Lq, K)
+        return self.masks[window]
+
+
+class PagedBatch:
+    """What one packed forward pass over a paged cache needs, shared by every layer.
+
+    Args:
+        rows: per row ``(n_query, n_context, block_table)``: the row's new tokens (consecutive in the packed
+            sequence, rows in order), the positions it holds after this step (cached + new), and the block ids
+            holding positions ``0 .. n_context - 1``.
+        block_size: positions per block.
+        device: where the index tensors live.
+
+    Attributes:
+        positions: ``(T,)`` long, the position of each packed token.
+        slots: ``(T,)`` long, the pool slot (``block · block_size + offset``) each new key/value is written to.
+        last: ``(n_rows,)`` long, the packed index of each row's last token.
+        max_block: the highest block id read or written, plus 1.
+    """
+
+    def __init__(self, rows: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
+                 device: torch.device | str = "cpu") -> None:
+        if not rows:
+            raise ValueError("a paged batch needs at least one row")
+        positions, slots, last = [], [], []
+        start = 0
+        by_kind: dict[bool, list[tuple[int, int, int, Sequence[int]]]] = {True: [], False: []}
+        for n_query, n_context, table in rows:
+            if not 1 <= n_query <= n_context or len(table) * block_size < n_context:
+                raise ValueError(
+                    f"a row needs 1 <= n_query <= n_context <= len(table) * block_size, got n_query={n_query}, "
+                    f"n_context={n_context}, {len(table)} blocks of {block_size}"
+                )
+            first = n_context - n_query
+            for p in range(first, n_context):
+                positions.append(p)
+                slots.append(table[p // block_size] * block_size + p % block_size)
+            last.append(start + n_query - 1)
+            by_kind[n_query == 1].append((start, n_query, n_context, table))
+            start += n_query
+        self.block_size = block_size
+        self.n_tokens = start
+        self.positions = torch.tensor(positions, dtype=torch.long, device=device)
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self.last = torch.tensor(last, dtype=torch.long, device=device)
+        self.max_block = max(max(table[: -(-n // block_size)]) for _, n, table in rows) + 1
+        self.groups = [self._group(members, device) for members in by_kind.values() if members]
+
+    def _group(self, members: list[tuple[int, int, int, Sequence[int]]], device: torch.device | str) -> _Group:
+        lq = max(m[1] for m in members)
+        nb = max(-(-m[2] // self.block_size) for m in members)
+        q_index = torch.zeros(len(members), lq, dtype=torch.long)
+        q_pos = torch.zeros(len(members), lq, dtype=torch.long)
+        tables = torch.zeros(len(members), nb, dtype=torch.long)
+        valid = torch.zeros(len(members), lq, dtype=torch.bool)
+        for g, (start, n_query, n_context, table) in enumerate(members):
+            q_index[g, :n_query] = torch.arange(start, start + n_query)
+            q_pos[g, :n_query] = torch.arange(n_context - n_query, n_context)
+            valid[g, :n_query] = True
+            used = -(-n_context // self.block_size)
+            tables[g, :used] = torch.as_tensor(list(table[:used]), dtype=torch.long)
+        q_index, valid = q_index.to(device), valid.to(device)
+        return _Group(q_index, valid, q_index[valid], tables.to(device), q_pos.to(device), {})
+
+
+@register("kv_cache", "paged")
+class PagedKVCache:
+    """One layer's paged key/value pool, read and written through the ``PagedBatch`` of the current step.
+
+    ``MultiHeadAttention`` calls ``update`` with the packed new keys/values (written at ``batch.slots``), then
+    ``attend`` with the packed queries instead of its backend. ``length`` is 0: positions come from the batch,
+    not from a contiguous prefix.
+
+    Args:
+        n_blocks: blocks the pool may grow to.
+        block_size: positions per block.
+
+    Shapes: pools ``(blocks, block_size, Hkv, D)``.
+    """
+
+    length = 0
+
+    def __init__(self, n_blocks: int, block_size: int) -> None:
+        for name, value in (("n_blocks", n_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.batch: PagedBatch | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pools hold now."""
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+    def block_nbytes(self) -> int:
+        """Bytes of one block (keys and values), 0 before the first write."""
+        return 0 if self.k is None else self.nbytes // self.k.shape[0]
+
+    def _grow(self, k: Tensor, v: Tensor, needed: int) -> None:
+        have = 0 if self.k is None else self.k.shape[0]
+        if needed <= have:
+            return
+        size = min(self.n_blocks, max(needed, 2 * have))
+        grown_k = k.new_empty((size, self.block_size, k.shape[1], k.shape[-1]))
+        grown_v = v.new_empty((size, self.block_size, v.shape[1], v.shape[-1]))
+        if self.k is not None:
+            grown_k[:have], grown_v[:have] = self.k, self.v
+        self.k, self.v = grown_k, grown_v
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the packed new keys/values ``(1, Hkv, T, D)`` at the batch's slots; return them unchanged."""
+        batch = self._current()
+        if k.shape[0] != 1 or k.shape[2] != batch.n_tokens:
+            raise ValueError(
+                f"a paged cache takes packed keys (1, Hkv, T={batch.n_tokens}, D), got {tuple(k.shape)}"
+            )
+        self._grow(k, v, batch.max_block)
+        self.k.view(-1, *self.k.shape[2:]).index_copy_(0, batch.slots, k[0].transpose(0, 1))
+        self.v.view(-1, *self.v.shape[2:]).index_copy_(0, batch.slots, v[0].transpose(0, 1))
+        return k, v
+
+    def attend(
+        self, q: Tensor, backend: Callable[..., Tensor], *, scale: float | None = None,
+        softcap: float | None = None, window: int | None = None,
+    ) -> Tensor:
+        """Attention of the packed queries ``(1, H, T, D)`` over each row's cached keys, through ``backend``.
+
+        Each query at position ``p`` sees its row's keys at positions ``<= p`` (and ``> p - window`` with a
+        sliding window). Returns ``(1, H, T, Dv)``.
+        """
+        batch = self._current()
+        out = q.new_zeros((q.shape[1], q.shape[2], self.v.shape[-1]))  # (H, T, Dv)
+        for group in batch.groups:
+            qg = q[0][:, group.q_index].transpose(0, 1)  # (G, H, Lq, D)
+            k = self.k[group.tables].flatten(1, 2).transpose(1, 2)  # (G, Hkv, K, D)
+            v = self.v[group.tables].flatten(1, 2).transpose(1, 2)  # (G, Hkv, K, Dv)
+            mask = group.mask(window, self.block_size)
+            og = backend(qg, k, v, mask=mask, scale=scale, softcap=softcap)  # (G, H, Lq, Dv)
+            out[:, group.flat] = og.transpose(0, 1)[:, group.valid]
+        return out[None]
+
+    def _current(self) -> PagedBatch:
+        if self.batch is None:
+            raise ValueError("a paged cache needs its PagedBatch (cache.batch) set before a forward pass")
+        return self.batch
+
+
+class PagedLayerCache:
+    """The cache of one decoder layer over a paged pool (self-attention only), as the layers expect it."""
+
+    cross_attn = None
+
+    def __init__(self, n_blocks: int, block_size: int) -> None:
+        self.self_attn = PagedKVCache(n_blocks, block_size)
+
+    def reorder(self, index: Tensor) -> None:
+        raise NotImplementedError("a paged cache is not reordered: requests share blocks through the allocator")

@@ -1,0 +1,100 @@
+"""The paged KV cache: block allocator (reference counts, free list, prefix cache, LRU eviction) and a packed
+forward pass over it, checked against the plain forward pass of each sequence alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import blocks
+from blocks.paged_cache import BlockAllocator, PagedBatch, PagedLayerCache
+from models import DecoderLM
+
+
+def test_paged_cache_is_a_registered_kv_cache_kind() -> None:
+    assert blocks.names("kv_cache") == ["contiguous", "paged"]
+    cache = blocks.build("kv_cache", "paged", n_blocks=4, block_size=2)
+    assert isinstance(cache, blocks.PagedKVCache) and cache.nbytes == 0
+
+
+def test_allocator_hands_out_lowest_ids_and_counts_references() -> None:
+    alloc = BlockAllocator(4, 2)
+    a, b = alloc.allocate(), alloc.allocate()
+    assert (a, b) == (0, 1) and alloc.num_free == 2
+    alloc.share(a)
+    alloc.release([a, b])
+    assert alloc.refs[:2] == [1, 0] and alloc.num_free == 3
+    assert alloc.allocate() == 1  # the lowest free id again
+    alloc.release([a, 1])
+    assert alloc.num_free == 4 and alloc.refs == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="already free"):
+        alloc.release([a])
+    for _ in range(4):
+        alloc.allocate()
+    with pytest.raises(RuntimeError, match="no free block"):
+        alloc.allocate()
+
+
+def test_prefix_cache_hits_chained_hashes_and_evicts_least_recently_freed() -> None:
+    alloc = BlockAllocator(3, 2)
+    first = BlockAllocator.block_hash(None, [1, 2])
+    second = BlockAllocator.block_hash(first, [3, 4])
+    assert second != BlockAllocator.block_hash(BlockAllocator.block_hash(None, [9, 9]), [3, 4])  # chained
+    x, y = alloc.allocate(), alloc.allocate()
+    alloc.commit(x, first)
+    alloc.commit(y, second)
+    assert alloc.lookup(first) == x and alloc.refs[x] == 2  # a hit takes a reference
+    alloc.release([x])
+    alloc.release([x, y])  # freed last block first: y is evicted before x
+    assert alloc.num_free == 3 and alloc.num_cached == 2 and alloc.cached_free_blocks() == [y, x]
+    assert alloc.lookup(second) == y and alloc.num_free == 2  # a free cached block is revived
+    alloc.release([y])  # y is now the most recently freed
+    assert alloc.allocate() == 2  # the plain free block goes first
+    assert alloc.allocate() == x and alloc.num_cached == 1  # then the least recently freed cached block
+    assert alloc.lookup(first) is None and alloc.lookup(second) == y
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_allocator_and_cache_reject_bad_sizes(bad: object) -> None:
+    with pytest.raises(ValueError, match="n_blocks"):
+        BlockAllocator(bad, 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="block_size"):
+        blocks.PagedKVCache(2, bad)  # type: ignore[arg-type]
+
+
+def test_batch_rejects_a_row_its_blocks_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="n_context"):
+        PagedBatch([(3, 5, [0])], block_size=4)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mistral-tiny", "gemma2-tiny", "gpt_neox-tiny", "qwen3-tiny"])
+def test_packed_prefill_chunks_and_decode_rows_match_each_sequence_alone(preset: str) -> None:
+    """Rows of different lengths, prefill chunks beside one-token rows, over blocks of 4 (windows of 8 span
+    blocks): every kept logit equals the plain forward pass of its sequence."""
+    torch.manual_seed(0)
+    model = DecoderLM.from_preset(preset, dropout=0.0).eval()
+    bs = 4
+    caches = [PagedLayerCache(64, bs) for _ in model.layers]
+    alloc = BlockAllocator(64, bs)
+    seqs = [torch.randint(3, 1000, (n,)).tolist() for n in (13, 5, 11)]
+    tables = [[alloc.allocate() for _ in range(-(-len(s) // bs))][::-1] for s in seqs]  # non-contiguous blocks
+    done = [0, 0, 0]
+
+    def step(chunks: list[tuple[int, int]]) -> torch.Tensor:
+        rows, ids = [], []
+        for i, n in chunks:
+            rows.append((n, done[i] + n, tables[i]))
+            ids += seqs[i][done[i] : done[i] + n]
+            done[i] += n
+        batch = PagedBatch(rows, bs)
+        for cache in caches:
+            cache.self_attn.batch = batch
+        return model(torch.tensor([ids]), positions=batch.positions[None], cache=caches,
+                     logits_to_keep=batch.last).logits[0]
+
+    with torch.no_grad():
+        got = [step([(0, 7), (1, 5), (2, 1)]), step([(0, 6), (2, 9)]), step([(2, 1)])]
+        ref = [model(torch.tensor([s])).logits[0] for s in seqs]
+    want = [ref[0][6], ref[1][4], ref[2][0], ref[0][12], ref[2][9], ref[2][10]]
+    torch.testing.assert_close(torch.cat(got), torch.stack(want), rtol=0, atol=1e-5)
+    assert 0 < caches[0].self_attn.nbytes <= 64 * caches[0].self_attn.block_nbytes()
