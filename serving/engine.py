@@ -1,0 +1,282 @@
+"""``Engine``: continuous batching (Orca) over a paged KV cache (PagedAttention) for any ``DecoderLM``.
+
+One ``step`` = schedule (``serving.scheduler``), one packed forward pass of every scheduled prefill chunk and
+decode row (``serving.runner``), then per sequence: record the cached tokens, and for each sequence whose tokens
+are all cached choose its next token with its own ``SamplingParams`` and generator, check its stop conditions and
+report a ``RequestDelta``. Requests join and leave between any two steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from blocks.paged_cache import BlockAllocator
+from models import DecoderLM
+
+from .requests import (
+    RequestDelta,
+    RequestOutput,
+    RequestSpec,
+    Sequence,
+    TokenLogprob,
+    check_request,
+    per_prompt,
+    stop_is_per_prompt,
+)
+from .runner import PagedRunner
+from .scheduler import Scheduler
+
+
+class QueueFullError(RuntimeError):
+    """``add_request`` found the waiting queue at its bound (``max_waiting``); retry later."""
+
+
+class Engine:
+    """Continuous batching over a paged KV cache.
+
+    Args:
+        model: a ``DecoderLM`` (any family; positional attention biases such as ALiBi are not supported).
+        tokenizer: encodes string prompts and decodes outputs and stop strings (``tokenization.Tokenizer`` or
+            anything with ``encode(text)`` and ``decode(ids, skip_special_tokens=True)``); optional.
+        block_size: positions per cache block.
+        num_blocks: blocks in the cache (default: ``max_num_seqs`` full contexts); the pool grows as blocks are
+            first used, up to this many.
+        max_num_seqs: sequences in one step at most.
+        max_num_batched_tokens: tokens in one step at most (prefill chunks are cut to fit).
+        max_waiting: requests ``add_request`` queues at most (``QueueFullError`` beyond).
+        max_model_len: the context (default ``config.max_len``): prompt + output tokens at most.
+        prefix_caching: share full blocks of equal prefixes between requests.
+
+    Raises:
+        NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``) or one
+            with attention biases.
+        ValueError: a limit that is not a positive integer.
+    """
+
+    def __init__(
+        self, model: Any, tokenizer: Any = None, *, block_size: int = 16, num_blocks: int | None = None,
+        max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 1024,
+        max_model_len: int | None = None, prefix_caching: bool = True,
+    ) -> None:
+
+
+        if not isinstance(model, DecoderLM):
+            raise NotImplementedError(
+                f"Engine serves DecoderLM models; {type(model).__name__} is not supported (use its generate)"
+            )
+        context = model.config.max_len if max_model_len is None else max_model_len
+        limits = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                      max_waiting=max_waiting, max_model_len=context)
+        if num_blocks is None:
+            num_blocks = max_num_seqs * -(-context // block_size)
+        limits["num_blocks"] = num_blocks
+        for name, value in limits.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if context < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt and one new token), got {context}")
+        self.model, self.tokenizer = model, tokenizer
+        self.context, self.max_waiting = context, max_waiting
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, prefix_caching)
+        self.runner = PagedRunner(model, num_blocks, block_size)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.peak_blocks = 0  # most blocks in use at once
+
+    # ----------------------------------------------------------------------------------------------- requests
+    def make_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
+                     n: Any = 1, seed: Any = None, logprobs: Any = None) -> RequestSpec:
+        """Check one request's arguments (as ``generate`` takes them for one prompt) without queueing it."""
+        config = self.model.config
+        return check_request(
+            prompt, sampling, max_tokens, stop, n, seed, logprobs, tokenizer=self.tokenizer,
+            vocab_size=config.vocab_size, context=self.context, eos=config.eos_token_id,
+            cache_tokens=self.allocator.n_blocks * self.allocator.block_size,
+        )
+
+    def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
+                    seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:
+        """Queue one request; return its id. Its tokens come from ``step`` as ``RequestDelta`` objects.
+
+        Raises:
+            ValueError: bad arguments (see ``generate``) or a request id in use.
+            QueueFullError: ``max_waiting`` requests are waiting already.
+        """
+        spec = self.make_request(prompt, sampling, max_tokens=max_tokens, stop=stop, n=n, seed=seed,
+                                 logprobs=logprobs)
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (max_waiting={self.max_waiting})")
+        return self.enqueue(spec, request_id)
+
+    def enqueue(self, spec: RequestSpec, request_id: str | None = None) -> str:
+        """Queue a checked request (no queue bound); return its id."""
+        request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is in use")
+        seed = spec.seed
+        if seed is None and spec.params.do_sample:
+            seed = int(torch.randint(0, 2**62, (1,)))  # from torch's global generator: torch.manual_seed repeats it
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        seq = Sequence(request_id, 0, spec, generator, next(self._arrivals))
+        self.requests[request_id] = [seq]
+        self.scheduler.waiting.append(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request (all its samples) now; its blocks are released. False if it is unknown or done."""
+        seqs = self.requests.get(request_id)
+        if seqs is None or all(s.finish_reason for s in seqs):
+            return False
+        for seq in seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The output of a finished request; the engine forgets it."""
+        seqs = self.requests[request_id]
+        if any(s.finish_reason is None for s in seqs):
+            raise ValueError(f"request {request_id!r} is not finished")
+        del self.requests[request_id]
+        spec = seqs[0].spec
+        fields = [(s.output, s.text, s.finish_reason, s.logprobs if spec.logprobs is not None else None)
+                  for s in sorted(seqs, key=lambda s: s.index)]
+        if spec.n == 1:
+            return RequestOutput(request_id, list(spec.prompt), *fields[0])
+        return RequestOutput(request_id, list(spec.prompt), *(list(column) for column in zip(*fields, strict=True)))
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def step(self) -> list[RequestDelta]:
+        """Run one iteration: schedule, one forward pass, choose tokens. Returns what each sample gained."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        used = self.allocator.n_blocks - self.allocator.num_free
+        self.peak_blocks = max(self.peak_blocks, used)
+        logits = self.runner.run(
+            [t for seq, n in scheduled for t in seq.tokens[seq.num_computed:seq.num_computed + n]],
+            [(n, seq.num_computed + n, seq.block_table) for seq, n in scheduled],
+        )
+        deltas = []
+        for row, (seq, n) in enumerate(scheduled):
+            self.scheduler.computed(seq, n)
+            if seq.num_computed < len(seq.tokens):
+                continue  # a prefill chunk: nothing to choose yet
+            samples = [seq]
+            if seq.spec.n > 1 and not seq.forked:
+                samples += self._fork(seq)
+            for sample in samples:
+                deltas.append(self._choose(sample, logits[row]))
+        return deltas
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """The other samples of ``parent``'s request, sharing its prompt blocks, each with generator seed + index."""
+        parent.forked = True
+        seed = parent.generator.initial_seed()
+        children = []
+        for j in range(1, parent.spec.n):
+            child = Sequence(parent.request_id, j, parent.spec, torch.Generator().manual_seed(seed + j),
+                             parent.arrival, tokens=list(parent.tokens), forked=True)
+            self.scheduler.fork(parent, child)
+            self.requests[parent.request_id].append(child)
+            children.append(child)
+        return children
+
+    def _choose(self, seq: Sequence, logits: Tensor) -> RequestDelta:
+        spec = seq.spec
+        row = logits[None]  # (1, V)
+        if spec.params.uses_history and seq.seen is None:
+            seq.seen = torch.zeros(1, row.shape[-1], dtype=torch.bool)
+            seq.seen[0, seq.tokens] = True
+        token = int(spec.params.next_tokens(row, seq.seen, seq.generator)[0])
+        if seq.seen is not None:
+            seq.seen[0, token] = True
+        if spec.logprobs is not None:
+            logprobs = row[0].float().log_softmax(-1)
+            top = logprobs.topk(spec.logprobs) if spec.logprobs else None
+            seq.logprobs.append(TokenLogprob(
+                token, float(logprobs[token]),
+                {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)),
+            ))
+        seq.tokens.append(token)
+        output = seq.output
+        if token in spec.stop_ids:
+            seq.finish_reason = "stop"
+        elif len(output) >= spec.max_tokens or len(seq.tokens) >= self.context:
+            seq.finish_reason = "length"
+        hold = 0
+        if self.tokenizer is not None:
+            kept = output[:-1] if token in spec.stop_ids else output
+            seq.text = self.tokenizer.decode(kept, skip_special_tokens=True)
+            cut = min((i for i in (seq.text.find(s) for s in spec.stop_strings) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.text, seq.finish_reason = seq.text[:cut], "stop"
+            elif seq.finish_reason is None and spec.stop_strings:
+                # Hold back what could be the start of a stop string until it is decided.
+                hold = max(len(s) for s in spec.stop_strings) - 1
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+        shown = max(seq.sent_text, len(seq.text) - hold)
+        delta = RequestDelta(
+            seq.request_id, seq.index, output[seq.sent_tokens:], seq.text[seq.sent_text:shown], seq.finish_reason,
+            seq.logprobs[seq.sent_tokens:] if spec.logprobs is not None else None,
+        )
+        seq.sent_tokens, seq.sent_text = len(output), shown
+        return delta
+
+    # -------------------------------------------------------------------------------------------- offline API
+    def generate(self, prompts: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
+                 seed: Any = None, logprobs: Any = None) -> list[RequestOutput]:
+        """Continue every prompt, all of them batched continuously; one ``RequestOutput`` per prompt, in order.
+
+        Args:
+            prompts: a list of prompts, each a string (needs the tokenizer) or a list of token ids; one string or
+                one list of ids is a single prompt.
+            sampling: ``SamplingParams`` (default greedy).
+            max_tokens: new tokens per sample at most (>= 1); the context may end a sample earlier.
+            stop: stop strings and/or stop token ids (the model's EOS always stops).
+            n: samples per prompt (>= 1; > 1 needs sampling); they share the prompt's cache blocks.
+            seed: sample ``j`` draws from a generator seeded ``seed + j`` (None: drawn from torch's generator).
+            logprobs: report the log-probability of each new token and of the ``logprobs`` most likely ones.
+
+            Each of ``sampling`` … ``logprobs`` is one value for all prompts or a list with one per prompt.
+
+        Returns:
+            One ``RequestOutput`` per prompt.
+
+        Raises:
+            ValueError: naming the bad value: an empty prompt, ids outside the vocabulary, a prompt as long as the
+                context, ``max_tokens <= 0``, ``n < 1``, a request the whole cache cannot hold, … — all checked
+                before anything runs.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list of prompts, got {prompts!r:.60}")
+        count = len(prompts)
+        columns = [per_prompt(sampling, count, "sampling"), per_prompt(max_tokens, count, "max_tokens"),
+                   per_prompt(stop, count, "stop", stop_is_per_prompt), per_prompt(n, count, "n"),
+                   per_prompt(seed, count, "seed"), per_prompt(logprobs, count, "logprobs")]
+        specs = []
+        for i, (prompt, *args) in enumerate(zip(prompts, *columns, strict=True)):
+            try:
+                specs.append(self.make_request(prompt, args[0], max_tokens=args[1], stop=args[2], n=args[3],
+                                               seed=args[4], logprobs=args[5]))
+            except ValueError as error:
+                raise ValueError(f"prompt {i}: {error}") from None
+        ids = [self.enqueue(spec) for spec in specs]
+        pending = set(ids)
+        while pending:
+            self.step()
+            pending = {r for r in pending if any(s.finish_reason is None for s in self.requests[r])}
+        return [self.pop_output(r) for r in ids]

@@ -1,0 +1,221 @@
+"""Engine requests: the arguments of ``Engine.generate`` / ``add_request`` checked before any computation, the
+state of each running sample (``Sequence``) and what the engine hands back (``RequestOutput``, ``RequestDelta``).
+
+Every per-request argument is one value for all prompts or a list with one value per prompt. ``stop`` is a stop
+string, a stop token id, or a list mixing both; a list counts as one value per prompt only when each of its items
+is None or itself a list/tuple (``stop=["\\n", "."]`` is two stop strings for every prompt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from models.generation.sampling import SamplingParams
+
+#: Why a sample ended: a stop token/string or the model's EOS, ``max_tokens`` or the context, or ``abort``.
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of a chosen token under the model (log-softmax of the raw logits, before sampling
+    processors, as vLLM reports them) and the ``top`` most likely tokens with theirs."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The result of one prompt. With ``n > 1``, ``token_ids``, ``text``, ``finish_reason`` and ``logprobs`` are
+    lists with one entry per sample.
+
+    Attributes:
+        request_id: the engine's id of the request.
+        prompt_token_ids: the prompt's ids.
+        token_ids: the new tokens (a stop token is included; the text of a stop string is not).
+        text: the new tokens decoded (without a stop string or special tokens); ``""`` without a tokenizer.
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"``.
+        logprobs: one ``TokenLogprob`` per new token when ``logprobs`` was asked, else None.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: Any
+    text: Any
+    finish_reason: Any
+    logprobs: Any = None
+
+
+@dataclasses.dataclass
+class RequestDelta:
+    """What one engine step added to one sample of a request (the async API streams these)."""
+
+    request_id: str
+    index: int  # the sample (0 .. n - 1)
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    """One checked request: its prompt ids and how to continue it."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+    n: int
+    seed: int | None
+    logprobs: int | None
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sample of a request while the engine runs it: its tokens, its blocks and what it has computed."""
+
+    request_id: str
+    index: int
+    spec: RequestSpec
+    generator: torch.Generator | None
+    arrival: int
+    tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + output
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of the committed full blocks
+    num_computed: int = 0  # tokens whose keys/values are in the cache
+    finish_reason: str | None = None
+    text: str = ""
+    sent_tokens: int = 0  # output tokens already reported in a delta
+    sent_text: int = 0
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    seen: torch.Tensor | None = None  # (1, V) bool, for the repetition penalty
+    forked: bool = False  # the request's other samples exist
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.spec.prompt)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.spec.prompt):]
+
+
+def per_prompt(value: Any, n_prompts: int, name: str, is_list: Any = None) -> list[Any]:
+    """``value`` repeated for every prompt, or ``value`` itself when it is a list with one item per prompt.
+
+    Raises:
+        ValueError: a per-prompt list whose length is not the number of prompts.
+    """
+    listed = isinstance(value, list) if is_list is None else is_list(value)
+    if not listed:
+        return [value] * n_prompts
+    if len(value) != n_prompts:
+        raise ValueError(f"{name} has {len(value)} values for {n_prompts} prompts; expected one, or one per prompt")
+    return list(value)
+
+
+def stop_is_per_prompt(value: Any) -> bool:
+    """Whether a ``stop`` list gives one stop specification per prompt (every item None or a list/tuple)."""
+    return isinstance(value, list) and bool(value) and all(v is None or isinstance(v, (list, tuple)) for v in value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_prompt(prompt: Any, tokenizer: Any, vocab_size: int, context: int) -> list[int]:
+    """A prompt (a string or token ids) as a list of ids in the vocabulary.
+
+    Raises:
+        ValueError: an empty prompt, a string without a tokenizer, ids outside ``[0, vocab_size)`` or a prompt
+            with ``context`` tokens or more (no room for one new token).
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"prompt {prompt[:40]!r} is a string but the engine has no tokenizer; pass token ids")
+        ids = list(tokenizer.encode(prompt))
+    elif isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+            raise ValueError(f"a tensor prompt must be 1-D integer ids, got {tuple(prompt.shape)} {prompt.dtype}")
+        ids = prompt.tolist()
+    elif isinstance(prompt, Seq) and all(_is_int(t) for t in prompt):
+        ids = [int(t) for t in prompt]
+    else:
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("empty prompt: expected at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, vocab_size={vocab_size})")
+    if len(ids) >= context:
+        raise ValueError(
+            f"prompt of {len(ids)} tokens is longer than the context: expected at most {context - 1} tokens "
+            f"(max_model_len={context} leaves room for one new token)"
+        )
+    return ids
+
+
+def check_stop(stop: Any, tokenizer: Any, vocab_size: int) -> tuple[frozenset[int], tuple[str, ...]]:
+    """Stop token ids and stop strings from ``stop`` (None, a string, an id, or a list/tuple mixing them)."""
+    items = [] if stop is None else list(stop) if isinstance(stop, (list, tuple)) else [stop]
+    ids, strings = set(), []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise ValueError("stop strings must be non-empty")
+            if tokenizer is None:
+                raise ValueError(f"stop string {item!r} needs a tokenizer; the engine has none (use stop token ids)")
+            strings.append(item)
+        elif _is_int(item) and 0 <= item < vocab_size:
+            ids.add(int(item))
+        else:
+            raise ValueError(f"stop item {item!r} must be a non-empty string or a token id in [0, {vocab_size})")
+    return frozenset(ids), tuple(strings)
+
+
+def check_request(
+    prompt: Any, sampling: Any, max_tokens: Any, stop: Any, n: Any, seed: Any, logprobs: Any, *,
+    tokenizer: Any, vocab_size: int, context: int, eos: int | None, cache_tokens: int,
+) -> RequestSpec:
+    """Check one request's arguments (see ``Engine.generate``) and return its ``RequestSpec``.
+
+    Raises:
+        ValueError: naming the bad argument and what was expected.
+    """
+    ids = check_prompt(prompt, tokenizer, vocab_size, context)
+    if sampling is None:
+        sampling = SamplingParams()
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    if n > 1 and not sampling.do_sample:
+        raise ValueError(f"n={n} samples need sampling (SamplingParams(do_sample=True)); greedy samples are equal")
+    if seed is not None and not _is_int(seed):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= vocab_size):
+        raise ValueError(f"logprobs must be None or an integer in [0, {vocab_size}], got {logprobs!r}")
+    stop_ids, stop_strings = check_stop(stop, tokenizer, vocab_size)
+    if eos is not None:
+        stop_ids = stop_ids | {eos}
+    # The longest a sample can get: its prompt and max_tokens, within the context (the last token is never fed
+    # back, so it needs no slot).
+    needed = min(len(ids) + max_tokens, context) - 1
+    if needed > cache_tokens:
+        raise ValueError(
+            f"the paged cache is too small for this request: it needs {needed} positions (prompt {len(ids)} + "
+            f"max_tokens {max_tokens}), the cache holds {cache_tokens}; raise num_blocks or lower max_tokens"
+        )
+    return RequestSpec(ids, sampling, int(max_tokens), stop_ids, stop_strings, int(n),
+                       None if seed is None else int(seed), None if logprobs is None else int(logprobs))
