@@ -21,8 +21,10 @@ The ``gguf`` package is used for the ggml type table and, in ``models.gguf``, it
 
 from __future__ import annotations
 
+import math
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,38 @@ _SCALARS = {
 _STRING, _ARRAY = 8, 9
 _MIN_KV_BYTES = 8 + 4 + 1  # an empty key, the type, a one-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # an empty name, n_dims, one dim, the type, the offset
+
+
+def meta(metadata: Mapping[str, Any], key: str, default: Any = None, *, required: bool = False) -> Any:
+    """A metadata value; ``required``: a missing one raises ``ValueError`` naming the key."""
+    value = metadata.get(key, default)
+    if required and value is None:
+        raise ValueError(f"the GGUF metadata has no {key!r}, which this model needs")
+    return value
+
+
+def size(metadata: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer from the metadata (per-layer lists, as some architectures write, are refused)."""
+    value = meta(metadata, key, default, required=True)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"GGUF metadata {key}={value!r}: expected a positive integer")
+    return value
+
+
+def number(metadata: Mapping[str, Any], key: str, default: float | None) -> float:
+    """A finite positive number from the metadata (a NaN epsilon or base would give NaN logits, silently)."""
+    value = meta(metadata, key, default, required=True)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"GGUF metadata {key}={value!r}: expected a finite positive number")
+    return float(value)
+
+
+def token_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int | None:
+    """An optional token id from the metadata, checked to lie in the vocabulary."""
+    value = metadata.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size):
+        raise ValueError(f"GGUF metadata {key}={value!r}: expected a token id below the vocabulary size {vocab_size}")
+    return value
 
 
 def import_gguf() -> Any:

@@ -21,40 +21,16 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, normalizers, processors
 from tokenizers import Tokenizer as Backend
 
+from .gguf_pretokenizers import pre_tokenizer_for
 from .tokenizer import Tokenizer
 
 # llama.cpp's token types (``llama_token_type``): which tokens are matched whole in the text.
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 
 _SPACE = "\u2581"  # SentencePiece's visible space
-
-# Llama 3's split pattern (its tokenizer.json's Split pre-tokenizer); llama.cpp uses it for these ``pre`` names.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Mistral's Tekken (Mistral NeMo, a llama-architecture GGUF).
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# ``pre`` value -> split pattern; None: GPT-2's own pattern (the ByteLevel pre-tokenizer's built-in regex).
-_BYTE_LEVEL_SPLITS: dict[str, str | None] = {
-    "gpt-2": None,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
-    "tekken": _TEKKEN_SPLIT,
-}
-# Vocabularies whose BPE looks a whole word up before merging (llama.cpp's ``ignore_merges``; Llama 3's
-# tokenizer.json sets the same flag).
-_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"}
 
 _ROLE_KEYS = {
     "bos": "tokenizer.ggml.bos_token_id",
@@ -64,14 +40,37 @@ _ROLE_KEYS = {
     "mask": "tokenizer.ggml.mask_token_id",
 }
 
+# Ids llama.cpp reads beside the roles a ``Tokenizer`` has: end of turn / message, separator, fill-in-the-middle.
+_EXTRA_ID_KEYS = ("eot", "eom", "sep", "cls", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
+
 SUPPORTED_MODELS = ("llama", "gpt2")
+
+
+class GGUFTokenizer(Tokenizer):
+    """A ``Tokenizer`` read from a GGUF file, with what the file says beside the vocabulary.
+
+    Attributes:
+        chat_template: ``tokenizer.chat_template`` (a Jinja template), or None.
+        add_bos_token, add_eos_token: whether encoding adds BOS / EOS (the post-processor does it).
+        special_ids: further special-token ids the file names (``eot``, ``eom``, ``sep``, ``fim_*`` ...).
+        model, pre: ``tokenizer.ggml.model`` and ``tokenizer.ggml.pre`` (None where the file has none).
+    """
+
+    def __init__(self, backend: Backend, special_tokens: Mapping[str, str | None] | None = None, *,
+                 chat_template: str | None = None, add_bos_token: bool = False, add_eos_token: bool = False,
+                 special_ids: Mapping[str, int] | None = None, model: str | None = None,
+                 pre: str | None = None) -> None:
+        super().__init__(backend, special_tokens)
+        self.chat_template, self.model, self.pre = chat_template, model, pre
+        self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
+        self.special_ids = dict(special_ids or {})
 
 #: The longest piece of a SentencePiece vocabulary whose merges are derived from its scores (SentencePiece's own
 #: trainer caps ``max_sentencepiece_length`` at 512).
 MAX_PIECE_CHARS = 512
 
 
-def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
+def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GGUFTokenizer:
     """Build the tokenizer a GGUF file's metadata describes.
 
     Args:
@@ -79,7 +78,8 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
             only the ``tokenizer.*`` keys are used.
 
     Returns:
-        A ``Tokenizer`` with the file's vocabulary (ids as in the file), its special tokens in their roles
+        A ``GGUFTokenizer`` (a ``Tokenizer`` that also keeps the chat template and the other special ids)
+        with the file's vocabulary (ids as in the file), its special tokens in their roles
         (bos, eos, unk, pad from the ``tokenizer.ggml.*_token_id`` keys) and a post-processor that adds BOS
         and EOS as ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say (llama.cpp's defaults otherwise:
         BOS for a SentencePiece vocabulary, nothing for a byte-level one).
@@ -109,7 +109,8 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
         ids = {role: i for role, i in named.items() if isinstance(i, int) and 0 <= i < size}
         if len(ids) != len(named):
             raise ValueError(f"special-token ids {named} do not all fit the embedded tokenizer.json of {size} tokens")
-        return Tokenizer(whole.backend, {role: whole.id_to_token(i) for role, i in ids.items()})
+        return GGUFTokenizer(whole.backend, {role: whole.id_to_token(i) for role, i in ids.items()},
+                             **_extras(metadata, size, False, False))
     roles = _roles(metadata, tokens)
 
     kind = metadata.get("tokenizer.ggml.model")
@@ -128,16 +129,17 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
         default_bos = True  # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
     elif kind == "gpt2":
         pre = metadata.get("tokenizer.ggml.pre")
-        if pre not in _BYTE_LEVEL_SPLITS:
-            raise ValueError(
-                f"byte-level GGUF vocabulary with tokenizer.ggml.pre={pre!r}: its split pattern is unknown; "
-                f"supported: {sorted(_BYTE_LEVEL_SPLITS)}"
-            )
+        if pre is not None and not isinstance(pre, str):
+            raise ValueError(f"tokenizer.ggml.pre={pre!r}: expected a string naming a llama.cpp pre-tokenizer")
+        splitter = pre_tokenizer_for(pre)
         merges = metadata.get("tokenizer.ggml.merges")
         if not isinstance(merges, list):
             raise ValueError("a byte-level (gpt2) GGUF vocabulary needs tokenizer.ggml.merges, which is missing")
-        backend = _byte_level_bpe(tokens, merges, pre)
-        default_bos = False
+        vocab = {token: i for i, token in enumerate(tokens)}
+        backend = Backend(_bpe(vocab, _split_merges(merges), ignore_merges=splitter.ignore_merges))
+        backend.pre_tokenizer = splitter.build()
+        backend.decoder = decoders.ByteLevel()
+        default_bos = splitter.add_bos
     else:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; expected one of {list(SUPPORTED_MODELS)}")
 
@@ -145,7 +147,26 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     backend.post_processor = _template(tokens, metadata, add_bos, add_eos)
-    return Tokenizer(backend, roles)
+    return GGUFTokenizer(backend, roles, **_extras(metadata, len(tokens), add_bos, add_eos))
+
+
+def _extras(metadata: Mapping[str, Any], size: int, add_bos: bool, add_eos: bool) -> dict[str, Any]:
+    """The ``GGUFTokenizer`` attributes beyond the roles, each checked."""
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"tokenizer.chat_template={template!r}: expected a string (a Jinja template)")
+    special_ids = {}
+    for name in _EXTRA_ID_KEYS:
+        key = f"tokenizer.ggml.{name}_token_id"
+        value = metadata.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+            raise ValueError(f"{key}={value!r} is not an id of the {size}-token vocabulary")
+        special_ids[name] = value
+    return {"chat_template": template, "add_bos_token": add_bos, "add_eos_token": add_eos,
+            "special_ids": special_ids, "model": metadata.get("tokenizer.ggml.model"),
+            "pre": metadata.get("tokenizer.ggml.pre")}
 
 
 def _roles(metadata: Mapping[str, Any], tokens: Sequence[str]) -> dict[str, str | None]:
@@ -224,26 +245,21 @@ def _split_merges(merges: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options: Any) -> models.BPE:
-    """``tokenizers``' BPE, its refusal (a merge of tokens not in the vocabulary) raised as ``ValueError``."""
+    """``tokenizers``' BPE, its refusal (a merge of tokens not in the vocabulary) raised as ``ValueError``.
+
+    A merge whose result is not in the vocabulary makes ``tokenizers`` panic (an uncatchable-as-Exception
+    ``PanicException``), so every merge is checked first.
+    """
+    bad = next((i for i, (left, right) in enumerate(merges)
+                if left not in vocab or right not in vocab or left + right not in vocab), None)
+    if bad is not None:
+        left, right = merges[bad]
+        raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: merges[{bad}]="
+                         f"{left + ' ' + right!r}, its parts and the token they make must all be tokens")
     try:
         return models.BPE(vocab, merges, **options)
     except Exception as err:  # tokenizers raises a bare Exception here
         raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {err}") from err
-
-
-def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str) -> Backend:
-    vocab = {token: i for i, token in enumerate(tokens)}
-    backend = Backend(_bpe(vocab, _split_merges(merges), ignore_merges=pre in _IGNORE_MERGES))
-    split = _BYTE_LEVEL_SPLITS[pre]
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    backend.decoder = decoders.ByteLevel()
-    return backend
 
 
 def _add_whole_tokens(

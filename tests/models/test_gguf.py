@@ -499,7 +499,7 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path, model):
-    with pytest.raises(ValueError, match="'falcon'.*expected one of \\['llama'\\]"):
+    with pytest.raises(ValueError, match="'falcon'.*expected one of \\['llama', 'qwen2'"):
         read_gguf(write_gguf(tmp_path / "falcon.gguf", model, arch="falcon", vocab=None))
 
 

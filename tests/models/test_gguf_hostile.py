@@ -195,11 +195,15 @@ def test_numbers_a_model_cannot_use(valid, tmp_path, key, value, message):
         read_gguf(corrupt(valid, tmp_path, field_set(key, value)))
 
 
-def test_split_files_are_refused(tmp_path):
+def test_split_parts_are_found_by_name_only(tmp_path):
+    # A path in the metadata is never followed: the parts are the first part's siblings, named by the count.
     path = write_gguf(tmp_path / "m-00001-of-00002.gguf", tiny_llama(), vocab=None,
                       metadata=[("add_uint16", "split.count", 2), ("add_string", "split.path", "../../etc/x.gguf")])
-    with pytest.raises(ValueError, match=r"split\.count=2"):
+    with pytest.raises(FileNotFoundError, match=r"m-00002-of-00002\.gguf"):
         read_gguf(path)
+    renamed = path.rename(tmp_path / "model.gguf")
+    with pytest.raises(ValueError, match=r"split\.count=2 .*-00001-of-00002\.gguf"):
+        read_gguf(renamed)
 
 
 def test_vocabulary_that_does_not_fit_the_embedding(tmp_path):
