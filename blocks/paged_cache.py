@@ -251,8 +251,9 @@ class PagedKVCache:
         if needed <= have:
             return
         size = min(self.n_blocks, max(needed, 2 * have))
-        grown_k = k.new_empty((size, self.block_size, k.shape[1], k.shape[-1]))
-        grown_v = v.new_empty((size, self.block_size, v.shape[1], v.shape[-1]))
+        # Zeros, not empty memory: the masked slots of a gathered block are still multiplied (0 · NaN = NaN).
+        grown_k = k.new_zeros((size, self.block_size, k.shape[1], k.shape[-1]))
+        grown_v = v.new_zeros((size, self.block_size, v.shape[1], v.shape[-1]))
         if self.k is not None:
             grown_k[:have], grown_v[:have] = self.k, self.v
         self.k, self.v = grown_k, grown_v

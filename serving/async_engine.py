@@ -1,0 +1,135 @@
+"""``AsyncEngine``: the engine behind an asyncio server — add requests, stream their deltas, abort them.
+
+One background task drives ``Engine.step`` in a worker thread (the event loop stays free while the model runs).
+``add_request`` and ``abort`` never touch the engine from the event loop: they queue an operation that the worker
+applies before its next step, so the engine is only ever used by one thread at a time. Arguments are checked in
+``add_request`` itself, so a bad request raises ``ValueError`` to its caller at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from .engine import Engine, QueueFullError
+from .requests import RequestDelta
+
+
+class AsyncEngine:
+    """Streams of per-request deltas over one ``Engine``.
+
+    Args:
+        engine: the engine to drive (nothing else may call it meanwhile).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._ops: collections.deque[Callable[[], list[RequestDelta]]] = collections.deque()
+        self._queues: dict[str, asyncio.Queue[RequestDelta | None]] = {}
+        self._open: dict[str, int] = {}  # request id -> samples not finished yet
+        self._ids = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
+                          n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:
+        """Queue a request (arguments as ``Engine.generate`` takes them for one prompt); return its id.
+
+        Raises:
+            ValueError: bad arguments or an id in use.
+            QueueFullError: the engine's waiting queue is at its bound.
+        """
+        spec = self.engine.make_request(prompt, sampling, max_tokens=max_tokens, stop=stop, n=n, seed=seed,
+                                        logprobs=logprobs)
+        request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is in use")
+        queued = len(self.engine.scheduler.waiting) + sum(1 for op in self._ops if getattr(op, "adds", False))
+        if queued >= self.engine.max_waiting:
+            raise QueueFullError(f"{queued} requests are waiting (max_waiting={self.engine.max_waiting})")
+        self._queues[request_id] = asyncio.Queue()
+        self._open[request_id] = spec.n
+
+        def add() -> list[RequestDelta]:
+            self.engine.enqueue(spec, request_id)
+            return []
+
+        add.adds = True  # type: ignore[attr-defined]
+        self._submit(add)
+        return request_id
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
+        """The deltas of a request as its samples gain tokens, ending after every sample has finished."""
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise ValueError(f"unknown request id {request_id!r}")
+        try:
+            while (delta := await queue.get()) is not None:
+                yield delta
+        finally:
+            self._queues.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its stream ends with a delta whose ``finish_reason`` is ``"abort"`` per open sample."""
+
+        def cancel() -> list[RequestDelta]:
+            seqs = self.engine.requests.get(request_id, [])
+            done = {s.index for s in seqs if s.finish_reason is not None}
+            if not self.engine.abort(request_id):
+                return []
+            # Samples not forked yet (n > 1 before the first token) end here too.
+            return [RequestDelta(request_id, i, [], "", "abort") for i in range(seqs[0].spec.n) if i not in done]
+
+        self._submit(cancel)
+
+    async def close(self) -> None:
+        """Stop the background task (requests in flight are left as they are)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def _submit(self, op: Callable[[], list[RequestDelta]]) -> None:
+        self._ops.append(op)
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._wake.set()
+
+    def _work(self) -> list[RequestDelta]:
+        """In the worker thread: apply the queued operations, then one engine step."""
+        deltas = []
+        while self._ops:
+            deltas += self._ops.popleft()()
+        if self.engine.has_unfinished():
+            deltas += self.engine.step()
+        for request_id in {d.request_id for d in deltas if d.finish_reason is not None}:
+            if all(s.finish_reason is not None for s in self.engine.requests.get(request_id, [])):
+                self.engine.requests.pop(request_id, None)  # finished: the engine forgets it
+        return deltas
+
+    async def _run(self) -> None:
+        while True:
+            if not self._ops and not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            for delta in await asyncio.to_thread(self._work):
+                self._deliver(delta)
+
+    def _deliver(self, delta: RequestDelta) -> None:
+        queue = self._queues.get(delta.request_id)
+        if queue is not None:
+            queue.put_nowait(delta)
+        if delta.finish_reason is not None and delta.request_id in self._open:
+            self._open[delta.request_id] -= 1
+            if self._open[delta.request_id] == 0:
+                del self._open[delta.request_id]
+                if queue is not None:
+                    queue.put_nowait(None)
