@@ -71,12 +71,12 @@ class Engine:
         context = model.config.max_len if max_model_len is None else max_model_len
         limits = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                       max_waiting=max_waiting, max_model_len=context)
-        if num_blocks is None:
-            num_blocks = max_num_seqs * -(-context // block_size)
-        limits["num_blocks"] = num_blocks
+        limits["num_blocks"] = 1 if num_blocks is None else num_blocks
         for name, value in limits.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if num_blocks is None:
+            num_blocks = max_num_seqs * -(-context // block_size)
         if context < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt and one new token), got {context}")
         self.model, self.tokenizer = model, tokenizer
