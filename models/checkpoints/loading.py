@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +36,9 @@ from .files import (
     read_json,
     read_weights,
 )
+from .hub import hub_download
 from .locate import checkpoint_files, locate
-from .options import LoadOptions, parse_options
+from .options import LoadOptions, ParsedOptions, parse_options
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +117,14 @@ def load_pretrained(
         huggingface_hub.errors.HfHubHTTPError: the Hub kept failing (its status is in the message) after retries.
     """
     opts = parse_options(options)
+    if opts.gguf_file is not None:  # a .gguf file inside a folder or Hub repo, fetched first
+        path_or_repo_id = _fetch_gguf(path_or_repo_id, opts)
     single = _single_file(path_or_repo_id)
     allow_missing: frozenset[str] = frozenset()
     quantization: tuple[str, list[str]] | None = None
     if single is not None:
         gguf_file, file_format = single
-        if opts.revision is not None:
+        if opts.revision is not None and opts.gguf_file is None:
             raise ValueError(f"revision={opts.revision!r} only applies to Hub repos, but {gguf_file} is a local file")
         source = str(gguf_file)
         hf_config, hf_state, tokenizer = _read_single_file(gguf_file, file_format, opts.dtype)
@@ -367,6 +371,20 @@ def _convert_transformers(
         )
     return cls, converted.config, dict(converted.state_dict), frozenset(converted.allow_missing)
 
+
+
+def _fetch_gguf(path_or_repo_id: str | os.PathLike[str], opts: ParsedOptions) -> Path:
+    """``gguf_file`` of a local folder, or downloaded from a Hub repo with every part of its split set."""
+    local = Path(path_or_repo_id).expanduser()
+    if local.is_dir():
+        return local / opts.gguf_file
+    names = [opts.gguf_file]
+    split = re.match(r"^(.*)-00001-of-(\d{5})\.gguf$", opts.gguf_file, re.IGNORECASE)
+    if split is not None:  # llama.cpp's split sets: the parts lie beside the first
+        names = [f"{split[1]}-{i:05d}-of-{split[2]}.gguf" for i in range(1, int(split[2]) + 1)]
+    paths = [hub_download(str(path_or_repo_id), name, revision=opts.revision or "main", token=opts.token,
+                          endpoint=opts.endpoint) for name in names]
+    return paths[0]
 
 
 def _single_file(path_or_repo_id: Any) -> tuple[Path, FileFormat] | None:

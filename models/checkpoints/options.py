@@ -36,6 +36,8 @@ class LoadOptions(TypedDict, total=False):
         attention_backend: a registered ``attention_backend`` to switch every attention module to.
         token: Hub token (default: ``HF_TOKEN`` or the one saved by ``hf auth login``; ``False``: none).
         endpoint: Hub URL (default: ``HF_ENDPOINT`` or huggingface.co).
+        gguf_file: a ``.gguf`` file inside the folder or Hub repo to load instead of its checkpoint (the first
+            part of a split set brings the others).
     """
 
     revision: str | None
@@ -44,6 +46,7 @@ class LoadOptions(TypedDict, total=False):
     attention_backend: str | None
     token: str | bool | None
     endpoint: str | None
+    gguf_file: str | None
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class ParsedOptions:
     attention_backend: str | None = None
     token: str | bool | None = None
     endpoint: str | None = None
+    gguf_file: str | None = None
 
 
 def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
@@ -64,7 +68,7 @@ def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise TypeError(f"from_pretrained() got unexpected keyword argument(s) {unknown}; it takes {known}")
-    for name in ("revision", "attention_backend", "endpoint"):
+    for name in ("revision", "attention_backend", "endpoint", "gguf_file"):
         value = options.get(name)
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{name} must be a string or None, got {type(value).__name__} {value!r}")
@@ -74,6 +78,10 @@ def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
     backend = options.get("attention_backend")
     if backend is not None:
         blocks.get("attention_backend", backend)  # fail before any download
+    gguf_file = options.get("gguf_file")
+    if gguf_file is not None and (not gguf_file.lower().endswith(".gguf") or gguf_file.startswith(("/", "\\"))
+                                  or ".." in gguf_file.replace("\\", "/").split("/")):
+        raise ValueError(f"gguf_file={gguf_file!r}: expected a relative path to a .gguf file inside the folder or repo")
     return ParsedOptions(
         revision=options.get("revision"),
         device=parse_device(options.get("device")),
@@ -81,6 +89,7 @@ def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
         attention_backend=backend,
         token=token,
         endpoint=options.get("endpoint"),
+        gguf_file=gguf_file,
     )
 
 
