@@ -6,7 +6,10 @@ contents are then copied into buffers whose shapes never change, and every later
 (``models.generation.compiled.compile_step``: inductor on CPU, CUDA graphs on CUDA) over them:
 
 - decoder self-attention uses a ``BucketKVCache`` of ``bucket`` slots (powers of two from ``MIN_BUCKET``), with the
-  write slot a long tensor and the visible slots a ``(R, bucket)`` mask, both updated in place between steps;
+  write slot a long tensor and the visible slots a ``(R, bucket)`` mask, both updated in place between steps. As
+  for ``DecoderLM`` (``compiled.first_bucket``), a loop starts in the bucket holding the start token and
+  ``steps.CACHE_CHUNK`` new tokens and moves to one twice as long when it is full, so memory follows the tokens
+  really generated, not ``max_new_tokens``; each bucket reached compiles the step once;
 - cross-attention keys/values live in a ``(R, Hkv, source_bucket, D)`` buffer per layer, the slots past the real
   source hidden by the memory mask, so sources of different lengths in one bucket reuse the graph;
 - beam search keeps ``R = B · num_beams`` rows for the whole search: source ``s`` owns rows
@@ -37,7 +40,7 @@ from blocks.kv_cache import BucketKVCache, LayerCache, StaticKVCache
 
 from ..core import stack
 from .beam_search import StepFn
-from .compiled import bucket_length, compile_step
+from .compiled import bucket_length, compile_step, first_bucket, grown_bucket
 
 # Per model: {(rows, bucket, source bucket, dtype, device): [_Static, ...]} — reused so that the graph's guards
 # hold; more than one set only while several loops of those shapes are open at once (streams).
@@ -82,20 +85,14 @@ def _step(
     return model.decode(memory, tokens, memory_mask, self_mask, cache=caches)[:, -1]
 
 
-def _static_buffers(
-    model: Any, prefill: list[LayerCache], src_mask: Tensor | None, width: int, bucket: int, owner: weakref.ref
-) -> _Static:
-    """A free set of kept buffers for this model and shape (made when none is free), claimed for ``owner`` and
-    filled from the eager first step.
+def _claim(model: Any, like: list[LayerCache], rows: int, bucket: int, src_bucket: int, owner: weakref.ref) -> _Static:
+    """A free set of kept buffers of this shape for this model (made when none is free), claimed for ``owner``.
 
-    ``prefill`` holds the start token's self-attention keys/values (slot 0) and the cross-attention keys/values
-    of ``B`` sources; each is repeated for the ``width`` rows of its source. ``owner`` is a weak reference to
-    the step function that decodes with the set: the set stays its own until that function is freed (the end of
-    a ``generate`` call, or of a stream: exhausted, closed or dropped).
+    ``like`` gives each layer's key/value heads and head size (the prefill caches, or a smaller bucket's set). The
+    set stays ``owner``'s until that step function is freed (the end of a ``generate`` call, or of a stream:
+    exhausted, closed or dropped) or the loop moves to a larger bucket (``_grown``).
     """
-    first_self, first_cross = prefill[0].self_attn.k, prefill[0].cross_attn.k
-    b, src_len = first_cross.shape[0], first_cross.shape[2]
-    rows, src_bucket = b * width, bucket_length(src_len, None)
+    first_self = like[0].self_attn.k
     device = first_self.device
     key = (rows, bucket, src_bucket, first_self.dtype, device)
     pool = _BUFFERS.setdefault(model, {}).setdefault(key, [])
@@ -103,7 +100,7 @@ def _static_buffers(
     if static is None:
         index = torch.zeros(1, dtype=torch.long, device=device)
         kept = []
-        for layer_cache in prefill:
+        for layer_cache in like:
             kv, cross = layer_cache.self_attn, layer_cache.cross_attn
             holder = LayerCache(1, cross=True)
             self_kv = [t.new_zeros((rows, t.shape[1], bucket, t.shape[3])) for t in (kv.k, kv.v)]
@@ -127,6 +124,21 @@ def _static_buffers(
         )
         pool.append(static)
     static.owner = owner
+    return static
+
+
+def _static_buffers(
+    model: Any, prefill: list[LayerCache], src_mask: Tensor | None, width: int, bucket: int, owner: weakref.ref
+) -> _Static:
+    """A free set of kept buffers for this model and shape (``_claim``), filled from the eager first step.
+
+    ``prefill`` holds the start token's self-attention keys/values (slot 0) and the cross-attention keys/values
+    of ``B`` sources; each is repeated for the ``width`` rows of its source. ``owner`` is a weak reference to
+    the step function that decodes with the set.
+    """
+    first_cross = prefill[0].cross_attn.k
+    b, src_len = first_cross.shape[0], first_cross.shape[2]
+    static = _claim(model, prefill, b * width, bucket, bucket_length(src_len, None), owner)
     for src, dst in zip(prefill, static.caches, strict=True):
         for s, d in ((src.self_attn.k, dst.self_attn.k), (src.self_attn.v, dst.self_attn.v)):
             d[:, :, :1] = s[:, :, :1].repeat_interleave(width, dim=0)
@@ -140,6 +152,23 @@ def _static_buffers(
     return static
 
 
+def _grown(model: Any, static: _Static, bucket: int, filled: int) -> _Static:
+    """The loop's buffers moved to the larger ``bucket``: the ``filled`` self-attention slots, the cross-attention
+    keys/values and the masks are copied into a set of that shape, and ``static`` is freed for later calls."""
+    rows, src_bucket = static.memory_mask.shape
+    grown = _claim(model, static.caches, rows, bucket, src_bucket, static.owner)
+    for src, dst in zip(static.caches, grown.caches, strict=True):
+        for s, d in ((src.self_attn.k, dst.self_attn.k), (src.self_attn.v, dst.self_attn.v)):
+            d[:, :, :filled] = s[:, :, :filled]
+        for s, d in ((src.cross_attn.k, dst.cross_attn.k), (src.cross_attn.v, dst.cross_attn.v)):
+            d.copy_(s)
+    grown.memory_mask.copy_(static.memory_mask)
+    grown.self_mask.zero_()
+    grown.self_mask[:, :filled] = static.self_mask[:, :filled]
+    static.owner = None
+    return grown
+
+
 def _prefill(model: Any, memory: Tensor, tokens: Tensor, src_mask: Tensor | None) -> tuple[Tensor, list[LayerCache]]:
     """The start token's step, eager: next-token logits ``(B, V)`` and the caches it filled."""
     prefill = stack.new_caches(len(model.decoder_layers), 1, cross=True)
@@ -147,9 +176,11 @@ def _prefill(model: Any, memory: Tensor, tokens: Tensor, src_mask: Tensor | None
     return logits, prefill
 
 
-def _bucket(model: Any, max_new_tokens: int) -> int:
-    # The start token and every generated token but the last are cached: max_new_tokens slots.
-    return bucket_length(max_new_tokens, model.decoder_positional.max_positions)
+def _buckets(model: Any, max_new_tokens: int) -> tuple[int, Callable[[int], int]]:
+    """The first bucket of a loop and ``grow(bucket) -> the next one``. The start token and every generated token
+    but the last are cached: at most ``max_new_tokens`` slots, reached only if the loop gets that far."""
+    capacity = model.decoder_positional.max_positions
+    return first_bucket(max_new_tokens, 1, capacity), lambda bucket: grown_bucket(bucket, max_new_tokens, capacity)
 
 
 def greedy_step(
@@ -175,20 +206,25 @@ def greedy_step(
     first = torch.full((b, 1), start, dtype=torch.long, device=memory.device)
     logits, prefill = _prefill(model, memory, first, src_mask)
     run = compile_step(_step, model, memory.device)  # kept per (model, fn, device)
-    filled = 1
+    bucket, grow = _buckets(model, max_new_tokens)
+    filled, guarded = 1, True  # guarded: the next call checks dynamo's guards (first step, first in a bucket)
 
     def step(tokens: Tensor) -> Tensor:
-        nonlocal filled
+        nonlocal filled, bucket, static, guarded
+        if filled == bucket:  # full: move to the next bucket (its graph is compiled at its first step)
+            bucket = grow(bucket)
+            static, guarded = _grown(model, static, bucket, filled), True
         # The new token goes to slot `filled`: visible from now on, and the write index of this step.
         static.self_mask[:, filled] = True
         static.index.fill_(filled)
         filled += 1
-        # Guards are checked at the first step (which may compile) and at every step of a stream.
+        # Guards are checked at the first step of a bucket (which may compile) and at every step of a stream.
+        skip, guarded = steady and not guarded, False
         out = run(model, tokens[:, None], static.self_mask, static.caches, static.memory, static.memory_mask, None,
-                  skip_guards=steady and filled > 2)
+                  skip_guards=skip)
         return out.clone()  # CUDA graphs reuse their output buffer at the next replay
 
-    static = _static_buffers(model, prefill, src_mask, 1, _bucket(model, max_new_tokens), weakref.ref(step))
+    static = _static_buffers(model, prefill, src_mask, 1, bucket, weakref.ref(step))
     return logits, step
 
 
@@ -214,7 +250,7 @@ def beam_step(
     """
     k = num_beams
     vocab = model.config.vocab_size
-    bucket = _bucket(model, max_new_tokens)
+    first, grow = _buckets(model, max_new_tokens)
     run = compile_step(_step, model, memory.device)  # kept per (model, fn, device)
     state: dict[str, Any] = {}
 
@@ -222,13 +258,18 @@ def beam_step(
         del sources_changed  # a source's rows are fixed: cross-attention buffers never need reordering
         if parents is None:  # the start tokens, one row per source
             logits, prefill = _prefill(model, memory, tokens, src_mask)
-            static = _static_buffers(model, prefill, src_mask, k, bucket, state["owner"])
+            static = _static_buffers(model, prefill, src_mask, k, first, state["owner"])
             state.update(
-                static=static, filled=1, width=1, identity=torch.arange(static.perm.shape[0], device=memory.device),
+                static=static, filled=1, width=1, bucket=first, guarded=True,
+                identity=torch.arange(static.perm.shape[0], device=memory.device),
                 phys=torch.arange(tokens.shape[0], device=memory.device) * k,  # search row -> fixed row
             )
             return logits
         static, filled, phys = state["static"], state["filled"], state["phys"]
+        if filled == state["bucket"]:  # full: move to the next bucket (its graph is compiled at its first step)
+            state["bucket"] = grow(state["bucket"])
+            static = state["static"] = _grown(model, static, state["bucket"], filled)
+            state["guarded"] = True
         n = tokens.shape[0]
         # beam_search keeps min(k, candidates) beams per source, with min(2k, beams · vocab) candidates: k
         # unless the vocabulary is smaller than k, when the first steps keep fewer.
@@ -244,8 +285,9 @@ def beam_step(
         static.self_mask[:, filled] = True
         static.index.fill_(filled)
         state["filled"], state["phys"] = filled + 1, new_phys
+        skip, state["guarded"] = not state["guarded"], False  # every guard at the first step of a bucket
         out = run(model, full, static.self_mask, static.caches, static.memory, static.memory_mask, static.perm,
-                  skip_guards=filled > 1)
+                  skip_guards=skip)
         return out.index_select(0, new_phys)  # a copy: safe from the next CUDA-graph replay
 
     state["owner"] = weakref.ref(step)  # weak: the step must not keep itself alive through its own state

@@ -10,6 +10,8 @@ from torch._dynamo.utils import counters
 
 import models.generation.compiled as compiled
 import models.generation.seq2seq_compiled as s2s_compiled
+import models.generation.steps as steps
+from blocks.kv_cache import BucketKVCache
 from models import Seq2SeqConfig, Seq2SeqTransformer
 from tests.models.test_kv_cache import build
 
@@ -117,6 +119,59 @@ def test_greedy_sampling_and_repetition_penalty_match_eager(graph_backend: None)
     a = model.generate(src, mask, generator=torch.Generator().manual_seed(1), compile=True, **sampled)
     b = model.generate(src, mask, generator=torch.Generator().manual_seed(1), **sampled)
     assert torch.equal(a, b)
+
+
+@pytest.fixture
+def bucket_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of every compiled self-attention bucket created while the test runs."""
+    sizes: list[int] = []
+    init = BucketKVCache.__init__
+
+    def recording_init(self: BucketKVCache, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+        sizes.append(k.shape[2])
+        init(self, k, v, index)
+
+    monkeypatch.setattr(BucketKVCache, "__init__", recording_init)
+    return sizes
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+def test_a_full_bucket_moves_to_the_next_with_the_same_tokens_and_scores(
+    graph_backend: None, bucket_sizes: list[int], monkeypatch: pytest.MonkeyPatch, beams: int
+) -> None:
+    # One new token of room at first and buckets from 8: the loop starts in the 8 bucket and must move to 16 at
+    # slot 8. Sampled tokens (greedy search) and beam scores are functions of every step's logits.
+    monkeypatch.setattr(steps, "CACHE_CHUNK", 1)
+    monkeypatch.setattr(compiled, "MIN_BUCKET", 8)
+    model = seq2seq(positional="learned")
+    src, mask = sources(6, 64, 5)
+    kwargs = dict(max_new_tokens=14, num_beams=beams, eos_token_id=None)
+    if beams == 1:
+        kwargs.update(do_sample=True, temperature=4.0)
+    else:
+        kwargs.update(return_scores=True)
+    got = model.generate(src, mask, compile=True, generator=torch.Generator().manual_seed(2), **kwargs)
+    want = model.generate(src, mask, generator=torch.Generator().manual_seed(2), **kwargs)
+    if beams == 1:
+        assert torch.equal(got, want)
+        assert got.shape[1] >= 14 and len(set(got[0, 9:].tolist())) > 3  # varied tokens past slot 8
+    else:
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+    assert sorted(set(bucket_sizes)) == [8, 16]  # grew once
+    assert counters["stats"]["unique_graphs"] == 2  # one graph per bucket
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_huge_max_new_tokens_allocates_the_first_bucket_only(graph_backend: None, bucket_sizes: list[int],
+                                                             beams: int) -> None:
+    # EOS at the first token: with max_new_tokens = 2**21 the bucket was sized for all of them (2**21 slots per
+    # layer and row, 512 MB here); now it holds the start token and CACHE_CHUNK = 256 new ones.
+    model = seq2seq(positional="rotary", eos_bias=50.0)  # every beam's best continuation is EOS
+    src = torch.tensor([[5, 6, 7]])
+    out = model.generate(src, max_new_tokens=2**21, eos_token_id=EOS, num_beams=beams, compile=True)
+    assert out[0, -1].item() == EOS and out.shape[1] <= 3
+    assert steps.CACHE_CHUNK == 256 and bucket_sizes == [512] * 2  # one per decoder layer
 
 
 def test_unsupported_combinations_raise() -> None:
