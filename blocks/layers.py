@@ -28,6 +28,7 @@ SUPPLIED: dict[str, tuple[str, ...]] = {
     "ffn": ("d_model", "d_ff"),
     "norm": ("d_model", "eps"),
     "sublayer": ("norm", "dropout"),
+    "head": ("d_model", "vocab_size", "make_norm", "bias", "dropout"),  # blocks.heads.HEAD_SUPPLIED
 }
 
 

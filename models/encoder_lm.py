@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 import blocks
+from blocks.heads import MLMHead, check_head_options
 
 from .checkpoints.adapter_files import AdapterFilesMixin
 from .checkpoints.architectures import register_architecture
@@ -29,6 +30,7 @@ from .core.stack import (
     positions_from_mask,
 )
 from .generation import EncoderLMFillMaskMixin
+from .tasks import TASK_HEADS, TaskHeadMixin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +38,8 @@ class EncoderLMConfig(TransformerConfig):
     """Config of ``EncoderLM``; defaults are BERT's choices at a tiny size.
 
     ``type_vocab_size`` is the number of segment (token-type) embeddings (0: none);
-    ``mask_token_id`` is the ``[MASK]`` id used by ``fill_mask``.
+    ``mask_token_id`` is the ``[MASK]`` id used by ``fill_mask``. ``head`` names the registered head (``"mlm"``
+    or a task head of ``models.tasks.TASK_HEADS``), its options go in ``options["head"]``.
     """
 
     n_layers: int = 2
@@ -45,9 +48,19 @@ class EncoderLMConfig(TransformerConfig):
     norm_eps: float = 1e-12
     type_vocab_size: int = 2
     mask_token_id: int | None = 4
+    head: str = "mlm"
+
+    option_blocks: ClassVar[dict[str, tuple[str, str]]] = {
+        **TransformerConfig.option_blocks, "head": ("head", "head"),
+    }
+    #: the heads an ``EncoderLM`` can take.
+    heads: ClassVar[tuple[str, ...]] = ("mlm", *TASK_HEADS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        head_options = check_head_options(self.head, self.options.get("head", {}), self.heads, "EncoderLM")
+        if "head" in self.options:
+            object.__setattr__(self, "options", {**self.options, "head": head_options})
         if isinstance(self.n_layers, bool) or not isinstance(self.n_layers, int) or self.n_layers < 1:
             raise ValueError(f"n_layers must be a positive integer, got {self.n_layers!r}")
         self.check_layer_options_length(self.n_layers)
@@ -65,26 +78,10 @@ class EncoderLMConfig(TransformerConfig):
         return ["encoder"]
 
 
-class MLMHead(nn.Module):
-    """BERT's prediction head: ``dense → GELU → norm``, then a decoder to the vocabulary (+ bias).
-
-    ``bias`` is the dense layer's (ModernBERT has none); the decoder always has a bias.
-    """
-
-    def __init__(self, d_model: int, vocab_size: int, norm: nn.Module, bias: bool = True) -> None:
-        super().__init__()
-        self.dense = nn.Linear(d_model, d_model, bias=bias)
-        self.norm = norm
-        self.decoder = nn.Linear(d_model, vocab_size)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.decoder(self.norm(nn.functional.gelu(self.dense(x))))
-
-
 @register_architecture
-class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, AdapterFilesMixin, ZooModel):
+class EncoderLM(EncoderLMFillMaskMixin, TaskHeadMixin, PersistenceMixin, AdapterFilesMixin, ZooModel):
     """Token + position + segment embeddings → norm → post-norm encoder layers → MLM head whose decoder
-    is tied to the token embedding.
+    is tied to the token embedding; or, with a task head (``config.head``), that head as ``model.head``.
 
     Initialisation (BERT): every weight ~ N(0, 0.02), biases 0, norms 1.
     """
@@ -106,9 +103,12 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, AdapterFilesMixin, Zoo
         self.dropout = nn.Dropout(c.dropout)
         self.layers = build_layers(c, "encoder", range(c.n_layers))
         self.final_norm = final_norm(c)
-        self.mlm_head = MLMHead(c.d_model, c.vocab_size, build_norm(c), bias=c.bias)
+        if c.head == "mlm":
+            self.mlm_head = MLMHead(c.d_model, c.vocab_size, lambda: build_norm(c), bias=c.bias)
+        else:
+            self.head = self.build_task_head()
         self.reset_parameters()
-        if c.tie_embeddings:
+        if c.tie_embeddings and c.head == "mlm":
             self.mlm_head.decoder.weight = self.embed_tokens.weight
 
     def reset_parameters(self) -> None:
@@ -167,6 +167,10 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, AdapterFilesMixin, Zoo
         hidden_states[-1] = x
         return x, hidden_states, attentions
 
+    def final_hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """The last hidden state ``(B, L, d_model)`` (what the heads read)."""
+        return self.encode(input_ids, attention_mask)[0]
+
     def forward(
         self,
         input_ids: Tensor,
@@ -178,7 +182,10 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, AdapterFilesMixin, Zoo
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> ModelOutput:
-        """Masked-LM logits for every position (or only the labelled ones).
+        """Masked-LM logits for every position (or only the labelled ones); with a task head, the head's output
+        (``labels`` then as the head takes them: ``(B,)`` classes or ``(B, num_labels)`` targets for
+        ``sequence_classification``, ``(B, L)`` for ``token_classification``, ``(B, 2)`` start/end positions for
+        ``question_answering``; see ``blocks.heads``).
 
         Args:
             input_ids: ``(B, L)`` token ids.
@@ -198,12 +205,17 @@ class EncoderLM(EncoderLMFillMaskMixin, PersistenceMixin, AdapterFilesMixin, Zoo
             ValueError: ids outside the vocabulary, masks/labels/segments of the wrong shape, or a
                 sequence longer than ``max_len`` with learned positions.
         """
-        if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
+        if labels is not None and not self.has_task_head and tuple(labels.shape) != tuple(input_ids.shape):
             raise ValueError(f"labels must have shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
         x, hidden_states, attentions = self.encode(
             input_ids, attention_mask, token_type_ids,
             output_hidden_states=output_hidden_states, output_attentions=output_attentions,
         )
+        if self.has_task_head:
+            if masked_only:
+                raise ValueError(f"masked_only=True applies to the 'mlm' head, not {self.config.head!r}")
+            return self.task_output(x, attention_mask, labels, hidden_states if output_hidden_states else None,
+                                    attentions if output_attentions else None)
         if masked_only:
             if labels is None:
                 raise ValueError("masked_only=True needs labels (it keeps only the labelled positions)")

@@ -18,6 +18,7 @@ from ..encoder_lm import EncoderLM, EncoderLMConfig
 from .export import activation_name, register_exporter, require, require_plain_attention, tensors
 from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .registry import Converted, register_converter
+from .tasks import TaskClass, TaskLayout, register_tasks
 
 # BertConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -185,3 +186,18 @@ EncoderLM.register_preset("bert-base", dict(
     attention_dropout=0.1, ffn="gelu", norm_eps=1e-12, type_vocab_size=2, pad_token_id=0,
     bos_token_id=101, eos_token_id=102, mask_token_id=103,
 ))
+
+# The task classes: BERT's pooler (dense + tanh on [CLS]) before the sequence classifier.
+register_tasks(TaskLayout("bert", "bert.", (
+    TaskClass("BertForSequenceClassification", "sequence_classification", "bert.",
+              {"bert.pooler.dense": "dense", "classifier": "classifier"},
+              lambda cfg: {"pre_classifier": "bert", "classifier_dropout": cfg.get("classifier_dropout")},
+              lambda options, config: {"classifier_dropout": options.get("classifier_dropout")},
+              requires={"pre_classifier": "bert", "pooling": "cls", "classifier_bias": True}),
+    TaskClass("BertForTokenClassification", "token_classification", "bert.", {"classifier": "classifier"},
+              lambda cfg: {"classifier_dropout": cfg.get("classifier_dropout")},
+              lambda options, config: {"classifier_dropout": options.get("classifier_dropout")},
+              requires={"pre_classifier": "none", "classifier_bias": True}),
+    TaskClass("BertForQuestionAnswering", "question_answering", "bert.", {"qa_outputs": "classifier"},
+              requires={"pre_classifier": "none", "classifier_bias": True}),
+)))

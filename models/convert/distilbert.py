@@ -25,6 +25,7 @@ from ..encoder_lm import EncoderLM, EncoderLMConfig
 from .export import activation_name, register_exporter, require, require_plain_attention, tensors
 from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .registry import Converted, register_converter
+from .tasks import TaskClass, TaskLayout, dropout_field, register_tasks
 
 # DistilBertConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -161,3 +162,18 @@ EncoderLM.register_preset("distilbert-base-uncased", dict(
     sublayer="post_norm", bias=True, tie_embeddings=True, type_vocab_size=0, pad_token_id=0, bos_token_id=101,
     eos_token_id=102, mask_token_id=103,
 ))
+
+# The task classes: pre_classifier + ReLU on [CLS] (dropout seq_classif_dropout); QA with qa_dropout.
+register_tasks(TaskLayout("distilbert", "distilbert.", (
+    TaskClass("DistilBertForSequenceClassification", "sequence_classification", "distilbert.",
+              {"pre_classifier": "dense", "classifier": "classifier"},
+              lambda cfg: {"pre_classifier": "distilbert",
+                           "classifier_dropout": float(cfg.get("seq_classif_dropout", 0.2))},
+              dropout_field("seq_classif_dropout"),
+              requires={"pre_classifier": "distilbert", "pooling": "cls", "classifier_bias": True}),
+    TaskClass("DistilBertForTokenClassification", "token_classification", "distilbert.", {"classifier": "classifier"},
+              requires={"pre_classifier": "none", "classifier_dropout": None, "classifier_bias": True}),
+    TaskClass("DistilBertForQuestionAnswering", "question_answering", "distilbert.", {"qa_outputs": "classifier"},
+              lambda cfg: {"classifier_dropout": float(cfg.get("qa_dropout", 0.1))}, dropout_field("qa_dropout"),
+              requires={"pre_classifier": "none", "classifier_bias": True}),
+)))

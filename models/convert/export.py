@@ -20,9 +20,12 @@ from torch import Tensor, nn
 
 import blocks
 from blocks.adapters import check_exportable
+from blocks.heads import LM_HEADS
 from blocks.quantized import check_unquantized
 
 EXPORTER_KIND = "hf_exporter"
+#: kind of ``models.convert.tasks.export_task`` (models with a task head), looked up so this module imports it not.
+TASK_EXPORT_KIND = "hf_task_export"
 
 Exporter = Callable[[nn.Module], tuple[dict[str, Any], dict[str, Tensor]]]
 
@@ -61,6 +64,9 @@ def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[di
     """
     check_exportable(model, "export to transformers", allow_merged=True)
     check_unquantized(model, "export to transformers")
+    head = getattr(getattr(model, "config", None), "head", None)
+    if isinstance(head, str) and head not in LM_HEADS:  # a task head: models.convert.tasks.export_task
+        return _unshared(blocks.get(TASK_EXPORT_KIND, "export")(model, model_type))
     if model_type is not None:
         exporter = blocks.get(EXPORTER_KIND, model_type)
         try:

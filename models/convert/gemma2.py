@@ -26,6 +26,7 @@ from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .llama import GATED_ACTIVATIONS, GATED_FFNS
 from .name_maps import NameMap, read_mapped, write_mapped
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # Gemma2Config's defaults in transformers 5 (Gemma 2 2B's shape).
 DEFAULTS: dict[str, Any] = {
@@ -244,3 +245,6 @@ DecoderLM.register_preset("gemma-2-2b", dict(
     options={"attention": {"scale": 256 ** -0.5, "softcap": 50.0}},
     layer_options=tuple({"attention": {"window": 4096}} if i % 2 == 0 else {} for i in range(26)),
 ))
+
+# The task classes: score on the last real token, a token classifier.
+register_tasks(TaskLayout("gemma2", "model.", decoder_classes("model.", None, stem="Gemma2")))

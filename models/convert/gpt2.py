@@ -17,6 +17,7 @@ from ..decoder_lm import DecoderLM, DecoderLMConfig
 from .export import activation_name, register_exporter, require, require_plain_attention, tensors
 from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # GPT2Config's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -150,3 +151,7 @@ DecoderLM.register_preset("gpt2-small", dict(
     attention_dropout=0.1, ffn="gelu_tanh", norm_eps=1e-5, pad_token_id=None,
     bos_token_id=50256, eos_token_id=50256,
 ))
+
+# The task classes: score on the last real token, a token classifier, qa_outputs.
+register_tasks(TaskLayout("gpt2", "transformer.", decoder_classes(
+    "transformer.", "transformer.", token_names="classifier", stem="GPT2")))

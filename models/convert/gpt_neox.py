@@ -22,6 +22,7 @@ from .gemma2 import rope_parameters
 from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .name_maps import NameMap, read_mapped, write_mapped
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # GPTNeoXConfig's defaults in transformers 5 (GPT-NeoX-20B's shape), with the older RoPE fields' defaults.
 DEFAULTS: dict[str, Any] = {
@@ -200,3 +201,7 @@ DecoderLM.register_preset("pythia-160m", dict(
     bias=True, tie_embeddings=False, pad_token_id=None, bos_token_id=0, eos_token_id=0,
     options={"positional": {"base": 10000.0, "fraction": 0.25}},
 ))
+
+# The task classes: score on the last real token, a token classifier, qa_outputs.
+register_tasks(TaskLayout("gpt_neox", "gpt_neox.", decoder_classes(
+    "gpt_neox.", "gpt_neox.", token_names="classifier", stem="GPTNeoX")))

@@ -18,6 +18,7 @@ from .export import register_exporter, require, tensors
 from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .name_maps import NameMap, read_mapped, write_mapped
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # LlamaConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -217,3 +218,6 @@ DecoderLM.register_preset("llama-3.2-1b", dict(
         "type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_len": 8192,
     }}},
 ))
+
+# The task classes: score on the last real token, a token classifier, qa_outputs.
+register_tasks(TaskLayout("llama", "model.", decoder_classes("model.", "transformer.", stem="Llama")))

@@ -13,6 +13,7 @@ from .hf_checkpoint import HFConfig
 from .llama import DEFAULTS as LLAMA_DEFAULTS
 from .llama import check_attention_options, convert_llama_like, export_llama_like
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # MistralConfig's defaults in transformers 5.
 DEFAULTS: dict[str, Any] = {
@@ -71,3 +72,6 @@ DecoderLM.register_preset("mistral-7b-v0.1", dict(
     tie_embeddings=False, pad_token_id=None, bos_token_id=1, eos_token_id=2,
     options={"attention": {"window": 4096}},
 ))
+
+# The task classes: score on the last real token, a token classifier, qa_outputs.
+register_tasks(TaskLayout("mistral", "model.", decoder_classes("model.", "model.", stem="Mistral")))

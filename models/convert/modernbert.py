@@ -30,11 +30,12 @@ import torch
 from torch import Tensor, nn
 
 from ..encoder_lm import EncoderLM, EncoderLMConfig
-from .export import register_exporter, require, tensors
+from .export import ACTIVATION_NAMES, register_exporter, require, tensors
 from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .llama import GATED_ACTIVATIONS, GATED_FFNS
 from .name_maps import NameMap, read_mapped, write_mapped, zoo_keys
 from .registry import Converted, register_converter
+from .tasks import TaskClass, TaskLayout, register_tasks
 
 # ModernBertConfig's defaults in transformers 5 (fields a config.json may leave out), and the fields of older
 # config.json files that transformers 5 still reads (global_attn_every_n_layers, *_rope_theta).
@@ -284,3 +285,32 @@ EncoderLM.register_preset("modernbert-base", _preset(
     22, 3, 65, vocab_size=50368, d_model=768, n_heads=12, d_ff=1152, max_len=8192, pad_token_id=50283,
     bos_token_id=50281, eos_token_id=50282, mask_token_id=50284,
 ))
+
+def _head_options(cfg: Mapping[str, Any], pooling: bool) -> dict[str, Any]:
+    """The zoo head options of ModernBERT's task head (dense + ``classifier_activation`` + norm, dropout)."""
+    reader = HFConfig("modernbert", cfg, {**DEFAULTS, "classifier_activation": "gelu", "classifier_dropout": 0.0,
+                                          "classifier_pooling": "cls"})
+    options = {"pre_classifier": "modernbert", "activation": reader.activation("classifier_activation"),
+               "classifier_dropout": float(reader["classifier_dropout"])}
+    return {**options, "pooling": reader["classifier_pooling"]} if pooling else options
+
+
+def _head_fields(options: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    fields = {"classifier_activation": ACTIVATION_NAMES[options.get("activation", "gelu")],
+              "classifier_dropout": options.get("classifier_dropout") or 0.0}
+    return {**fields, "classifier_pooling": options["pooling"]} if "pooling" in options else fields
+
+
+# The task classes: ModernBERT's head (dense + activation + norm) on the pooled state or on every token.
+_HEAD_NAMES = {"head.dense": "dense", "head.norm": "norm", "classifier": "classifier"}
+register_tasks(TaskLayout("modernbert", "model.", (
+    TaskClass("ModernBertForSequenceClassification", "sequence_classification", "model.", _HEAD_NAMES,
+              lambda cfg: _head_options(cfg, True), _head_fields,
+              requires={"pre_classifier": "modernbert", "pooling": ("cls", "mean"), "classifier_bias": True}),
+    TaskClass("ModernBertForTokenClassification", "token_classification", "model.", _HEAD_NAMES,
+              lambda cfg: _head_options(cfg, False), _head_fields,
+              requires={"pre_classifier": "modernbert", "classifier_bias": True}),
+    TaskClass("ModernBertForQuestionAnswering", "question_answering", "model.", _HEAD_NAMES,
+              lambda cfg: _head_options(cfg, False), _head_fields,
+              requires={"pre_classifier": "modernbert", "classifier_bias": True}),
+)))

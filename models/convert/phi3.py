@@ -22,6 +22,7 @@ from .llama import DEFAULTS as LLAMA_DEFAULTS
 from .llama import NAMES, check_attention_options, export_llama_like, llama_fields
 from .name_maps import read_mapped
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # Phi3Config's defaults in transformers 5 (Phi-3-mini's shape).
 DEFAULTS: dict[str, Any] = {
@@ -137,3 +138,6 @@ DecoderLM.register_preset("phi-3-mini-4k", dict(
     tie_embeddings=False, pad_token_id=32000, bos_token_id=1, eos_token_id=32000,
     options={"positional": {"base": 10000.0}, "attention": {"window": 2047}},
 ))
+
+# The task classes: score on the last real token, a token classifier.
+register_tasks(TaskLayout("phi3", "model.", decoder_classes("model.", None, stem="Phi3")))

@@ -14,6 +14,7 @@ from .hf_checkpoint import HFConfig
 from .llama import DEFAULTS as LLAMA_DEFAULTS
 from .llama import check_attention_options, convert_llama_like, export_llama_like, sliding_layer_options
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # Qwen2Config's defaults in transformers 5.
 DEFAULTS: dict[str, Any] = {
@@ -93,3 +94,6 @@ DecoderLM.register_preset("qwen2.5-0.5b", dict(
     tie_embeddings=True, pad_token_id=None, bos_token_id=151643, eos_token_id=151643,
     options={"positional": {"base": 1000000.0}, "attention": {"qkv_bias": True}},
 ))
+
+# The task classes: score on the last real token, a token classifier, qa_outputs.
+register_tasks(TaskLayout("qwen2", "model.", decoder_classes("model.", "transformer.", stem="Qwen2")))

@@ -14,6 +14,7 @@ from .llama import DEFAULTS as LLAMA_DEFAULTS
 from .llama import check_attention_options, convert_llama_like, export_llama_like
 from .qwen2 import qwen_window_fields, window_layers
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # Qwen3Config's defaults in transformers 5.
 DEFAULTS: dict[str, Any] = {
@@ -70,3 +71,6 @@ DecoderLM.register_preset("qwen3-0.6b", dict(
     tie_embeddings=True, pad_token_id=None, bos_token_id=151643, eos_token_id=151645,
     options={"positional": {"base": 1000000.0}, "attention": {"qk_norm": "rmsnorm", "qk_norm_eps": 1e-6}},
 ))
+
+# The task classes: score on the last real token, a token classifier, qa_outputs.
+register_tasks(TaskLayout("qwen3", "model.", decoder_classes("model.", "transformer.", stem="Qwen3")))

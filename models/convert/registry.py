@@ -37,6 +37,8 @@ from ..core.base import ZooModel
 from ..core.config import ConfigBase
 
 CONVERTER_KIND = "hf_converter"
+#: kind of ``models.convert.tasks.convert_task`` (a task class's checkpoint), looked up so this module imports it not.
+TASK_CONVERT_KIND = "hf_task_convert"
 
 Converter = Callable[[Mapping[str, Any], Mapping[str, Tensor]], "Converted"]
 
@@ -101,6 +103,10 @@ def from_transformers(hf_config: Mapping[str, Any], state_dict: Mapping[str, Ten
         raise ValueError(f"no converter for transformers model_type {model_type!r}; supported: {supported}")
     _check_hf_layer_counts(hf_config, state_dict)  # before a converter loops over the layers or builds anything
     converter = blocks.get(CONVERTER_KIND, model_type)
+    if TASK_CONVERT_KIND in blocks.kinds():  # task classes (models.convert.tasks, registered by the families)
+        converted = blocks.get(TASK_CONVERT_KIND, "convert")(hf_config, state_dict)
+        if converted is not None:
+            return check_converted(converted)
     return check_converted(converter(hf_config, state_dict))
 
 

@@ -27,6 +27,7 @@ from .bert import LAYER_NAMES, layer_norm_modern_name
 from .export import activation_name, register_exporter, require, require_plain_attention, tensors
 from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
 from .registry import Converted, register_converter
+from .tasks import TaskClass, TaskLayout, register_tasks
 
 # RobertaConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -193,3 +194,18 @@ EncoderLM.register_preset("roberta-base", dict(
     bias=True, tie_embeddings=True, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
     mask_token_id=50264,
 ))
+
+# The task classes: RoBERTa's classification head is dropout, dense + tanh on <s>, dropout, out_proj.
+register_tasks(TaskLayout("roberta", "roberta.", (
+    TaskClass("RobertaForSequenceClassification", "sequence_classification", "roberta.",
+              {"classifier.dense": "dense", "classifier.out_proj": "classifier"},
+              lambda cfg: {"pre_classifier": "roberta", "classifier_dropout": cfg.get("classifier_dropout")},
+              lambda options, config: {"classifier_dropout": options.get("classifier_dropout")},
+              requires={"pre_classifier": "roberta", "pooling": "cls", "classifier_bias": True}),
+    TaskClass("RobertaForTokenClassification", "token_classification", "roberta.", {"classifier": "classifier"},
+              lambda cfg: {"classifier_dropout": cfg.get("classifier_dropout")},
+              lambda options, config: {"classifier_dropout": options.get("classifier_dropout")},
+              requires={"pre_classifier": "none", "classifier_bias": True}),
+    TaskClass("RobertaForQuestionAnswering", "question_answering", "roberta.", {"qa_outputs": "classifier"},
+              requires={"pre_classifier": "none", "classifier_bias": True}),
+)))

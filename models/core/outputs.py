@@ -26,6 +26,18 @@ class ModelOutput:
 
 
 @dataclass
+class QuestionAnsweringOutput(ModelOutput):
+    """``ModelOutput`` of a ``question_answering`` head: ``logits (B, L, 2)`` and their two halves.
+
+    Attributes:
+        start_logits / end_logits: ``(B, L)`` scores of each token starting / ending the answer.
+    """
+
+    start_logits: Tensor | None = None
+    end_logits: Tensor | None = None
+
+
+@dataclass
 class Seq2SeqOutput(ModelOutput):
     """``ModelOutput`` of an encoder-decoder; ``hidden_states`` and ``attentions`` are the decoder's.
 

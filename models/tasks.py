@@ -1,0 +1,171 @@
+"""Task heads on the model classes: building the configured head, its forward and loss, and ``embed``.
+
+``TaskHeadMixin`` is mixed into ``EncoderLM`` and ``DecoderLM``. A model whose config names a task head
+(``head="sequence_classification"``, ``"token_classification"``, ``"question_answering"``, ``"embedding"``; see
+``blocks.heads``) holds it as ``model.head`` and its forward returns the head's logits (and loss) instead of token
+logits. ``embed`` turns texts (or token ids) into sentence vectors with any head: batched by length, original order
+restored.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from blocks.heads import LM_HEADS, build_head, pool
+
+from .core.outputs import ModelOutput, QuestionAnsweringOutput
+from .core.stack import build_norm
+
+#: the task heads every text model (``EncoderLM``, ``DecoderLM``) can take.
+TASK_HEADS = ("sequence_classification", "token_classification", "question_answering", "embedding")
+#: inputs above this many texts get a progress bar when ``progress`` is None and stderr is a terminal.
+PROGRESS_THRESHOLD = 256
+
+
+class TaskHeadMixin:
+    """The task-head half of a text model (see the module docstring)."""
+
+    #: the pooling ``embed`` uses when the model has no ``embedding`` head.
+    default_pooling = "mean"
+
+    def build_task_head(self) -> nn.Module:
+        """The configured task head (``config.head`` with ``config.options["head"]``)."""
+        c = self.config
+        return build_head(
+            c.head, c.block_options("head"), d_model=c.d_model, vocab_size=c.vocab_size,
+            make_norm=lambda: build_norm(c), bias=c.bias, dropout=c.dropout,
+        )
+
+    @property
+    def has_task_head(self) -> bool:
+        """True when the config names a task head rather than a token-predicting one."""
+        return self.config.head not in LM_HEADS
+
+    def task_output(
+        self, x: Tensor, mask: Tensor | None, labels: Tensor | None, hidden_states: list[Tensor] | None,
+        attentions: list[Tensor | None] | None,
+    ) -> ModelOutput:
+        """The head's logits (and loss) from the final hidden states ``x (B, L, d_model)``.
+
+        Raises:
+            ValueError: labels for the embedding head, or labels the head's loss refuses.
+        """
+        logits = self.head(x, mask)
+        loss = None
+        if labels is not None:
+            if self.config.head == "embedding":
+                raise ValueError("the 'embedding' head takes no labels; pass labels=None")
+            loss = self.head.loss(logits, labels)
+        common = dict(
+            logits=logits, loss=loss, hidden_states=None if hidden_states is None else tuple(hidden_states),
+            attentions=None if attentions is None else tuple(attentions),
+        )
+        if self.config.head == "question_answering":
+            return QuestionAnsweringOutput(
+                **common, start_logits=logits[..., 0].contiguous(), end_logits=logits[..., 1].contiguous()
+            )
+        return ModelOutput(**common)
+
+    # ------------------------------------------------------------------ sentence embeddings
+    def embedding_options(self) -> dict[str, Any]:
+        """The embedding head's options (pooling, normalize, max_seq_length, prompts), or the defaults."""
+        if self.config.head == "embedding":
+            return self.config.block_options("head")
+        return {"pooling": self.default_pooling}
+
+    @torch.no_grad()
+    def embed(
+        self,
+        texts_or_ids: str | Sequence[str] | Sequence[Sequence[int]] | Tensor,
+        batch_size: int = 32,
+        normalize: bool | None = None,
+        prompt: str | None = None,
+        progress: bool | None = None,
+    ) -> Tensor:
+        """Sentence embeddings ``(N, d_model)`` (float32, on the model's device).
+
+        Texts are tokenized with ``model.tokenizer``, truncated at the model's maximum sequence length
+        (``max_seq_length`` of the embedding head, else ``max_len``), sorted by length so that each batch pads
+        little, and returned in their original order. Pooling and normalisation are the embedding head's
+        (``mean`` and none without one; ``last`` for decoders).
+
+        Args:
+            texts_or_ids: one text, a list of texts, a list of token-id lists or a ``(N, L)`` id tensor.
+            batch_size: rows per forward pass.
+            normalize: L2-normalise the vectors (default: the head's ``normalize``).
+            prompt: a prompt name of the head's ``prompts`` or a literal string, prepended to every text.
+            progress: show a tqdm bar (default: for more than 256 inputs when stderr is a terminal).
+
+        Raises:
+            ValueError: texts without an attached tokenizer, a bad ``batch_size``, an empty or non-string text,
+                a prompt with token ids.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        options = self.embedding_options()
+        rows = self.token_rows(texts_or_ids, prompt, options)
+        normalize = bool(options.get("normalize", False)) if normalize is None else normalize
+        device = next(self.parameters()).device
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+        out = torch.empty(len(rows), self.config.d_model, dtype=torch.float32, device=device)
+        starts = range(0, len(rows), batch_size)
+        show = progress if progress is not None else len(rows) > PROGRESS_THRESHOLD and sys.stderr.isatty()
+        if show:
+            from tqdm.auto import tqdm
+
+            starts = tqdm(starts, desc="embed", unit="batch")
+        pad = 0 if self.config.pad_token_id is None else self.config.pad_token_id
+        for start in starts:
+            index = order[start:start + batch_size]
+            width = len(rows[index[0]])
+            ids = torch.full((len(index), width), pad, dtype=torch.long)
+            mask = torch.zeros(len(index), width, dtype=torch.bool)
+            for j, i in enumerate(index):
+                ids[j, :len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
+                mask[j, :len(rows[i])] = True
+            ids, mask = ids.to(device), mask.to(device)
+            hidden = self.final_hidden(ids, None if bool(mask.all()) else mask)  # (b, width, d_model)
+            vectors = pool(hidden, mask, options.get("pooling", self.default_pooling)).float()
+            if normalize:
+                vectors = nn.functional.normalize(vectors, p=2, dim=-1)
+            out[torch.tensor(index, device=device)] = vectors
+        return out
+
+    def token_rows(
+        self, texts_or_ids: Any, prompt: str | None, options: dict[str, Any]
+    ) -> list[list[int]]:
+        """Token-id lists of ``embed``'s input, truncated at the maximum sequence length."""
+        limit = options.get("max_seq_length") or self.config.max_len
+        if isinstance(texts_or_ids, Tensor):
+            if prompt is not None:
+                raise ValueError("prompt applies to texts, not to token ids")
+            self.check_ids(texts_or_ids, "texts_or_ids")
+            return [row[:limit] for row in texts_or_ids.tolist()]
+        items = [texts_or_ids] if isinstance(texts_or_ids, str) else list(texts_or_ids)
+        if items and not isinstance(items[0], str):
+            if prompt is not None:
+                raise ValueError("prompt applies to texts, not to token ids")
+            rows = [list(row) for row in items]
+            if any(not row or not all(isinstance(t, int) and not isinstance(t, bool) for t in row) for row in rows):
+                raise ValueError("token-id rows must be non-empty lists of integers")
+            for row in rows:
+                self.check_ids(torch.tensor([row]), "texts_or_ids")
+            return [row[:limit] for row in rows]
+        bad = [t for t in items if not isinstance(t, str)]
+        if bad:
+            raise ValueError(f"embed takes texts (str) or token ids; got {type(bad[0]).__name__} {bad[0]!r}")
+        tokenizer = getattr(self, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError("embed of texts needs a tokenizer: load one with the model or set model.tokenizer")
+        prompts = options.get("prompts") or {}
+        if prompt is not None:
+            items = [prompts.get(prompt, prompt) + t for t in items]
+        if not items:
+            return []
+        encoded = tokenizer(items, padding=False, truncation=True, max_length=limit, return_tensors=None)
+        return encoded["input_ids"]
