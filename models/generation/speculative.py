@@ -29,7 +29,7 @@ from torch import Tensor
 from ..core import stack
 from ..core.base import ZooModel
 from . import steps  # steps.CACHE_CHUNK is read at call time (tests patch it)
-from .compiled import bucket_buffers, bucket_length, compile_step, next_token_logits
+from .compiled import bucket_buffers, compile_step, first_bucket, grown_bucket, next_token_logits, release_buffers
 from .requests import CONFIG_DEFAULT, LMRequest, check_compilable, check_count, check_flag, lm_request
 from .sampling import SamplingParams, nan_rows, raise_nan_logits
 from .steps import eval_mode, make_room
@@ -160,16 +160,17 @@ class _CompiledDraft:
 
     The prompt is prefilled eagerly (its logits serve the first proposal); every later token runs the compiled
     step over the draft's bucket cache, whose write slot and visible-slot mask are moved in place, so one graph
-    serves every step, round and call. Rolling back hides the dropped slots in the mask; they are overwritten
-    when written again.
+    serves every step, round and call of a bucket. Rolling back hides the dropped slots in the mask; they are
+    overwritten when written again. The bucket starts with room for the prompt and ``steps.CACHE_CHUNK`` new tokens
+    and doubles when full (``compiled.grown_bucket``), so memory follows the tokens drafted, not ``limit``.
     """
 
     def __init__(self, draft: Any, ids: Tensor, length: int, limit: int) -> None:
-        self.draft, self.ids = draft, ids
+        self.draft, self.ids, self.limit = draft, ids, limit
         prefill = stack.new_caches(len(draft.layers), length)
         self.pending: Tensor | None = draft(ids[:, :length], cache=prefill, logits_to_keep=1).logits[:, -1]
-        bucket = bucket_length(limit, draft.positional.max_positions)
-        self.caches, self.mask, self.index = bucket_buffers(draft, prefill, 1, bucket, weakref.ref(self))
+        self.bucket = first_bucket(limit, length, draft.positional.max_positions)
+        self.caches, self.mask, self.index = bucket_buffers(draft, prefill, 1, self.bucket, weakref.ref(self))
         self.mask.zero_()
         self.mask[:, :length] = True
         self.filled = length
@@ -185,6 +186,8 @@ class _CompiledDraft:
         logits = None
         while self.filled < end:
             pos = self.filled
+            if pos == self.bucket:
+                self._grow()
             self.mask[:, pos] = True  # the new token's slot: visible from now on, and this step's write index
             self.index.fill_(pos)
             self.token.copy_(self.ids[:, pos : pos + 1])
@@ -195,6 +198,18 @@ class _CompiledDraft:
             self.filled += 1
         # Used before the next step runs (CUDA graphs overwrite their output buffer at the next replay).
         return logits
+
+    def _grow(self) -> None:
+        """Move the ``filled`` slots to the next bucket (its graph compiles at its first step)."""
+        old_caches, old_mask = self.caches, self.mask
+        self.bucket = grown_bucket(self.bucket, self.limit, self.draft.positional.max_positions)
+        self.caches, self.mask, self.index = bucket_buffers(
+            self.draft, old_caches, 1, self.bucket, weakref.ref(self), self.filled
+        )
+        self.mask.zero_()
+        self.mask[:, : self.filled] = old_mask[:, : self.filled]
+        release_buffers(self.draft, old_caches)
+        self.checked = False  # new shapes: the next call checks every guard
 
     def rollback(self, n: int) -> None:
         if n < self.filled:

@@ -10,6 +10,8 @@ from scipy import stats
 from torch._dynamo.utils import counters
 
 import models.generation.compiled as compiled
+import models.generation.steps as steps
+from blocks.kv_cache import BucketKVCache
 from models import DecoderLM, DecoderLMConfig
 from models.generation.sampling import SamplingParams
 from models.generation.speculative import speculative_decode, verify_draft
@@ -208,6 +210,51 @@ def test_compiled_draft_keeps_greedy_identity_with_one_graph(graph_backend: None
     sampled = speculative_decode(target, draft, prompt, 23, 3, eos_token_id=None, compile=True,
                                  sampling=SamplingParams(do_sample=True), generator=torch.Generator().manual_seed(0))
     assert sampled.sequences.shape == (1, 5 + 23) and sampled.proposed > 0
+
+
+@pytest.fixture
+def bucket_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of every compiled bucket cache created while the test runs."""
+    sizes: list[int] = []
+    init = BucketKVCache.__init__
+
+    def recording_init(self: BucketKVCache, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+        sizes.append(k.shape[2])
+        init(self, k, v, index)
+
+    monkeypatch.setattr(BucketKVCache, "__init__", recording_init)
+    return sizes
+
+
+def test_compiled_draft_grows_its_bucket_with_the_same_proposals(
+    graph_backend: None, bucket_sizes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Room for one new token at first and buckets from 8: the draft's cache moves 8 -> 16 -> 32 mid-round, with
+    # rollbacks on either side of each move.
+    monkeypatch.setattr(steps, "CACHE_CHUNK", 1)
+    monkeypatch.setattr(compiled, "MIN_BUCKET", 8)
+    target = decoder(0, positional="rotary")
+    draft = perturbed(target, 0.3)
+    prompt = torch.randint(4, 40, (1, 5), generator=torch.Generator().manual_seed(3))
+    plain = target.generate(prompt, max_new_tokens=23, eos_token_id=None)
+    fast = speculative_decode(target, draft, prompt, 23, 3, eos_token_id=None, compile=True)
+    eager = speculative_decode(target, draft, prompt, 23, 3, eos_token_id=None)
+    assert torch.equal(fast.sequences, plain)
+    assert (fast.proposed, fast.accepted) == (eager.proposed, eager.accepted) and 0 < fast.accepted < fast.proposed
+    assert sorted(set(bucket_sizes)) == [8, 16, 32]
+    assert counters["stats"]["unique_graphs"] == 3  # one graph per bucket
+
+
+def test_compiled_draft_with_huge_max_new_tokens_allocates_the_first_bucket_only(
+    graph_backend: None, bucket_sizes: list[int]
+) -> None:
+    target = decoder(0, positional="rotary")
+    prompt = torch.tensor([[7, 8, 9]])
+    eos = int(target.generate(prompt, max_new_tokens=1, eos_token_id=None)[0, -1])
+    out = speculative_decode(target, perturbed(target, 0.1), prompt, 2**21, 3, eos_token_id=eos, compile=True)
+    assert out.sequences.tolist() == [[7, 8, 9, eos]]
+    # The draft's bucket: the prompt and CACHE_CHUNK = 256 new tokens, rounded up (it was 2**21 + 3 slots).
+    assert steps.CACHE_CHUNK == 256 and bucket_sizes == [512] * 2  # one per draft layer
 
 
 def test_bad_compile_request_raises() -> None:
