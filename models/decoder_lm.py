@@ -151,6 +151,12 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, PersistenceMixin, Adapt
                            logits_to_keep=0 if self.has_task_head else 1)
         return out.hidden_states[-1]
 
+    def save_gguf(self, path: Any, dtype: str = "F32", **options: Any) -> Any:
+        """Write this model (and ``self.tokenizer``) as a GGUF file llama.cpp runs; see ``models.gguf_export``."""
+        from .gguf_export import save_gguf
+
+        return save_gguf(self, path, dtype, **options)
+
     def forward(
         self,
         input_ids: Tensor,

@@ -17,6 +17,7 @@ needs only ``tokenizers``; reading the file is ``models.gguf``'s job.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, normalizers, processors
 from tokenizers import Tokenizer as Backend
 
-from .gguf_pretokenizers import pre_tokenizer_for
+from .gguf_pretokenizers import pre_name_of, pre_tokenizer_for
 from .tokenizer import Tokenizer
 
 # llama.cpp's token types (``llama_token_type``): which tokens are matched whole in the text.
@@ -54,13 +55,15 @@ class GGUFTokenizer(Tokenizer):
         add_bos_token, add_eos_token: whether encoding adds BOS / EOS (the post-processor does it).
         special_ids: further special-token ids the file names (``eot``, ``eom``, ``sep``, ``fim_*`` ...).
         model, pre: ``tokenizer.ggml.model`` and ``tokenizer.ggml.pre`` (None where the file has none).
+        metadata: every ``tokenizer.*`` key of the file (what ``save_gguf`` writes back).
     """
 
     def __init__(self, backend: Backend, special_tokens: Mapping[str, str | None] | None = None, *,
                  chat_template: str | None = None, add_bos_token: bool = False, add_eos_token: bool = False,
                  special_ids: Mapping[str, int] | None = None, model: str | None = None,
-                 pre: str | None = None) -> None:
+                 pre: str | None = None, metadata: Mapping[str, Any] | None = None) -> None:
         super().__init__(backend, special_tokens)
+        self.metadata = dict(metadata or {})
         self.chat_template, self.model, self.pre = chat_template, model, pre
         self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
         self.special_ids = dict(special_ids or {})
@@ -166,7 +169,8 @@ def _extras(metadata: Mapping[str, Any], size: int, add_bos: bool, add_eos: bool
         special_ids[name] = value
     return {"chat_template": template, "add_bos_token": add_bos, "add_eos_token": add_eos,
             "special_ids": special_ids, "model": metadata.get("tokenizer.ggml.model"),
-            "pre": metadata.get("tokenizer.ggml.pre")}
+            "pre": metadata.get("tokenizer.ggml.pre"),
+            "metadata": {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}}
 
 
 def _roles(metadata: Mapping[str, Any], tokens: Sequence[str]) -> dict[str, str | None]:
@@ -296,3 +300,54 @@ def _template(tokens: Sequence[str], metadata: Mapping[str, Any], add_bos: bool,
         pair=" ".join([*head, "$A:0", *tail, *head, "$B:1", *tail]),
         special_tokens=sorted({s for s in (bos, eos) if s is not None}),
     )
+
+
+def tokenizer_to_gguf(tokenizer: Tokenizer) -> dict[str, Any]:
+    """The ``tokenizer.*`` metadata llama.cpp reads for ``tokenizer``: the inverse of ``tokenizer_from_gguf``.
+
+    A ``GGUFTokenizer`` gives back the metadata it was read from. Any other tokenizer must be a byte-level BPE
+    (``tokenizers``' ``BPE`` model behind a ``ByteLevel`` pre-tokenizer, no normalizer) whose pre-tokenizer is one
+    of llama.cpp's (``tokenization.gguf_pretokenizers.pre_name_of``): its tokens (by id), merges, token types
+    (control for special tokens, user-defined for other added tokens), role ids and whether encoding adds BOS/EOS.
+
+    Raises:
+        ValueError: a tokenizer llama.cpp cannot run as it is (another model, a normalizer, an unknown
+            pre-tokenizer), naming what.
+    """
+    if isinstance(tokenizer, GGUFTokenizer) and tokenizer.metadata:
+        return dict(tokenizer.metadata)
+    if not isinstance(tokenizer, Tokenizer):
+        raise ValueError(f"tokenizer must be a tokenization.Tokenizer, got {type(tokenizer).__name__}")
+    backend = tokenizer.backend
+    state = json.loads(backend.to_str())
+    model = state["model"]
+    if model.get("type") != "BPE" or backend.normalizer is not None:
+        raise ValueError(f"only a byte-level BPE tokenizer without a normalizer can be written to GGUF; this one has "
+                         f"model {model.get('type')!r} and normalizer {state.get('normalizer')!r}")
+    pre = pre_name_of(backend.pre_tokenizer)
+    if pre is None:
+        raise ValueError(f"the tokenizer's pre-tokenizer {state.get('pre_tokenizer')} is none of llama.cpp's; "
+                         "a GGUF file could not name it in tokenizer.ggml.pre")
+    vocab = backend.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    if [vocab[t] for t in tokens] != list(range(len(tokens))):
+        raise ValueError("the tokenizer's ids are not 0 ... n-1 without gaps, as a GGUF token list needs")
+    added = {a["content"]: a["special"] for a in state.get("added_tokens", [])}
+    types = [(_CONTROL if added[t] else _USER_DEFINED) if t in added else 1 for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    with_specials = backend.encode("a").ids
+    plain = backend.encode("a", add_special_tokens=False).ids
+    out: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.add_bos_token": with_specials[:1] != plain[:1],
+        "tokenizer.ggml.add_eos_token": with_specials[-1:] != plain[-1:],
+    }
+    for role, key in _ROLE_KEYS.items():
+        token = tokenizer.special_tokens.get(role)
+        if token is not None:
+            out[key] = vocab[token]
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        out["tokenizer.chat_template"] = template
+    return out

@@ -21,9 +21,10 @@ BPE over raw UTF-8; ``whitespace``) are not in the table, so a vocabulary naming
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from tokenizers import Regex, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 # --- the patterns (``tokenizer.json`` spelling where llama.cpp records it). Compatibility code points that Unicode
 # normalization would fold (U+F900, U+1F7D, U+212A ...) are written as escapes so that no editor changes them.
@@ -178,3 +179,44 @@ def pre_tokenizer_for(pre: str | None) -> PreTokenizer:
                          f"expected one of llama.cpp's {len(PRE_TOKENIZERS)} pre-tokenizer names, e.g. "
                          f"{sorted(PRE_TOKENIZERS)[:8]}")
     return PRE_TOKENIZERS[pre]
+
+
+# The names written for a pre-tokenizer that several names share (the ones llama.cpp's converter writes).
+_PREFERRED = ("gpt-2", "llama-bpe", "qwen2", "smollm", "tekken", "gpt-4o", "deepseek-v3", "dbrx")
+
+
+def _signature(pre_tokenizer: pre_tokenizers.PreTokenizer | None) -> tuple:
+    """What a pre-tokenizer does, from its JSON: the steps in order, ignoring offset-only options."""
+    probe = Tokenizer(models.BPE())
+    probe.pre_tokenizer = pre_tokenizer
+    state = json.loads(probe.to_str())["pre_tokenizer"]
+    steps = state.get("pretokenizers", [state]) if state else []
+    out = []
+    for step in steps:
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            out.append((kind, step.get("add_prefix_space"), step.get("use_regex")))
+        elif kind == "Split":
+            pattern = json.dumps(step.get("pattern"), sort_keys=True)
+            out.append((kind, pattern, step.get("behavior"), step.get("invert")))
+        elif kind == "Digits":
+            out.append((kind, step.get("individual_digits")))
+        else:
+            out.append((kind, json.dumps(step, sort_keys=True)))
+    return tuple(out)
+
+
+def pre_name_of(pre_tokenizer: pre_tokenizers.PreTokenizer | None) -> str | None:
+    """The ``tokenizer.ggml.pre`` value under which llama.cpp splits as ``pre_tokenizer`` does, or None.
+
+    Recognised: every table entry as ``PreTokenizer.build`` makes it, GPT-2's ``ByteLevel(use_regex=True)``
+    (``gpt-2``) and SmolLM's individual ``Digits`` before it (``smollm``).
+    """
+    signature = _signature(pre_tokenizer)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if signature == _signature(byte_level):
+        return "gpt-2"
+    if signature == _signature(pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])):
+        return "smollm"
+    names = [*_PREFERRED, *(n for n in PRE_TOKENIZERS if n not in _PREFERRED)]
+    return next((name for name in names if _signature(PRE_TOKENIZERS[name].build()) == signature), None)

@@ -39,15 +39,15 @@ QUANT = {"llama": Q.Q8_0, "mistral": Q.Q4_0, "qwen2": Q.Q4_1, "qwen3": Q.Q5_0, "
          "gpt2": Q.BF16}
 
 
-def tiny(family: str) -> transformers.PreTrainedModel:
+def tiny(family: str, vocab_size: int = 160) -> transformers.PreTrainedModel:
     config_class, extra = FAMILIES[family]
     torch.manual_seed(0)
     if family == "gpt2":
         # transformers' GGUF loader reads neither n_inner nor n_positions (GPT2Config's defaults: 4 x n_embd, 1024)
-        config = config_class(vocab_size=160, n_embd=64, n_layer=2, n_head=4, layer_norm_epsilon=1e-4,
+        config = config_class(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, layer_norm_epsilon=1e-4,
                               tie_word_embeddings=False)
     else:
-        config = config_class(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        config = config_class(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48,
                               rms_norm_eps=1e-5, tie_word_embeddings=family == "gemma2", **extra)
         config.rope_parameters = {"rope_type": "default", "rope_theta": 5000.0}
