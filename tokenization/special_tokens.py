@@ -64,8 +64,9 @@ def roles_from_config(tokenizer_file: Path) -> dict[str, str]:
         return {}
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError; nesting beyond the
+        # interpreter's recursion limit (~1,000 levels; the parser stops there without allocating more)
+        raise ValueError(f"{config_path} is not valid JSON: {type(err).__name__}: {err}") from err
     roles: dict[str, str] = {}
     for role in ROLES:
         value: Any = config.get(f"{role}_token") if isinstance(config, dict) else None

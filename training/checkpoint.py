@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from models.checkpoints import atomic
 from models.checkpoints.atomic import fsync
+from models.checkpoints.files import read_json
 from models.checkpoints.paths import confined
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint is imported when used: it takes seconds to import
@@ -303,11 +304,11 @@ def verify_manifest(folder: Path) -> list[str]:
     """
     path = folder / MANIFEST_NAME
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = read_json(path)  # depth-limited (MAX_JSON_DEPTH) before parsing
     except FileNotFoundError:
         return [f"{path} is missing (not a checkpoint folder, a checkpoint of another version, or an unfinished one)"]
-    except (ValueError, RecursionError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        return [f"{path} is damaged: {type(err).__name__}: {err}"]
+    except ValueError as err:  # not UTF-8, not JSON, not an object, nested too deeply
+        return [f"{path} is damaged: {err}"]
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or manifest.get("format_version") != FORMAT_VERSION:
         return [f"{path} is not a manifest of format {FORMAT_VERSION}: expected an object with format_version "

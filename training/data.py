@@ -111,8 +111,8 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> list[str]:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number} is not valid JSON: {err}") from err
+            except (json.JSONDecodeError, RecursionError) as err:  # RecursionError: nested too deeply
+                raise ValueError(f"{path}:{number} is not valid JSON: {type(err).__name__}: {err}") from err
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ValueError(f"{path}:{number} has no string field {text_field!r}")
             docs.append(record[text_field])

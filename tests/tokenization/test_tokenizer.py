@@ -296,3 +296,12 @@ def test_bad_input_is_rejected_before_training(tmp_path, trained: dict[str, Toke
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a valid tokenizer.json"):
         Tokenizer.from_file(tmp_path / "bad.json")
+
+
+def test_a_tokenizer_config_nested_too_deeply_is_a_value_error_naming_it(trained: dict[str, Tokenizer],
+                                                                         tmp_path) -> None:
+    trained["bpe"].backend.save(str(tmp_path / "tokenizer.json"))
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text('{"bos_token": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match=rf"{config} is not valid JSON: RecursionError"):
+        Tokenizer.from_file(tmp_path / "tokenizer.json")

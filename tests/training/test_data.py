@@ -118,3 +118,10 @@ def test_held_out_sources_never_occur_in_training() -> None:
         SyntheticTask("sort", 10)
     with pytest.raises(ValueError, match="min_len"):
         SyntheticTask("copy", 10, min_len=5, max_len=2)
+
+
+def test_a_jsonl_line_nested_too_deeply_is_a_value_error_naming_the_line(tmp_path) -> None:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": "fine"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=rf"{path}:2 is not valid JSON: RecursionError"):
+        read_jsonl(path)

@@ -7,6 +7,7 @@ optimiser, scheduler, step, epoch, history and random state are compared with a 
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import json
 import math
@@ -26,11 +27,19 @@ from training import checkpoint as ckpt
 
 TINY = dict(vocab_size=40, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=32, dropout=0.0)
 OPENED: list[str] | None = None  # while a load runs: every path it opens (Python's "open" audit event)
+FAILING: dict | None = None  # {"path", "after", "seen"}: opens of "path" past the first "after" raise EIO
 
 
 def _record_opens(event: str, args: tuple) -> None:
-    if event == "open" and OPENED is not None and isinstance(args[0], (str, os.PathLike)):
-        OPENED.append(os.path.realpath(args[0]))
+    if event != "open" or not isinstance(args[0], (str, os.PathLike)):
+        return
+    path = os.path.realpath(args[0])
+    if OPENED is not None:
+        OPENED.append(path)
+    if FAILING is not None and path == FAILING["path"]:
+        FAILING["seen"] += 1
+        if FAILING["seen"] > FAILING["after"]:  # raised by every open (builtins, io, pathlib, os.open)
+            raise OSError(errno.EIO, "Input/output error", path)
 
 
 sys.addaudithook(_record_opens)
@@ -254,3 +263,21 @@ def test_a_failed_sharded_write_is_an_os_error_naming_the_folder(tmp_path) -> No
 ])
 def test_resume_refuses_a_changed_order_or_scheduler(folder, overrides, message) -> None:
     _refused(folder, ValueError, message, **overrides)
+
+
+def test_a_manifest_nested_too_deeply_is_refused_before_parsing(folder) -> None:
+    (folder / ckpt.MANIFEST_NAME).write_text('{"files": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    _refused(folder, ValueError, r"manifest.json nests JSON objects and arrays 100001 levels deep; expected at most 64")
+
+
+@pytest.mark.parametrize("victim", ["sharded/__0_0.distcp", ckpt.STATE_NAME])
+def test_an_io_error_while_restoring_is_an_oserror_and_changes_nothing(folder, victim: str) -> None:
+    # The manifest check reads every file first (and passes); the read that restores the file then fails (a bad
+    # sector, a network disk gone), after other parts of the checkpoint may have been read.
+    global FAILING
+    FAILING = {"path": os.path.realpath(folder / victim), "after": 1, "seen": 0}
+    try:
+        _refused(folder, OSError, "Input/output error")
+    finally:
+        seen, FAILING = FAILING["seen"], None
+    assert seen == 2  # hashed once, then the restoring read failed
