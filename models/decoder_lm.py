@@ -87,7 +87,7 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, PersistenceMixin, Adapt
     classification reads the last real token (``pooling="last"``), as ``transformers``' decoders do.
     """
 
-    default_pooling = "last"
+    default_pooling = classification_pooling = "last"
 
     config_class: ClassVar[type[TransformerConfig]] = DecoderLMConfig
     presets: ClassVar[dict[str, dict[str, Any]]] = {

@@ -32,12 +32,17 @@ class TaskHeadMixin:
 
     #: the pooling ``embed`` uses when the model has no ``embedding`` head.
     default_pooling = "mean"
+    #: the pooling of a ``sequence_classification`` head whose options name none.
+    classification_pooling = "cls"
 
     def build_task_head(self) -> nn.Module:
         """The configured task head (``config.head`` with ``config.options["head"]``)."""
         c = self.config
+        options = c.block_options("head")
+        if c.head == "sequence_classification":
+            options.setdefault("pooling", self.classification_pooling)
         return build_head(
-            c.head, c.block_options("head"), d_model=c.d_model, vocab_size=c.vocab_size,
+            c.head, options, d_model=c.d_model, vocab_size=c.vocab_size,
             make_norm=lambda: build_norm(c), bias=c.bias, dropout=c.dropout,
         )
 

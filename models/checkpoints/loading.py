@@ -38,6 +38,7 @@ from .files import (
 )
 from .hub import hub_download
 from .locate import checkpoint_files, locate
+from .new_head import with_head
 from .options import LoadOptions, ParsedOptions, parse_options
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,9 @@ def load_pretrained(
         if getattr(tokenizer, "mask_token_id", None) is not None:
             config = config.replace(mask_token_id=tokenizer.mask_token_id)
 
+    if opts.head is not None or opts.head_options:
+        config, state, allow_missing = with_head(cls, config, state, allow_missing, opts.head, opts.head_options,
+                                                 source)
     model = cls(config)
     if quantization is not None:
         # Give the fresh model the saved model's quantized layers, then load the int8 tensors into them.

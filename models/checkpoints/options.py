@@ -38,6 +38,11 @@ class LoadOptions(TypedDict, total=False):
         endpoint: Hub URL (default: ``HF_ENDPOINT`` or huggingface.co).
         gguf_file: a ``.gguf`` file inside the folder or Hub repo to load instead of its checkpoint (the first
             part of a split set brings the others).
+        head: give the model this registered head (``"sequence_classification"`` ...) instead of the checkpoint's;
+            weights the checkpoint lacks for it are initialised, with a warning naming them.
+        head_options: options of the head (``num_labels``, ``id2label``, ``pooling`` ...), merged over the
+            checkpoint's when the head stays the same.
+        num_labels / id2label: shorthands for those ``head_options``.
     """
 
     revision: str | None
@@ -47,6 +52,10 @@ class LoadOptions(TypedDict, total=False):
     token: str | bool | None
     endpoint: str | None
     gguf_file: str | None
+    head: str | None
+    head_options: dict[str, Any] | None
+    num_labels: int | None
+    id2label: dict[Any, str] | None
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,8 @@ class ParsedOptions:
     token: str | bool | None = None
     endpoint: str | None = None
     gguf_file: str | None = None
+    head: str | None = None
+    head_options: dict[str, Any] | None = None
 
 
 def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
@@ -68,7 +79,7 @@ def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise TypeError(f"from_pretrained() got unexpected keyword argument(s) {unknown}; it takes {known}")
-    for name in ("revision", "attention_backend", "endpoint", "gguf_file"):
+    for name in ("revision", "attention_backend", "endpoint", "gguf_file", "head"):
         value = options.get(name)
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{name} must be a string or None, got {type(value).__name__} {value!r}")
@@ -82,7 +93,18 @@ def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
     if gguf_file is not None and (not gguf_file.lower().endswith(".gguf") or gguf_file.startswith(("/", "\\"))
                                   or ".." in gguf_file.replace("\\", "/").split("/")):
         raise ValueError(f"gguf_file={gguf_file!r}: expected a relative path to a .gguf file inside the folder or repo")
+    head_options = options.get("head_options")
+    if head_options is not None and not isinstance(head_options, Mapping):
+        raise TypeError(f"head_options must be a dict of head options, got {type(head_options).__name__}")
+    head_options = dict(head_options or {})
+    for name in ("num_labels", "id2label"):
+        if options.get(name) is not None:
+            head_options[name] = options[name]
+    if options.get("head") is not None:
+        blocks.get("head", options["head"])  # fail before any download
     return ParsedOptions(
+        head=options.get("head"),
+        head_options=head_options or None,
         revision=options.get("revision"),
         device=parse_device(options.get("device")),
         dtype=parse_dtype(options.get("dtype")),

@@ -176,8 +176,9 @@ def _export_as(name: str, model: nn.Module, lm: nn.Module, own: Mapping[str, Ten
     head_options = c.block_options("head")
     tasks = [t for t in layout.classes if t.head == c.head]
     require(bool(tasks), f"no {c.head} class")
-    fitting = [t for t in tasks if all(fits(head_options.get(k, default_option(c.head, k)), v)
-                                       for k, v in t.requires.items())]
+    fitting = [t for t in tasks if all(
+        fits(head_options.get(k, getattr(model.head, k, default_option(c.head, k))), v) for k, v in t.requires.items()
+    )]
     require(bool(fitting), f"its {c.head} classes need options {[dict(t.requires) for t in tasks]}")
     task = fitting[0]
     hf_config, lm_state = blocks.get(EXPORTER_KIND, name)(lm)

@@ -1,0 +1,60 @@
+"""Loading a checkpoint with another head than it was saved with: ``from_pretrained(path, head=..., num_labels=...)``.
+
+``with_head`` gives the loaded config the requested head and options, drops the checkpoint's tensors of a head the
+model no longer has (or of another shape), and lists the new head's weights for initialisation with a warning that
+names them, as ``transformers`` warns when a base checkpoint gets a task head.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+#: the modules a model's head lives under (task heads, the MLM head, the LM projection).
+HEAD_MODULES = ("head.", "mlm_head.", "lm_head.")
+
+
+def with_head(
+    cls: type[nn.Module], config: Any, state: Mapping[str, Tensor], allow_missing: frozenset[str],
+    head: str | None, options: Mapping[str, Any] | None, source: str,
+) -> tuple[Any, dict[str, Tensor], frozenset[str]]:
+    """The config, state and allowed-missing names for loading ``state`` into ``cls`` with another head.
+
+    Args:
+        head: the registered head (None: the checkpoint's).
+        options: head options; merged over the checkpoint's when the head is the same.
+
+    Raises:
+        ValueError: a head or options the model class refuses (named by the config's validation).
+    """
+    if not hasattr(config, "head"):
+        raise ValueError(f"{cls.__name__} takes no head option; its head is fixed")
+    name = config.head if head is None else head
+    merged = dict(config.options.get("head", {})) if name == config.head else {}
+    merged.update(options or {})
+    block_options = {k: v for k, v in config.options.items() if k != "head"}
+    if merged:
+        block_options["head"] = merged
+    new_config = config.replace(head=name, options=block_options)
+    with torch.device("meta"):
+        expected = cls(new_config).state_dict()
+    kept, dropped = {}, []
+    for key, tensor in state.items():
+        if key.startswith(HEAD_MODULES) and (key not in expected or tuple(expected[key].shape) != tuple(tensor.shape)):
+            dropped.append(key)
+        else:
+            kept[key] = tensor
+    fresh = sorted(k for k in expected if k.startswith(HEAD_MODULES) and k not in kept)
+    if dropped:
+        warnings.warn(f"{source}: the {name!r} head does not use the checkpoint's {sorted(dropped)}", stacklevel=4)
+    if fresh:
+        warnings.warn(
+            f"Some weights of {cls.__name__} were not initialized from the checkpoint at {source} and are newly "
+            f"initialized: {fresh}; train the model on a down-stream task before using it for predictions",
+            stacklevel=4,
+        )
+    return new_config, kept, frozenset(allow_missing) | frozenset(fresh)
