@@ -63,7 +63,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write(path: Path, family: str, model, qtype: Q = Q.F32, parts: int = 1) -> Path:
+def write(path: Path, family: str, model, qtype: Q = Q.F32, parts: int = 1, drop: tuple[str, ...] = (),
+          add: tuple[tuple[str, np.ndarray], ...] = ()) -> Path:
     """llama.cpp's converter in brief: metadata under the architecture, tensors renamed by gguf's map."""
     arch = ARCH.get(family, family)
     c = model.config
@@ -88,7 +89,9 @@ def write(path: Path, family: str, model, qtype: Q = Q.F32, parts: int = 1) -> P
     # A split set as convert_hf_to_gguf --split-max-tensors writes it: the writer names the parts and adds split.*.
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=-(-len(tensors) // parts) if parts > 1 else 0)
     metadata(writer, family, arch, c)
-    for name, data in tensors:
+    for key in drop:  # metadata keys or tensors left out, for the tests of bad files
+        writer.kv_data[0].pop(key, None)
+    for name, data in [(n, d) for n, d in tensors if n not in drop] + list(add):
         if data.ndim == 2 and qtype != Q.F32 and "embd" not in name:
             writer.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
         else:
@@ -197,3 +200,37 @@ def test_split_set_reads_as_one_file(tmp_path, tiny_models):
 
 def test_architectures_listed():
     assert set(SUPPORTED_ARCHITECTURES) == {ARCH.get(f, f) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family, drop, add, message", [
+    ("qwen2", ("qwen2.block_count",), (), "no 'qwen2.block_count'"),
+    ("qwen2", ("blk.1.attn_k.bias",), (), r"qwen2 model .*missing \['blk.1.attn_k.bias'\]"),
+    ("qwen3", ("blk.0.attn_q_norm.weight",), (), r"missing \['blk.0.attn_q_norm.weight'\]"),
+    ("gemma2", (), (("output.weight", np.zeros((160, 64), np.float32)),), "gemma2 GGUF with its own output.weight"),
+    ("phi3", ("phi3.attention.head_count_kv",), (), r"head_count \+ 2 x head_count_kv=12 .*attn_qkv"),
+    ("gpt2", (), (("blk.2.attn_norm.weight", np.ones(64, np.float32)),), r"block_count=2.*blocks \['0', '1', '2'\]"),
+    ("llama", (), (("blk.0.attn_q.bias", np.ones(64, np.float32)),), r"only some of the biases.*attention_bias"),
+])
+def test_family_files_that_lie_are_refused_by_name(tmp_path, tiny_models, family, drop, add, message):
+    path = write(tmp_path / "bad.gguf", family, tiny_models[family], drop=drop, add=add)
+    with pytest.raises(ValueError, match=message):
+        read_gguf(path)
+
+
+def test_split_sets_that_lie_are_refused(tmp_path, tiny_models):
+    first = write(tmp_path / "s.gguf", "llama", tiny_models["llama"], parts=2)
+    second = tmp_path / "s-00002-of-00002.gguf"
+    # the second part re-stores a tensor of the first
+    reader = gguf.GGUFReader(str(first))
+    writer = gguf.GGUFWriter(str(second), "llama")
+    writer.add_uint16("split.no", 1)
+    writer.add_uint16("split.count", 2)
+    writer.add_int32("split.tensors.count", len(reader.tensors) + 1)
+    for t in [*reader.tensors, reader.tensors[0]][-2:]:
+        writer.add_tensor(t.name, np.array(t.data, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="is stored in both"):
+        read_gguf(first)
