@@ -6,21 +6,14 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from huggingface_hub import (
-    CommitOperationAdd,
-    HfApi,
-    constants,
-    get_hf_file_metadata,
-    hf_hub_download,
-    hf_hub_url,
-    try_to_load_from_cache,
-)
+from huggingface_hub import CommitOperationAdd, HfApi, constants, get_session, hf_hub_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
@@ -63,9 +56,9 @@ def hub_download(
     Returns:
         The cached file's path.
 
-    Before ``huggingface_hub`` writes anything, the file's metadata is asked for and checked (``check_metadata``):
-    the cache names files after the server's ETag and commit id, so a hostile server could otherwise make it
-    write outside the cache.
+    The cache names files after the ETag and commit id the server sends, so a hostile server could otherwise make
+    ``huggingface_hub`` write outside the cache: the metadata answers it receives are checked as they arrive, before
+    it reads them (``check_metadata``), and the revision before anything is asked.
 
     Raises:
         ValueError: the server sent an ETag or commit id that is not hex, or ``revision`` would name a cache
@@ -79,11 +72,11 @@ def hub_download(
     wait = HUB_RETRY_WAIT_S
     for attempt in range(HUB_RETRIES + 1):
         try:
-            check_metadata(repo_id, filename, revision=revision, token=token, endpoint=endpoint)
-            return Path(hf_hub_download(
-                repo_id, filename, revision=revision, token=token, endpoint=endpoint,
-                library_name=LIBRARY_NAME, library_version=library_version(),
-            ))
+            with checked_metadata(repo_id, filename, revision):
+                return Path(hf_hub_download(
+                    repo_id, filename, revision=revision, token=token, endpoint=endpoint,
+                    library_name=LIBRARY_NAME, library_version=library_version(),
+                ))
         except LocalEntryNotFoundError as e:
             # The metadata request failed even after huggingface_hub's own retries: say why, when the Hub said.
             if isinstance(e.__cause__, HfHubHTTPError) and e.__cause__.response is not None:
@@ -109,45 +102,59 @@ def hub_download(
     raise AssertionError("unreachable")
 
 
-def check_metadata(
-    repo_id: str, filename: str, *, revision: str, token: str | bool | None = None, endpoint: str | None = None
-) -> None:
-    """Check what ``huggingface_hub`` would name cache files after, before it writes any: the revision (a
-    branch or tag is written as ``refs/<revision>``), and the ETag and ``X-Repo-Commit`` that the server sends for
-    the file (the blob is ``blobs/<etag>``, a missing file is recorded as ``.no_exist/<commit>/<filename>``).
+# What the current thread is downloading (``checked_metadata``); the response hook checks only those answers.
+_DOWNLOADING = threading.local()
 
-    Nothing is asked when the file is already cached at a commit or the Hub is offline (``hf_hub_download`` then
-    sends nothing either). A request that fails is left for ``hf_hub_download`` to repeat and report (or to
-    answer from the cache).
+
+@contextmanager
+def checked_metadata(repo_id: str, filename: str, revision: str) -> Iterator[None]:
+    """Check the revision, then, while the block runs, every metadata answer (``HEAD .../resolve/...``) that
+    ``huggingface_hub``'s HTTP session receives on this thread (``check_metadata``), before ``huggingface_hub``
+    reads it. The check sits on the very answer the cache is named after: a server cannot pass a check with one
+    answer and send another to the download.
 
     Raises:
-        ValueError: an ETag that is not a sha1 or sha256 in hex, a commit id that is not a sha1 in hex, or a
-            revision that leads out of the cache's ``refs`` folder (each quoted, with the file it came with).
+        ValueError: a revision that leads out of the cache's ``refs`` folder (a branch or tag is written as
+            ``refs/<revision>``); inside the block, as ``check_metadata``.
     """
     what = f"downloading {filename!r} of {repo_id!r} at revision {revision!r}"
     storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
     if not is_commit_sha(revision):
         confined(storage / "refs", revision, f"{what}: the revision")
-    if constants.is_offline_mode() or (is_commit_sha(revision) and isinstance(
-        try_to_load_from_cache(repo_id, filename, revision=revision), str
-    )):
-        return
-    url = hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint)
+    session = get_session()  # huggingface_hub's shared client (made again after close_session/set_client_factory)
+    hooks = session.event_hooks
+    if check_metadata not in hooks["response"]:
+        hooks["response"].append(check_metadata)
+        session.event_hooks = hooks
+    outer = getattr(_DOWNLOADING, "what", None)
+    _DOWNLOADING.what = what
     try:
-        metadata = get_hf_file_metadata(
-            url, token=token, endpoint=endpoint, library_name=LIBRARY_NAME, library_version=library_version()
-        )
-    except HfHubHTTPError as e:  # a missing file's answer still names the commit (huggingface_hub records it)
-        commit = e.response.headers.get(constants.HUGGINGFACE_HEADER_X_REPO_COMMIT) if e.response is not None else None
-        if commit is not None:
-            check_commit(commit, f"{what} (the X-Repo-Commit header)")
+        yield
+    finally:
+        _DOWNLOADING.what = outer
+
+
+def check_metadata(response: Any) -> None:
+    """A response hook on ``huggingface_hub``'s session: on a thread inside ``checked_metadata``, an answer to a
+    metadata request (``HEAD`` of a ``/resolve/`` URL, error answers included) must carry an ETag and
+    ``X-Linked-Etag`` that are sha1 or sha256 in hex and an ``X-Repo-Commit`` that is a sha1 in hex, where present:
+    the blob is ``blobs/<etag>``, the snapshot ``snapshots/<commit>/``, a missing file ``.no_exist/<commit>/``.
+    Other answers (the download itself, possibly from a CDN with ETags of its own) are not looked at.
+
+    Raises:
+        ValueError: a bad value, quoted, with the header and the file it came with.
+    """
+    what = getattr(_DOWNLOADING, "what", None)
+    request = response.request
+    if what is None or request.method != "HEAD" or "/resolve/" not in request.url.path:
         return
-    except Exception:  # noqa: BLE001 - a network failure: hf_hub_download repeats the request and reports it
-        return
-    if metadata.commit_hash is not None:
-        check_commit(metadata.commit_hash, f"{what} (the X-Repo-Commit header)")
-    if metadata.etag is not None:
-        check_etag(metadata.etag, f"{what} (the ETag header)")
+    headers = response.headers
+    commit = headers.get(constants.HUGGINGFACE_HEADER_X_REPO_COMMIT)
+    if commit is not None:
+        check_commit(commit, f"{what} (the X-Repo-Commit header)")
+    for header in (constants.HUGGINGFACE_HEADER_X_LINKED_ETAG, "ETag"):
+        if headers.get(header) is not None:
+            check_etag(headers[header], f"{what} (the {header} header)")
 
 
 def check_push_arguments(repo_id: str, private: bool, revision: str | None) -> None:

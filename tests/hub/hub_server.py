@@ -111,7 +111,7 @@ class HubServer:
         self.repos: dict[tuple[str, str], Repo] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self.faults: list[Fault] = []
-        self.forged: list[tuple[str, dict[str, str]]] = []  # (path part, headers) from ``forge``
+        self.forged: list[list] = []  # [path part, headers, answers left honest] from ``forge``
         self.lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._httpd.hub = self  # type: ignore[attr-defined]
@@ -153,11 +153,12 @@ class HubServer:
             self.faults.append(fault)
         return fault
 
-    def forge(self, path_part: str, headers: dict[str, str]) -> None:
+    def forge(self, path_part: str, headers: dict[str, str], after: int = 0) -> None:
         """Send ``headers`` (replacing the real ones) with every answer, error or not, to a request whose path has
-        ``path_part`` in it, as a hostile or broken server would: e.g. ``{"ETag": '"../../x"'}``."""
+        ``path_part`` in it, as a hostile or broken server would: e.g. ``{"ETag": '"../../x"'}``. The first
+        ``after`` such answers stay honest (a server that passes a check, then lies)."""
         with self.lock:
-            self.forged.append((path_part, dict(headers)))
+            self.forged.append([path_part, dict(headers), after])
 
     def count(self, method: str, path_part: str) -> int:
         """How many requests with ``method`` had ``path_part`` in their path."""
@@ -207,9 +208,13 @@ class _Handler(BaseHTTPRequestHandler):
                 if e.code:
                     headers["X-Error-Code"] = e.code
                 payload = {"error": e.message, **e.body}
-            for path_part, forged in self.hub.forged:
+            for entry in self.hub.forged:
+                path_part, forged, honest = entry
                 if path_part in url.path:
-                    headers = {**headers, **forged}
+                    if honest:
+                        entry[2] -= 1
+                    else:
+                        headers = {**headers, **forged}
         if isinstance(payload, (dict, list)):
             data = json.dumps(payload).encode()
             headers.setdefault("Content-Type", "application/json")

@@ -44,11 +44,26 @@ def test_hostile_hub_metadata_is_refused_before_anything_is_written(
     before = outside_hf_home(tmp_path)
     hub.forge(path_part, {header: value})
     kind = "commit id" if header == "X-Repo-Commit" else "ETag"
-    with pytest.raises(ValueError, match=f"the server sent the {kind} '.*escaped'") as err:
+    with pytest.raises(ValueError, match=f"the server sent the {kind} '.*escaped\"?'") as err:
         DecoderLM.from_pretrained("tester/x")
     assert path_part.strip("/") in str(err.value) and "tester/x" in str(err.value)
     assert outside_hf_home(tmp_path) == before
     assert not list((tmp_path / "hf_home").rglob(path_part.strip("/")))  # the refused file never landed
+
+
+def test_a_server_honest_to_the_first_request_and_hostile_after_cannot_write_outside(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    # A separate check request would pass and leave huggingface_hub's own metadata request to carry the hostile
+    # ETag: the answer huggingface_hub names the blob after must be the one checked.
+    model = tiny()
+    model.push_to_hub("tester/x")
+    before = outside_hf_home(tmp_path)
+    hub.forge("/model.safetensors", {"ETag": f'"{ESCAPE}"'}, after=1)
+    loaded = DecoderLM.from_pretrained("tester/x")  # the one metadata answer was honest; the GET's ETag is unused
+    assert all(torch.equal(t, loaded.state_dict()[name]) for name, t in model.state_dict().items())
+    assert outside_hf_home(tmp_path) == before
+    assert (hub.count("HEAD", "/model.safetensors"), hub.count("GET", "/model.safetensors")) == (1, 1)
 
 
 def test_a_revision_leading_out_of_the_cache_is_refused(hub: HubServer, tmp_path: Path) -> None:
@@ -66,6 +81,6 @@ def test_honest_metadata_still_loads_and_cached_files_are_not_asked_for_again(hu
     loaded = DecoderLM.from_pretrained("tester/x")
     assert all(torch.equal(t, loaded.state_dict()[name]) for name, t in model.state_dict().items())
     asked = hub.count("HEAD", "/model.safetensors"), hub.count("GET", "/model.safetensors")
-    assert asked == (2, 1)  # the check, then huggingface_hub's own request and the download
+    assert asked == (1, 1)  # one metadata request, checked as it arrives, and the download
     DecoderLM.from_pretrained("tester/x")  # config.json at main is asked for again; the weights come from the cache
     assert (hub.count("HEAD", "/model.safetensors"), hub.count("GET", "/model.safetensors")) == asked
