@@ -196,3 +196,40 @@ def test_template_processor_adds_eos_when_asked(tmp_path):
                                           add_eos_token=True))
     assert zoo.encode("hi") == [*tok.encode("hi").ids, tok.token_to_id("<|eos|>")]
     assert isinstance(zoo.backend.post_processor, processors.TemplateProcessing)
+
+
+def test_sentencepiece_vocabulary_with_byte_fallback(tmp_path):
+    """SPM (tokenizer.ggml.model = llama): a SentencePiece BPE model with byte fallback, written as llama.cpp's
+    converter writes it (pieces, scores, token types), gives the ids of SentencePiece itself (with BOS)."""
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(t.replace("<|bos|>", "").replace("<|eot|>", "").replace("<|eos|>", "")
+                                for t in CORPUS if t))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=400,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0,
+                                   add_dummy_prefix=True, remove_extra_whitespaces=False, minloglevel=2,
+                                   normalization_rule_name="identity")  # as Llama's; llama.cpp normalizes nothing
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    kinds = [1 if sp.is_unknown(i) is False and not sp.is_control(i) and not sp.is_byte(i) else
+             2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 for i in range(sp.get_piece_size())]
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
+    writer.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
+    writer.add_token_types(kinds)
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    zoo = read_gguf_tokenizer(tmp_path / "spm.gguf")
+    texts = [t.replace("<|bos|>", "").replace("<|eot|>", "").replace("<|eos|>", "") for t in TEXTS]
+    for text in [*texts, "控制 ☃ unseen 𝔘 bytes"]:
+        assert zoo.encode(text) == [sp.bos_id(), *sp.encode(text)], text
+    assert any(sp.is_byte(i) for i in zoo.encode("𝔘☃"))  # pieces the vocabulary lacks fell back to bytes
