@@ -22,7 +22,7 @@ from importlinter.contracts.independence import IndependenceContract
 from importlinter.contracts.layers import LayersContract
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("blocks", "tokenization", "models", "training", "benchmarks")
+PACKAGES = ("blocks", "tokenization", "models", "training", "serving", "benchmarks")
 CONTRACT_TYPES = {
     cls.type_name: cls for cls in (LayersContract, ForbiddenContract, IndependenceContract, AcyclicSiblingsContract)
 }
@@ -173,7 +173,7 @@ def test_the_private_import_check_sees_them(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("package", ["blocks", "models", "training"])
+@pytest.mark.parametrize("package", ["blocks", "models", "training", "serving"])
 def test_modules_stay_small(package: str) -> None:
     long = {
         str(p.relative_to(ROOT)): n
@@ -185,8 +185,8 @@ def test_modules_stay_small(package: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- the README's names
 README = (ROOT / "README.md").read_text()
-DOTTED = re.compile(r"`((?:models|blocks|training|tokenization)(?:\.[A-Za-z_]\w*)+)")
-FROM_IMPORT = re.compile(r"^\s*from ((?:models|blocks|training|tokenization)[\w.]*) import ([\w, ]+)", re.M)
+DOTTED = re.compile(r"`((?:models|blocks|training|serving|tokenization)(?:\.[A-Za-z_]\w*)+)")
+FROM_IMPORT = re.compile(r"^\s*from ((?:models|blocks|training|serving|tokenization)[\w.]*) import ([\w, ]+)", re.M)
 
 
 def documented_names() -> list[str]:
