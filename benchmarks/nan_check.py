@@ -3,10 +3,10 @@
     python -m benchmarks.nan_check            # GPT-2-shape decoder (6 x 512, vocabulary 8192), eager and compiled
     python -m benchmarks.nan_check --quick    # tiny shapes: checks that the script runs
 
-``generate`` refuses to choose tokens from NaN logits (``models.generation.sampling.nan_rows``, called by
-``models.generation.steps.token_loop``); on the CPU it looks at every step's logits before choosing. The
-reference is the same loop with ``nan_rows`` replaced by a function returning "no NaN", in the same run, on the
-same model, interleaved A B A B, medians of ``--repeats`` runs.
+``generate`` refuses to choose tokens from NaN logits (``models.generation.sampling.has_nan`` and ``nan_rows``,
+called by ``models.generation.steps.token_loop``); on the CPU it looks at every step's logits before choosing. The
+reference is the same loop with both replaced by functions answering "no NaN", in the same run, on the same model,
+interleaved A B A B, medians of ``--repeats`` runs.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ def no_nan_rows(logits: torch.Tensor, live: torch.Tensor | None = None) -> torch
     return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
 
 
+def no_nan(logits: torch.Tensor) -> bool:
+    return False
+
+
 def timed(run: Callable[[], object]) -> float:
     start = time.perf_counter()
     run()
@@ -39,17 +43,17 @@ def measure(model: torch.nn.Module, batch: int, tokens: int, compile: bool, repe
     def run() -> object:
         return model.generate(prompt, max_new_tokens=tokens, eos_token_id=None, compile=compile)
 
-    real = steps.nan_rows
+    real = steps.nan_rows, steps.has_nan
     run()  # warm-up (and compilation)
     with_check, without = [], []
     try:
         for _ in range(repeats):
-            steps.nan_rows = real
+            steps.nan_rows, steps.has_nan = real
             with_check.append(timed(run))
-            steps.nan_rows = no_nan_rows
+            steps.nan_rows, steps.has_nan = no_nan_rows, no_nan
             without.append(timed(run))
     finally:
-        steps.nan_rows = real
+        steps.nan_rows, steps.has_nan = real
     return statistics.median(with_check) / tokens, statistics.median(without) / tokens
 
 
@@ -59,7 +63,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    assert steps.nan_rows is sampling.nan_rows
+    assert steps.nan_rows is sampling.nan_rows and steps.has_nan is sampling.has_nan
     shapes = QUICK if args.quick else Shapes()
     tokens = 8 if args.quick else args.tokens
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .sampling import raise_nan_logits
+from .sampling import nan_rows, raise_nan_logits
 
 #: ``step(tokens (N, 1), parents (N,) | None, sources_changed) -> logits (N, V)``: row ``i`` of this step
 #: continues row ``parents[i]`` of the previous one (None: the same rows as before). ``sources_changed`` says
@@ -146,9 +146,9 @@ def beam_search(
 
         done = _sources_done(fin_scores[active, 0], alive_scores[:, 0], t, t_max, length_penalty, early_stopping)
         # One host sync for both questions: NaN logits (nothing chosen from them may be returned), sources done.
-        has_nan, any_done = torch.stack([torch.isnan(logits).any(), done.any()]).tolist()
-        if has_nan:
-            raise_nan_logits(torch.isnan(logits).any(dim=-1), t - 1)
+        nan, any_done = torch.stack([torch.isnan(logits.amax()), done.any()]).tolist()  # amax propagates NaN
+        if nan:
+            raise_nan_logits(nan_rows(logits), t - 1)
         if any_done:
             keep = (~done).nonzero().squeeze(-1)
             if keep.numel() == 0:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from blocks.kv_cache import KVCache, LayerCache
 
-from .sampling import SamplingParams, nan_rows, raise_nan_logits
+from .sampling import SamplingParams, has_nan, nan_rows, raise_nan_logits
 
 #: New positions a decoding cache has room for at first; it doubles whenever it is full.
 CACHE_CHUNK = 256
@@ -77,11 +77,13 @@ def token_loop(
     pending = None
     for i in range(max_new_tokens):
         live = None if finished is None else ~finished
-        bad = nan_rows(logits, live)
         if i == 0 or check_every_step:
-            if bool(bad.any()):
-                raise_nan_logits(bad, i)
+            if has_nan(logits):  # any row; then only the rows still choosing count
+                bad = nan_rows(logits, live)
+                if bool(bad.any()):
+                    raise_nan_logits(bad, i)
         else:
+            bad = nan_rows(logits, live)
             pending = bad if pending is None else pending | bad
         tokens = params.next_tokens(logits, seen, generator)
         done = False

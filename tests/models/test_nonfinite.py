@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import models.generation.compiled as compiled
 from models import DecoderLM, DecoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer
@@ -89,3 +91,20 @@ def test_nan_at_a_later_step_raises_before_its_token(every_step: bool, monkeypat
     assert torch.equal(next(stream), first)
     with pytest.raises(ValueError, match="NaN"):
         list(stream)
+
+
+@settings(max_examples=60)
+@given(st.integers(1, 4), st.integers(1, 40), st.data())
+def test_the_fast_nan_checks_agree_with_isnan_any(rows: int, vocab: int, data: st.DataObject) -> None:
+    # has_nan / nan_rows use a max reduction (which propagates NaN) instead of a (B, V) isnan mask; infinities of
+    # either sign must not read as NaN.
+    from models.generation.sampling import has_nan, nan_rows
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for _ in range(data.draw(st.integers(0, 3))):
+            logits[data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, vocab - 1))] = value
+    live = torch.tensor(data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows)))
+    assert has_nan(logits) == bool(torch.isnan(logits).any())
+    assert torch.equal(nan_rows(logits), torch.isnan(logits).any(dim=-1))
+    assert torch.equal(nan_rows(logits, live), torch.isnan(logits).any(dim=-1) & live)
