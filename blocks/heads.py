@@ -43,7 +43,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 def pool(x: Tensor, mask: Tensor | None, pooling: str) -> Tensor:
     """One vector per sequence from hidden states, as sentence-transformers' ``Pooling`` computes it.
 
-    ``cls``: the first token; ``last``: the rightmost real token (left or right padding); ``mean`` / ``max`` /
+    ``cls``: the first real token; ``last``: the rightmost real token (left or right padding); ``mean`` / ``max`` /
     ``mean_sqrt_len``: over the real tokens (the sum divided by the square root of their count for the last).
 
     Shapes: ``x (B, L, D)``, ``mask (B, L)`` bool (True = real token) or None -> ``(B, D)``.
@@ -54,7 +54,10 @@ def pool(x: Tensor, mask: Tensor | None, pooling: str) -> Tensor:
     if pooling not in POOLINGS:
         raise ValueError(f"unknown pooling {pooling!r}; expected one of {list(POOLINGS)}")
     if pooling == "cls":
-        return x[:, 0]
+        if mask is None:
+            return x[:, 0]
+        first = mask.int().argmax(-1)  # the first real token  # (B,)
+        return x[torch.arange(x.shape[0], device=x.device), first]
     if pooling == "last":
         if mask is None:
             return x[:, -1]
@@ -321,12 +324,27 @@ class QuestionAnsweringHead(ClassifierHead):
 class EmbeddingHead(nn.Module):
     """A sentence embedding: the pooled hidden states, optionally L2-normalised (no parameters).
 
+    ``max_seq_length`` (tokens kept by ``embed``; default the model's ``max_len``), ``prompts`` (name -> text
+    prepended by ``embed(prompt=name)``) and ``default_prompt_name`` are what a sentence-transformers folder stores
+    beside its pooling; they travel with the config.
+
     Shapes: ``(B, L, d_model)``, mask ``(B, L)`` -> ``(B, d_model)``.
     """
 
-    def __init__(self, pooling: str = "mean", normalize: bool = False) -> None:
+    def __init__(
+        self, pooling: str = "mean", normalize: bool = False, max_seq_length: int | None = None,
+        prompts: dict[str, str] | None = None, default_prompt_name: str | None = None,
+    ) -> None:
         super().__init__()
         check_choice("pooling", pooling, POOLINGS)
+        if max_seq_length is not None and max_seq_length < 1:
+            raise ValueError(f"max_seq_length must be None or a positive integer, got {max_seq_length!r}")
+        if prompts is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+            raise ValueError(f"prompts must map names to prompt texts, got {prompts!r}")
+        if default_prompt_name is not None and default_prompt_name not in (prompts or {}):
+            raise ValueError(
+                f"default_prompt_name {default_prompt_name!r} is not one of the prompts {list(prompts or {})}"
+            )
         self.pooling, self.normalize = pooling, normalize
 
     def forward(self, x: Tensor, mask: Tensor | None, normalize: bool | None = None) -> Tensor:

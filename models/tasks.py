@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from blocks.heads import LM_HEADS, build_head, pool
 
+from .checkpoints.sentence_folder import save_sentence_transformers
 from .core.outputs import ModelOutput, QuestionAnsweringOutput
 from .core.stack import build_norm
 
@@ -77,6 +78,11 @@ class TaskHeadMixin:
         return ModelOutput(**common)
 
     # ------------------------------------------------------------------ sentence embeddings
+    def save_sentence_transformers(self, directory: Any) -> Any:
+        """Write the model and its tokenizer as a sentence-transformers folder (see
+        ``models.checkpoints.sentence_folder.save_sentence_transformers``)."""
+        return save_sentence_transformers(self, directory)
+
     def embedding_options(self) -> dict[str, Any]:
         """The embedding head's options (pooling, normalize, max_seq_length, prompts), or the defaults."""
         if self.config.head == "embedding":
@@ -168,6 +174,7 @@ class TaskHeadMixin:
         if tokenizer is None:
             raise ValueError("embed of texts needs a tokenizer: load one with the model or set model.tokenizer")
         prompts = options.get("prompts") or {}
+        prompt = options.get("default_prompt_name") if prompt is None else prompt
         if prompt is not None:
             items = [prompts.get(prompt, prompt) + t for t in items]
         if not items:

@@ -40,6 +40,7 @@ from .hub import hub_download
 from .locate import checkpoint_files, locate
 from .new_head import with_head
 from .options import LoadOptions, ParsedOptions, parse_options
+from .sentence_folder import located_json, read_sentence_folder
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ def load_pretrained(
     single = _single_file(path_or_repo_id)
     allow_missing: frozenset[str] = frozenset()
     quantization: tuple[str, list[str]] | None = None
+    sentence = None  # a sentence-transformers folder's embedding head options
     if single is not None:
         gguf_file, file_format = single
         if opts.revision is not None and opts.gguf_file is None:
@@ -153,9 +155,14 @@ def load_pretrained(
                     f"'format_version') nor a transformers config (key 'model_type'); it has keys {sorted(raw)}"
                 )
             tokenizer = load_tokenizer(files.tokenizer) if files.tokenizer is not None else None
+            if is_transformers_config(raw):
+                sentence = read_sentence_folder(lambda name: located_json(location, name), location.source)
         source = files.source
         if is_transformers_config(raw):
             cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, source)
+            if sentence is not None and opts.head is None:
+                config, state, allow_missing = with_head(cls, config, state, allow_missing, "embedding", sentence,
+                                                         source)
 
     # transformers' BERT config.json does not store the [MASK] id; the checkpoint's tokenizer knows it.
     if tokenizer is not None and getattr(config, "mask_token_id", 0) is None:

@@ -110,7 +110,14 @@ def convert_task(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
     architectures = hf_config.get("architectures") or [None]
     task = layout.find(architectures[0] if isinstance(architectures, list) else None)
     if task is None:
-        return None
+        if not state_dict or any(k.startswith(layout.base_prefix) for k in state_dict):
+            return None
+        # A base-model checkpoint (LlamaModel, as a sentence-transformers folder holds it): read under the family's
+        # prefix, its LM head tied to the embedding since the checkpoint has none.
+        converted = blocks.get(CONVERTER_KIND, model_type)(
+            {**hf_config, "tie_word_embeddings": True}, {layout.base_prefix + k: v for k, v in state_dict.items()}
+        )
+        return converted
     by_length = sorted(task.names.items(), key=lambda item: -len(item[0]))
     head_state: dict[str, Tensor] = {}
     base_state: dict[str, Tensor] = {}
@@ -149,13 +156,7 @@ def export_task(model: nn.Module, model_type: str | None = None) -> tuple[dict[s
         ValueError: no registered family has a task class for this head and its options (each family's reason).
     """
     c = model.config
-    lm_head = next(h for h in type(c).heads if h in LM_HEADS)
-    options = {k: v for k, v in c.options.items() if k != "head"}
-    with torch.device("meta"):
-        lm = type(model)(c.replace(head=lm_head, options=options, tie_embeddings=True))
-    own = tensors(model)
-    base = {k: v for k, v in own.items() if not k.startswith("head.")}
-    lm.load_state_dict(base, strict=False, assign=True)
+    lm, own = lm_view(model)
     names = [model_type] if model_type is not None else blocks.names(EXPORTER_KIND)
     reasons = []
     for name in names:
@@ -167,6 +168,42 @@ def export_task(model: nn.Module, model_type: str | None = None) -> tuple[dict[s
         f"no transformers task class represents this {type(model).__name__} with head {c.head!r} "
         f"({'; '.join(reasons)})"
     )
+
+
+def lm_view(model: nn.Module) -> tuple[nn.Module, dict[str, Tensor]]:
+    """``(the model's base under its class's LM head, built on the meta device, its tensors)``: what the family
+    exporters take. The LM head's tensors stay on the meta device."""
+    c = model.config
+    lm_head = next(h for h in type(c).heads if h in LM_HEADS)
+    options = {k: v for k, v in c.options.items() if k != "head"}
+    with torch.device("meta"):
+        lm = type(model)(c.replace(head=lm_head, options=options, tie_embeddings=True))
+    own = tensors(model)
+    lm.load_state_dict({k: v for k, v in own.items() if not k.startswith("head.")}, strict=False, assign=True)
+    return lm, own
+
+
+def export_base(model: nn.Module, model_type: str | None = None) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A ``transformers`` base-model config and state dict (``BertModel``, ``LlamaModel`` ...) of any text model,
+    whatever its head: what ``AutoModel`` loads (a sentence-transformers folder's transformer).
+
+    Raises:
+        ValueError: no registered family represents the model's base (each family's reason).
+    """
+    lm, _ = lm_view(model)
+    reasons = []
+    for name in [model_type] if model_type is not None else blocks.names(EXPORTER_KIND):
+        try:
+            require(TASK_KIND in blocks.kinds() and name in blocks.names(TASK_KIND), "no base-model layout")
+            layout: TaskLayout = blocks.get(TASK_KIND, name)
+            hf_config, lm_state = blocks.get(EXPORTER_KIND, name)(lm)
+        except NotExportable as err:
+            reasons.append(f"{name}: {err}")
+            continue
+        state = {k[len(layout.base_prefix):]: v for k, v in lm_state.items()
+                 if k.startswith(layout.base_prefix) and not v.is_meta}
+        return {**hf_config, "architectures": []}, state
+    raise NotExportable(f"no transformers family represents this {type(model).__name__} ({'; '.join(reasons)})")
 
 
 def _export_as(name: str, model: nn.Module, lm: nn.Module, own: Mapping[str, Tensor]) -> tuple[dict, dict]:
