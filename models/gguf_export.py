@@ -83,7 +83,9 @@ def save_gguf(model: nn.Module, path: str | os.PathLike[str], dtype: str = "F32"
     try:
         writer = gguf.GGUFWriter(str(staging), arch)
         writer.add_name(name or kind)
-        _add_metadata(writer, gguf, kind, arch, config, state)
+        # The tokenizer's own special ids win over the config's (the same keys), as llama.cpp reads one of each.
+        _add_metadata(writer, gguf, kind, arch, {k: v for k, v in config.items() if not (
+            vocab is not None and k in ("bos_token_id", "eos_token_id", "pad_token_id"))}, state)
         if vocab is not None:
             for key, value in vocab.items():
                 _add_value(writer, gguf, key, value)

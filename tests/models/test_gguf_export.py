@@ -118,3 +118,33 @@ def test_sliding_window_llama_cpp_cannot_run_is_refused(tmp_path):
     with pytest.raises(ValueError, match="sliding_window=16"):
         model.save_gguf(tmp_path / "w.gguf")
     assert not list(tmp_path.iterdir())
+
+
+def test_demo_model_and_lora_merged_model_export(tmp_path, tokenizer):
+    """The demo's GPT-style DecoderLM (``examples/generate.py``'s preset) with its byte-level tokenizer, and a model
+    whose LoRA adapter was merged, run the same in transformers; an unmerged adapter is refused. (max_len 1024 and
+    d_ff = 4 d_model: transformers' GGUF loader reads neither for GPT-2.)"""
+    from models import DecoderLM
+
+    torch.manual_seed(0)
+    demo = DecoderLM.from_preset("tiny", vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, d_ff=256, max_len=1024,
+                                 dropout=0.0, bos_token_id=tokenizer.bos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id).eval()
+    demo.tokenizer = tokenizer
+    path = demo.save_gguf(tmp_path / "demo.gguf", "F32")
+    with torch.no_grad():
+        torch.testing.assert_close(transformers_from(path)(IDS).logits, demo(IDS).logits, atol=1e-4, rtol=0)
+    assert read_gguf_tokenizer(path).encode("hello world") == tokenizer.encode("hello world")
+
+    demo.add_adapter("lora", target_modules="all-linear", r=4)
+    with torch.no_grad():
+        for name, p in demo.named_parameters():
+            if "lora" in name:
+                p.normal_(0, 0.05)
+    with pytest.raises(ValueError, match="(?i)adapter|lora"):
+        demo.save_gguf(tmp_path / "unmerged.gguf")
+    merged = demo.merge_and_unload()
+    path = merged.save_gguf(tmp_path / "merged.gguf")
+    with torch.no_grad():
+        torch.testing.assert_close(models.from_pretrained(path)(IDS).logits, merged(IDS).logits, atol=0, rtol=0)
+        torch.testing.assert_close(transformers_from(path)(IDS).logits, merged(IDS).logits, atol=1e-4, rtol=0)
