@@ -33,6 +33,7 @@ from .core.stack import (
 )
 from .generation import DecoderLMGenerationMixin
 from .tasks import TASK_HEADS, TaskHeadMixin
+from .text_tasks import TextTasksMixin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ class DecoderLMConfig(TransformerConfig):
 
 
 @register_architecture
-class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, PersistenceMixin, AdapterFilesMixin, ZooModel):
+class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, PersistenceMixin, AdapterFilesMixin, ZooModel):
     """Token embedding + positions → pre-norm decoder blocks (no cross-attention) → final norm →
     output projection tied to the token embedding.
 

@@ -31,6 +31,7 @@ from .core.stack import (
 )
 from .generation import EncoderLMFillMaskMixin
 from .tasks import TASK_HEADS, TaskHeadMixin
+from .text_tasks import TextTasksMixin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ class EncoderLMConfig(TransformerConfig):
 
 
 @register_architecture
-class EncoderLM(EncoderLMFillMaskMixin, TaskHeadMixin, PersistenceMixin, AdapterFilesMixin, ZooModel):
+class EncoderLM(EncoderLMFillMaskMixin, TaskHeadMixin, TextTasksMixin, PersistenceMixin, AdapterFilesMixin, ZooModel):
     """Token + position + segment embeddings → norm → post-norm encoder layers → MLM head whose decoder
     is tied to the token embedding; or, with a task head (``config.head``), that head as ``model.head``.
 
