@@ -57,8 +57,13 @@ def check_special_tokens(special_tokens: Mapping[str, str | None]) -> dict[str, 
     return dict(special_tokens)
 
 
-def roles_from_config(tokenizer_file: Path) -> dict[str, str]:
-    """Roles named by a Hugging Face ``tokenizer_config.json`` beside ``tokenizer_file`` (empty if none)."""
+def read_config(tokenizer_file: Path) -> dict[str, Any]:
+    """The Hugging Face ``tokenizer_config.json`` beside ``tokenizer_file`` (empty if there is none).
+
+    Raises:
+        ValueError: the file is not UTF-8 JSON (nested beyond the parser's recursion limit included) or not an
+            object; the file is named.
+    """
     config_path = tokenizer_file.with_name(CONFIG_FILE)
     if not config_path.is_file():
         return {}
@@ -67,9 +72,16 @@ def roles_from_config(tokenizer_file: Path) -> dict[str, str]:
     except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError; nesting beyond the
         # interpreter's recursion limit (~1,000 levels; the parser stops there without allocating more)
         raise ValueError(f"{config_path} is not valid JSON: {type(err).__name__}: {err}") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def roles_from_config(config: Mapping[str, Any]) -> dict[str, str]:
+    """Roles named by a Hugging Face ``tokenizer_config.json`` (``read_config``)."""
     roles: dict[str, str] = {}
     for role in ROLES:
-        value: Any = config.get(f"{role}_token") if isinstance(config, dict) else None
+        value: Any = config.get(f"{role}_token")
         # transformers writes either the token string or a serialised AddedToken with a "content" field.
         if isinstance(value, dict):
             value = value.get("content")

@@ -17,10 +17,12 @@ import tokenizers
 import torch
 from torch import Tensor
 
+from .chat import read_template, render_chat, write_template
 from .special_tokens import (
     CONVENTIONAL_NAMES,
     ROLES,
     check_special_tokens,
+    read_config,
     roles_from_config,
     write_config,
 )
@@ -37,16 +39,21 @@ class Tokenizer:
         special_tokens: role -> token string for roles among ``pad, unk, bos, eos, mask``; roles left out
             are found by their conventional names (``[PAD]``, ``<pad>``, ``<|endoftext|>`` ...), and a role
             mapped to None has no token.
+        chat_template: the Jinja chat template (``apply_chat_template``), or None.
 
     Raises:
         ValueError: an unknown role, or a token that is not in the backend's vocabulary.
     """
 
-    def __init__(self, backend: tokenizers.Tokenizer, special_tokens: Mapping[str, str | None] | None = None) -> None:
+    def __init__(self, backend: tokenizers.Tokenizer, special_tokens: Mapping[str, str | None] | None = None,
+                 chat_template: str | None = None) -> None:
         if not isinstance(backend, tokenizers.Tokenizer):
             raise ValueError(f"backend must be a tokenizers.Tokenizer, got {type(backend).__name__}")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be a string (a Jinja template) or None, got {chat_template!r}")
         given = check_special_tokens(special_tokens or {})
         self.backend = backend
+        self.chat_template = chat_template
         self._roles: dict[str, str | None] = {}
         for role in ROLES:
             if role in given:
@@ -67,7 +74,8 @@ class Tokenizer:
         """Load a ``tokenizer.json`` (ours or any Hugging Face one).
 
         Roles come from ``special_tokens``, then from a ``tokenizer_config.json`` in the same folder, then
-        from conventional names.
+        from conventional names. The chat template comes from ``chat_template.jinja`` in the same folder, else
+        from ``chat_template`` in ``tokenizer_config.json``.
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
@@ -80,7 +88,8 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as err:  # the Rust side raises a bare Exception for malformed files
             raise ValueError(f"{str(path)!r} is not a valid tokenizer.json: {err}") from err
-        return cls(backend, {**roles_from_config(path), **(special_tokens or {})})
+        config = read_config(path)
+        return cls(backend, {**roles_from_config(config), **(special_tokens or {})}, read_template(path, config))
 
     @classmethod
     def from_str(cls, json_str: str, special_tokens: Mapping[str, str | None] | None = None) -> Tokenizer:
@@ -97,8 +106,9 @@ class Tokenizer:
         Args:
             path: the file to write (its folder must exist).
             write_roles: also write a Hugging Face ``tokenizer_config.json`` naming the special-token roles
-                beside it, so that custom role names survive a reload (``transformers`` reads it too).
-                Default: only when the file is called ``tokenizer.json``, i.e. it goes into a model folder.
+                beside it, so that custom role names survive a reload (``transformers`` reads it too), and the
+                chat template as ``chat_template.jinja``. Default: only when the file is called
+                ``tokenizer.json``, i.e. it goes into a model folder.
 
         Raises:
             FileNotFoundError: the folder of ``path`` does not exist.
@@ -109,6 +119,43 @@ class Tokenizer:
         self.backend.save(str(path))
         if write_roles if write_roles is not None else path.name == "tokenizer.json":
             write_config(path, self._roles)
+            write_template(path, self.chat_template)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        tokenize: bool = True,
+        chat_template: str | None = None,
+        **context: Any,
+    ) -> list[int] | str:
+        """A conversation as the prompt the model was trained on, as ``transformers``' ``apply_chat_template``
+        renders it (``tokenization.chat``): token ids (``tokenize=True``; the template writes the special tokens,
+        none are added) or the text.
+
+        Args:
+            messages, add_generation_prompt, continue_final_message, tools, documents: see
+                ``tokenization.chat.render_chat``.
+            chat_template: a template to use instead of the tokenizer's own.
+            context: further names for the template; the special tokens (``bos_token``, ``eos_token`` …) are
+                there already.
+
+        Raises:
+            ValueError: no chat template, or as ``render_chat``.
+        """
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise ValueError("this tokenizer has no chat template: pass chat_template=... or load a tokenizer "
+                             "whose folder has chat_template.jinja or a chat_template in tokenizer_config.json")
+        names = {f"{role}_token": token for role, token in self._roles.items() if token is not None}
+        text = render_chat(template, messages, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, tools=tools, documents=documents,
+                           **{**names, **context})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def to_str(self) -> str:
         """The ``tokenizer.json`` text."""

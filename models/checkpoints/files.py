@@ -30,6 +30,7 @@ WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
 TOKENIZER_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"  # special-token roles, written beside tokenizer.json
+CHAT_TEMPLATE_NAME = "chat_template.jinja"  # the tokenizer's chat template, beside tokenizer.json
 CARD_NAME = "README.md"
 FORMAT_VERSION = 1
 #: the top-level ``config.json`` key recording a quantized checkpoint's scheme and layers (see

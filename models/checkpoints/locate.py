@@ -21,6 +21,7 @@ from huggingface_hub.errors import (
 
 from .atomic import recover
 from .files import (
+    CHAT_TEMPLATE_NAME,
     CONFIG_NAME,
     PICKLE_WEIGHTS_NAME,
     TOKENIZER_CONFIG_NAME,
@@ -146,8 +147,9 @@ def checkpoint_files(location: Location) -> CheckpointFiles:
     with naming_the_repo(location.repo_id, location.revision):
         weights, weights_format, index = _fetch_weights(location)
         tokenizer = location.fetch_optional(TOKENIZER_NAME)
-        if tokenizer is not None:
-            location.fetch_optional(TOKENIZER_CONFIG_NAME)  # lands beside tokenizer.json in the snapshot
+        if tokenizer is not None:  # these land beside tokenizer.json in the snapshot
+            location.fetch_optional(TOKENIZER_CONFIG_NAME)
+            location.fetch_optional(CHAT_TEMPLATE_NAME)
     return CheckpointFiles(
         source=location.source, config=location.config, weights=weights, weights_format=weights_format,
         index=index, tokenizer=tokenizer, commit=location.commit,

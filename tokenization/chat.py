@@ -1,0 +1,252 @@
+"""Chat templates: a conversation rendered to the prompt text a chat model was trained on.
+
+A chat template is a Jinja template shipped with the tokenizer (``chat_template`` in ``tokenizer_config.json``, a
+``chat_template.jinja`` file beside it, or ``tokenizer.chat_template`` in a GGUF file). It is rendered as
+``transformers``' ``apply_chat_template`` renders it, because that is what the templates are written for:
+
+- jinja2's ``ImmutableSandboxedEnvironment`` (templates come from the Hub: untrusted code), ``trim_blocks`` and
+  ``lstrip_blocks``, the ``loopcontrols`` extension, and a ``{% generation %}`` block that renders its body;
+- ``raise_exception(message)``, ``strftime_now(format)``, ``tojson`` without ASCII or HTML escaping, a ``dict``
+  constructor and a ``namespace`` that refuses underscore names;
+- the context: ``messages`` (keys whose value is None dropped), ``tools``, ``documents``,
+  ``add_generation_prompt``, the special tokens (``bos_token``, ``eos_token`` …) and any extra keyword;
+- ``continue_final_message``: the last message is left open (the text after its content is cut), so the model
+  continues it.
+
+Every value the template sees is rebuilt from plain JSON types first (objects with methods of their own could
+otherwise reach the sandbox). A template that raises, does not parse or breaks the sandbox gives a ``ValueError``
+naming the problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+#: The file a template is saved to beside ``tokenizer.json`` (what ``transformers`` writes and reads).
+TEMPLATE_FILE = "chat_template.jinja"
+#: The largest template read from a file (real ones are under 20 KB).
+MAX_TEMPLATE_CHARS = 1 << 20
+
+# Marks the end of the final message for continue_final_message (transformers' tag, so that cuts agree).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %} … {% endgeneration %}``: marks the assistant's text in training templates; renders its
+    body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """jinja2's ``namespace`` without underscore attributes (no route to the interpreter's internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace.check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace.check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def check(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template may not set the namespace attribute {name!r}")
+
+
+class _Dict:
+    """``dict(...)`` and ``dict.fromkeys(...)`` for templates, without the type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
+    return datetime.now().strftime(format)
+
+
+@functools.lru_cache(maxsize=32)
+def compile_template(template: str) -> jinja2.Template:
+    """The template compiled in the sandbox (cached by its text).
+
+    Raises:
+        ValueError: the template does not parse (jinja2's message and line).
+    """
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
+                       namespace=_Namespace)
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as err:
+        raise ValueError(f"the chat template does not parse: {err.message} (line {err.lineno})") from err
+
+
+def plain(value: Any) -> Any:
+    """``value`` rebuilt from plain JSON types (subclasses stripped to their base type, dataclasses and pydantic
+    models as dicts); anything else becomes a placeholder naming its type, e.g. ``"<ndarray>"``."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for kind in (bool, str, int, float):
+        if isinstance(value, kind):
+            return kind(value) if kind is not str else str.__str__(value)
+    if isinstance(value, Mapping):
+        return {plain(key): plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(plain(item) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _check_messages(messages: object) -> list[dict[str, Any]]:
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
+    out = []
+    for i, message in enumerate(plain(list(messages))):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {message!r}")
+        message = {k: v for k, v in message.items() if v is not None}  # content=None: as if absent
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:  # older names of a message's reasoning, under the one templates read
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    documents: Sequence[Mapping[str, Any]] | None = None,
+    **context: Any,
+) -> str:
+    """Render one conversation with ``template``.
+
+    Args:
+        template: the Jinja chat template.
+        messages: ``[{"role": ..., "content": ...}, ...]`` (other keys, e.g. ``tool_calls``, are passed through).
+        add_generation_prompt: end with the header that opens the assistant's turn.
+        continue_final_message: leave the final message open for the model to continue (not with
+            ``add_generation_prompt``).
+        tools, documents: JSON schemas of tools and ``{"title", "text"}`` documents, for templates that use them.
+        context: further names for the template (the special tokens, ``enable_thinking`` …).
+
+    Raises:
+        ValueError: bad messages, tools or documents; both generation flags; a template that raises
+            (``raise_exception``), breaks the sandbox or drops the final message it was to continue.
+    """
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"chat template must be a non-empty string, got {template!r}")
+    chat = _check_messages(messages)
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt are exclusive: continue the final "
+                         "message, or open a new assistant turn")
+    for name, items in (("tools", tools), ("documents", documents)):
+        if items is not None and not all(isinstance(item, Mapping) for item in items):
+            raise ValueError(f"{name} must be a list of dicts (JSON schemas / {{'title', 'text'}}), got {items!r}")
+    final = None
+    if continue_final_message:
+        final = chat[-1].get("content")
+        if not isinstance(final, str):
+            raise ValueError(f"continue_final_message needs a final message with string content, got {final!r}")
+        fields = [k for k in ("content", *_REASONING_FIELDS) if chat[-1].get(k) == final] or ["content"]
+        for field in fields:
+            chat[-1][field] = final + _CONTINUE_TAG
+    try:
+        text = compile_template(template).render(
+            messages=chat, tools=plain(tools), documents=plain(documents),
+            add_generation_prompt=bool(add_generation_prompt), **plain(dict(context)),
+        )
+    except jinja2.exceptions.SecurityError as err:
+        raise ValueError(f"the chat template broke the sandbox: {err}") from err
+    except jinja2.exceptions.TemplateError as err:
+        raise ValueError(f"the chat template raised: {err}") from err
+    if final is not None:
+        tag = _CONTINUE_TAG.strip()
+        if final.strip() not in text or tag not in text:
+            raise ValueError("continue_final_message: the rendered chat does not contain the final message "
+                             f"{final.strip()!r} (the template drops or rewrites it)")
+        at = text.rindex(tag)
+        text = text[:at] if text[at: at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+    return text
+
+
+def read_template(tokenizer_file: Path, config: Mapping[str, Any] | None) -> str | None:
+    """The chat template saved with a tokenizer: ``chat_template.jinja`` beside ``tokenizer_file``, else
+    ``chat_template`` in its ``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}`` of which
+    the one named ``default`` is taken), else None.
+
+    Raises:
+        ValueError: a template file over ``MAX_TEMPLATE_CHARS`` or not UTF-8, or a config value of another shape.
+    """
+    path = tokenizer_file.with_name(TEMPLATE_FILE)
+    if path.is_file():
+        if path.stat().st_size > MAX_TEMPLATE_CHARS:
+            raise ValueError(f"{path} holds {path.stat().st_size} bytes; expected at most {MAX_TEMPLATE_CHARS}")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path} is not UTF-8 text: {err}") from err
+    value = (config or {}).get("chat_template")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
+        named = {t.get("name"): t["template"] for t in value}
+        return named.get("default")
+    raise ValueError(f"chat_template in the tokenizer_config.json beside {tokenizer_file} must be a string or a "
+                     f"list of {{'name', 'template'}}, got {type(value).__name__}")
+
+
+def write_template(tokenizer_file: Path, template: str | None) -> None:
+    """Save ``template`` as ``chat_template.jinja`` beside ``tokenizer_file`` (removing a stale one if None)."""
+    path = tokenizer_file.with_name(TEMPLATE_FILE)
+    if template is None:
+        path.unlink(missing_ok=True)
+    else:
+        path.write_text(template, encoding="utf-8")
