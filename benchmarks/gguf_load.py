@@ -6,7 +6,7 @@
 The file is written once (random weights, ``save_gguf`` with ``gguf``'s Q8_0 quantizer; the ``gguf`` package has no
 K-quant quantizer, so no Q4_K file can be made here). Each load then runs in a fresh Python process (imports done
 before the clock starts), alternating zoo / transformers, ``--repeats`` times; the figures are medians. Peak memory
-is the process's resident high-water mark (``ru_maxrss``) and its growth over the resident set after the imports,
+is the process's resident high-water mark (``VmHWM``) and its growth over the resident set after the imports,
 against the size of the loaded float32 model (its parameters' bytes).
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 import gguf, torch
 path, which = sys.argv[1], sys.argv[2]
 if which == "zoo":
@@ -36,14 +36,14 @@ else:
     p = Path(path)
     load = lambda: transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
                                                                      dtype=torch.float32)
-def rss():
+def status(key):  # VmHWM is this process's own high-water mark (ru_maxrss would carry the parent's over exec)
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
-base = rss()
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+base = status("VmRSS")
 start = time.perf_counter()
 model = load()
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status("VmHWM")
 size = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
 print(json.dumps({"seconds": seconds, "peak": peak, "base": base, "model_bytes": size}))
 """

@@ -10,10 +10,12 @@ model whose recorded layers were quantized first.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Unpack
@@ -132,6 +134,7 @@ def load_pretrained(
         source = str(gguf_file)
         hf_config, hf_state, tokenizer = _read_single_file(gguf_file, file_format, opts.dtype)
         cls, config, state, allow_missing = _convert_transformers(hf_config, hf_state, expected_class, source)
+        del hf_state  # only the converted state is loaded: the reader's dict goes now
     else:
         location = locate(
             path_or_repo_id, revision=opts.revision, token=opts.token, endpoint=opts.endpoint
@@ -172,7 +175,9 @@ def load_pretrained(
     if opts.head is not None or opts.head_options:
         config, state, allow_missing = with_head(cls, config, state, allow_missing, opts.head, opts.head_options,
                                                  source)
-    model = cls(config)
+    # All weights given (and assigned, not copied): an uninitialised model's memory is never resident, peak ~1 model.
+    with _skipped_init() if single is not None and not allow_missing else contextlib.nullcontext():
+        model = cls(config)
     if quantization is not None:
         # Give the fresh model the saved model's quantized layers, then load the int8 tensors into them.
         scheme, layers = quantization
@@ -384,18 +389,31 @@ def _convert_transformers(
 
 
 
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "zeros_", "ones_", "constant_", "xavier_uniform_",
+                   "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
+_INIT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _skipped_init() -> Iterator[None]:
+    """``torch.nn.init``'s functions as no-ops while a model whose every weight will be loaded is built."""
+    with _INIT_LOCK:
+        saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+        vars(nn.init).update(dict.fromkeys(_INIT_FUNCTIONS, lambda tensor, *args, **kwargs: tensor))
+        try:
+            yield
+        finally:
+            vars(nn.init).update(saved)
+
+
 def _fetch_gguf(path_or_repo_id: str | os.PathLike[str], opts: ParsedOptions) -> Path:
     """``gguf_file`` of a local folder, or downloaded from a Hub repo with every part of its split set."""
-    local = Path(path_or_repo_id).expanduser()
-    if local.is_dir():
-        return local / opts.gguf_file
-    names = [opts.gguf_file]
-    split = re.match(r"^(.*)-00001-of-(\d{5})\.gguf$", opts.gguf_file, re.IGNORECASE)
-    if split is not None:  # llama.cpp's split sets: the parts lie beside the first
-        names = [f"{split[1]}-{i:05d}-of-{split[2]}.gguf" for i in range(1, int(split[2]) + 1)]
-    paths = [hub_download(str(path_or_repo_id), name, revision=opts.revision or "main", token=opts.token,
-                          endpoint=opts.endpoint) for name in names]
-    return paths[0]
+    if Path(path_or_repo_id).expanduser().is_dir():
+        return Path(path_or_repo_id).expanduser() / opts.gguf_file
+    split = re.match(r"^(.*)-00001-of-(\d{5})\.gguf$", opts.gguf_file, re.IGNORECASE)  # parts lie beside the first
+    names = [f"{split[1]}-{i:05d}-of-{split[2]}.gguf" for i in range(1, int(split[2]) + 1)] if split else []
+    return [hub_download(str(path_or_repo_id), name, revision=opts.revision or "main", token=opts.token,
+                         endpoint=opts.endpoint) for name in names or [opts.gguf_file]][0]
 
 
 def _single_file(path_or_repo_id: Any) -> tuple[Path, FileFormat] | None:

@@ -234,3 +234,23 @@ def test_split_sets_that_lie_are_refused(tmp_path, tiny_models):
     writer.close()
     with pytest.raises(ValueError, match="is stored in both"):
         read_gguf(first)
+
+
+def test_model_built_without_init_gets_every_weight(tmp_path, tiny_models, monkeypatch):
+    """A GGUF load builds the model with torch.nn.init switched off (every weight is then assigned from the file);
+    the init functions are back afterwards, also when the build fails, and nothing is left uninitialised."""
+    normal = torch.nn.init.normal_
+    path = write(tmp_path / "l.gguf", "llama", tiny_models["llama"])
+    model = models.from_pretrained(path)
+    assert torch.nn.init.normal_ is normal
+    state = read_gguf(path)[1]
+    assert torch.equal(model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    from models import DecoderLM
+
+    def broken(self, config):
+        raise RuntimeError("build failed")
+
+    monkeypatch.setattr(DecoderLM, "__init__", broken)
+    with pytest.raises(RuntimeError, match="build failed"):
+        models.from_pretrained(path)
+    assert torch.nn.init.normal_ is normal
