@@ -153,7 +153,11 @@ def _add_metadata(writer: Any, gguf: Any, kind: str, arch: str, c: dict[str, Any
     writer.add_vocab_size(c["vocab_size"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(int(head_dim * float(rope.get("partial_rotary_factor", 1.0))))
+    fraction = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor") or 1.0))
+    if fraction != 1.0 and kind != "phi3":
+        raise ValueError(f"partial_rotary_factor={fraction}: of the GGUF families only phi3 rotates part of the head "
+                         "(pass model_type='phi3')")
+    writer.add_rope_dimension_count(int(head_dim * fraction))
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))

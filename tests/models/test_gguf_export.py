@@ -148,3 +148,31 @@ def test_demo_model_and_lora_merged_model_export(tmp_path, tokenizer):
     with torch.no_grad():
         torch.testing.assert_close(models.from_pretrained(path)(IDS).logits, merged(IDS).logits, atol=0, rtol=0)
         torch.testing.assert_close(transformers_from(path)(IDS).logits, merged(IDS).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family, rope", [
+    ("llama", {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 8.0, "original_max_position_embeddings": 128}),
+    ("llama", {"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0}),
+    ("phi3", {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5}),
+])
+def test_rope_settings_survive_the_round_trip(tmp_path, family, rope):
+    """Llama 3.1 scaling (written as llama.cpp's rope_freqs tensor), linear scaling and Phi-3's partial rotary;
+    partial rotary under another architecture is refused (only phi3's GGUF states a rotary size apart)."""
+    hf = tiny(family, VOCAB)
+    hf.config.rope_parameters = rope
+    hf = type(hf)(hf.config).eval()
+    converted = from_transformers(hf.config.to_dict(), hf.state_dict())
+    model = converted.architecture(converted.config).eval()
+    model.load_state_dict(converted.state_dict, strict=False)
+    path = model.save_gguf(tmp_path / "r.gguf", model_type=family)
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert ("rope_freqs.weight" in names) == (rope["rope_type"] == "llama3")
+    back = models.from_pretrained(path)
+    ids = torch.arange(40).reshape(1, 40) % VOCAB
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)
+    if family == "phi3":
+        with pytest.raises(ValueError, match="partial_rotary_factor=0.5.*model_type='phi3'"):
+            model.save_gguf(tmp_path / "l.gguf", model_type="llama")
