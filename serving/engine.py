@@ -224,6 +224,10 @@ class Engine:
             elif seq.finish_reason is None and spec.stop_strings:
                 # Hold back what could be the start of a stop string until it is decided.
                 hold = max(len(s) for s in spec.stop_strings) - 1
+            if seq.finish_reason is None:
+                # A character whose bytes have not all come yet decodes as U+FFFD: hold it back until they do, so
+                # that the deltas join to the decoded output.
+                hold = max(hold, len(seq.text) - len(seq.text.rstrip("\ufffd")))
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
         shown = max(seq.sent_text, len(seq.text) - hold)

@@ -1,0 +1,409 @@
+"""An OpenAI-compatible HTTP server over the engine (FastAPI): what every OpenAI client speaks.
+
+``create_app(model, tokenizer, ...)`` serves one model:
+
+- ``POST /v1/chat/completions`` (the tokenizer's chat template, ``tokenization.chat``) and ``POST /v1/completions``,
+  both with ``stream=true`` as server-sent events ending with ``data: [DONE]`` (and a usage chunk when
+  ``stream_options.include_usage``), over ``AsyncEngine`` (continuous batching);
+- ``POST /v1/embeddings`` for a model with an ``embedding`` head (``model.embed``);
+- ``GET /v1/models``, ``GET /health`` (503 until the model is set), ``GET /metrics`` (Prometheus).
+
+Fields: ``model``, ``messages`` / ``prompt``, ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0:
+greedy; default 1, sampling, as OpenAI), ``top_p``, ``top_k``, ``n``, ``stop``, ``seed``, ``logprobs`` /
+``top_logprobs``; ``presence_penalty`` / ``frequency_penalty`` other than 0 are refused (400 naming the field: the
+engine has no such penalty). Unknown fields are ignored, as OpenAI's server does. Errors have OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (malformed JSON included) or a prompt longer
+than the context, 401 for a missing or wrong API key, 404 for an unknown model, 503 when the engine's waiting queue
+is full or the model is not loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from models.generation.sampling import SamplingParams
+
+from .async_engine import AsyncEngine
+from .engine import Engine, QueueFullError
+from .metrics import ServerMetrics
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None)
+    n: int = Field(default=1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+
+
+def sampling_params(body: _Sampling) -> SamplingParams:
+    """OpenAI's sampling fields as the zoo's ``SamplingParams`` (temperature 0 is greedy; default 1)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise APIError(400, f"{name}={getattr(body, name)} is not supported by this server; expected 0",
+                           param=name)
+    if body.top_k is not None and body.top_k != -1 and body.top_k < 1:
+        raise APIError(400, f"top_k={body.top_k}: expected an integer >= 1 (or -1 for all)", param="top_k")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if temperature == 0.0:
+        return SamplingParams()
+    top_k = None if body.top_k in (None, -1) else body.top_k
+    return SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=body.top_p)
+
+
+def _flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content given as parts (``[{"type": "text", "text": ...}]``) joined to the string templates expect."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            message = {**message, "content": "".join(texts)}
+        out.append(message)
+    return out
+
+
+def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "model", api_key: str | None = None,
+               **engine_limits: Any) -> FastAPI:
+    """The FastAPI application serving ``model`` as ``model_name``.
+
+    ``model`` may be set later (``app.state.load(model, tokenizer)``): until then ``/health`` answers 503.
+    ``engine_limits`` go to ``Engine`` (``max_num_seqs``, ``num_blocks``, ``block_size`` …).
+    """
+    metrics = ServerMetrics()
+    state: dict[str, Any] = {"model": None, "engine": None, "tokenizer": None}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if state["engine"] is not None:
+            await state["engine"].close()
+
+    app = FastAPI(title="transformer-zoo", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    def load(model: Any, tokenizer: Any = None) -> None:
+        state.update(model=model, tokenizer=tokenizer if tokenizer is not None else getattr(model, "tokenizer", None))
+        if getattr(model.config, "head", None) != "embedding":
+            engine = Engine(model.eval(), state["tokenizer"], **engine_limits)
+            state["engine"] = AsyncEngine(engine)
+            metrics.bind(engine)
+
+    app.state.load = load
+    if model is not None:
+        load(model, tokenizer)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(where) or None
+        message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        if first.get("type") == "json_invalid":
+            message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None
+        return APIError(400, message, param=param, code="invalid_request").response()
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                                code="invalid_api_key").response()
+        return await call_next(request)
+
+    def check_model(name: str) -> None:
+        if state["model"] is None:
+            raise APIError(503, "the model is still loading", type_="server_error", code="model_loading")
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+
+    def engine() -> AsyncEngine:
+        if state["engine"] is None:
+            raise APIError(400, f"{model_name!r} has an embedding head: it answers /v1/embeddings only",
+                           param="model")
+        return state["engine"]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state["model"] is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(START),
+                                             "owned_by": "transformer-zoo"}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def submit(prompt: Any, body: _Sampling, max_tokens: int | None, logprobs: int | None) -> tuple[str, int]:
+        """Queue one prompt; return the request id and its prompt length."""
+        eng = engine()
+        sampling = sampling_params(body)
+        tok = state["tokenizer"]
+        if isinstance(prompt, str):
+            if tok is None:
+                raise APIError(400, "this server has no tokenizer: send prompts as token ids", param="prompt")
+            prompt = list(tok.encode(prompt))
+        if max_tokens is None:
+            max_tokens = max(1, eng.engine.context - len(prompt))
+        try:
+            request_id = await eng.add_request(prompt, sampling, max_tokens=max_tokens, stop=body.stop, n=body.n,
+                                               seed=body.seed, logprobs=logprobs)
+        except QueueFullError as err:
+            raise APIError(503, f"the server is busy: {err}", type_="server_error", code="queue_full") from err
+        except ValueError as err:
+            raise APIError(400, str(err), param=_param_of(str(err))) from err
+        metrics.received(len(prompt))
+        return request_id, len(prompt)
+
+    def token_text(token_id: int) -> str:
+        tok = state["tokenizer"]
+        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
+
+    async def run(prompts: list[Any], body: _Sampling, max_tokens: int | None, logprobs: int | None,
+                  chat: bool) -> Response:
+        kind = "chatcmpl" if chat else "cmpl"
+        response_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
+        submitted = [await submit(p, body, max_tokens, logprobs) for p in prompts]
+        streams = [(i, request_id) for i, (request_id, _) in enumerate(submitted)]
+        prompt_tokens = sum(n for _, n in submitted)
+        want_logprobs = logprobs is not None
+
+        def logprob_json(entries: list[Any]) -> Any:
+            if not want_logprobs or entries is None:
+                return None
+            if chat:
+                return {"content": [{
+                    "token": token_text(e.token_id), "logprob": e.logprob,
+                    "bytes": list(token_text(e.token_id).encode()),
+                    "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
+                                     for t, lp in e.top.items()],
+                } for e in entries]}
+            return {"tokens": [token_text(e.token_id) for e in entries],
+                    "token_logprobs": [e.logprob for e in entries],
+                    "top_logprobs": [_by_text(e.top, token_text) for e in entries]}
+
+        def choice(index: int, text: str, entries: Any, finish: str | None, first: bool, stream: bool) -> dict:
+            reason = None if finish is None else ("stop" if finish == "abort" else finish)
+            if chat:
+                key = "delta" if stream else "message"
+                message: dict[str, Any] = {"content": text}
+                if first or not stream:
+                    message["role"] = "assistant"
+                return {"index": index, key: message, "logprobs": logprob_json(entries), "finish_reason": reason}
+            return {"index": index, "text": text, "logprobs": logprob_json(entries), "finish_reason": reason}
+
+        obj = ("chat.completion" if chat else "text_completion")
+
+        async def deltas() -> AsyncIterator[tuple[int, Any]]:
+            """(choice index, delta) of every request, interleaved as they come."""
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(prompt_index: int, request_id: str) -> None:
+                started = last = time.perf_counter()
+                try:
+                    async for delta in state["engine"].stream(request_id):
+                        now = time.perf_counter()
+                        if delta.token_ids:
+                            metrics.observe_tokens(len(delta.token_ids), now - started, now - last,
+                                                   first=last == started)
+                            last = now
+                        await queue.put((prompt_index * body.n + delta.index, delta))
+                finally:
+                    await queue.put(None)
+
+            tasks = [asyncio.create_task(pump(i, rid)) for i, rid in streams]
+            try:
+                remaining = len(tasks)
+                while remaining:
+                    item = await queue.get()
+                    if item is None:
+                        remaining -= 1
+                    else:
+                        yield item
+            finally:
+                for task in tasks:
+                    task.cancel()
+                for _, request_id in streams:
+                    state["engine"].abort(request_id)  # no-op for finished requests; a dropped client's are freed
+
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+            async def events() -> AsyncIterator[str]:
+                started: set[int] = set()
+                completion_tokens = 0
+                async for index, delta in deltas():
+                    completion_tokens += len(delta.token_ids)
+                    chunk = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
+                             "model": model_name,
+                             "choices": [choice(index, delta.text, delta.logprobs, delta.finish_reason,
+                                                index not in started, True)]}
+                    started.add(index)
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                if include_usage:
+                    usage = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
+                             "model": model_name, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
+                    yield f"data: {json.dumps(usage)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        texts: dict[int, list[str]] = {}
+        entries: dict[int, list[Any]] = {}
+        finish: dict[int, str] = {}
+        completion_tokens = 0
+        async for index, delta in deltas():
+            texts.setdefault(index, []).append(delta.text)
+            entries.setdefault(index, []).extend(delta.logprobs or [])
+            completion_tokens += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                finish[index] = delta.finish_reason
+        choices = [choice(i, "".join(texts.get(i, [])), entries.get(i), finish.get(i, "stop"), True, False)
+                   for i in range(len(prompts) * body.n)]
+        return JSONResponse({"id": response_id, "object": obj, "created": created, "model": model_name,
+                             "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        check_model(body.model)
+        prompt = body.prompt
+        prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        if body.echo:
+            raise APIError(400, "echo=true is not supported by this server", param="echo")
+        return await run(prompts, body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
+                         chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest) -> Response:
+        check_model(body.model)
+        tok = state["tokenizer"]
+        if tok is None or getattr(tok, "chat_template", None) is None:
+            raise APIError(400, f"{model_name!r} has no chat template: use /v1/completions", param="messages")
+        try:
+            ids = tok.apply_chat_template(_flatten_content(body.messages), add_generation_prompt=True)
+        except ValueError as err:
+            raise APIError(400, f"messages: {err}", param="messages") from err
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await run([ids], body, max_tokens, logprobs, chat=True)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> Response:
+        check_model(body.model)
+        model = state["model"]
+        if getattr(model.config, "head", None) != "embedding":
+            raise APIError(400, f"{model_name!r} has no embedding head", param="model")
+        if body.encoding_format not in ("float", "base64"):
+            raise APIError(400, f"encoding_format={body.encoding_format!r}: expected 'float' or 'base64'",
+                           param="encoding_format")
+        inputs = body.input
+        inputs = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else inputs
+        try:
+            vectors = await asyncio.to_thread(model.embed, inputs)
+        except ValueError as err:
+            raise APIError(400, f"input: {err}", param="input") from err
+        tokens = sum(len(x) if isinstance(x, list) else len(state["tokenizer"].encode(x)) for x in inputs)
+        if body.encoding_format == "base64":  # little-endian float32 bytes, as OpenAI sends them
+            rows: list[Any] = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in vectors.cpu()]
+        else:
+            rows = vectors.tolist()
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(rows)]
+        return JSONResponse({"object": "list", "data": data, "model": model_name,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    return app
+
+
+START = time.time()
+
+
+def _by_text(top: dict[int, float], text: Any) -> dict[str, float]:
+    """Top log-probabilities keyed by token text (the completions API's shape); ids that decode alike (parts of
+    one character) keep the largest."""
+    out: dict[str, float] = {}
+    for token, logprob in top.items():
+        key = text(token)
+        out[key] = max(logprob, out.get(key, logprob))
+    return out
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine error names (its messages start with the argument's name)."""
+    for name in ("max_tokens", "stop", "seed", "logprobs", "prompt", "n"):
+        if message.startswith(name) or f" {name}=" in message or f"{name} " in message[: len(name) + 1]:
+            return name
+    return "prompt" if "prompt" in message else None

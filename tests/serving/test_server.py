@@ -1,0 +1,252 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client (and raw HTTP for malformed requests) on a
+port the test picks on 127.0.0.1: answers equal ``DecoderLM.generate`` on the chat template's ids, streaming equals
+the whole answer, errors have OpenAI's shape and status, metrics count what was served."""
+
+from __future__ import annotations
+
+import io
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from models import DecoderLM, EncoderLM
+from serving import cli
+from serving.openai_api import create_app
+from tokenization import Tokenizer, train_byte_level_bpe
+
+TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+KEY = "sk-test"
+
+
+def tokenizer() -> Tokenizer:
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello there, how are you today?"] * 4
+    tok = train_byte_level_bpe(corpus, vocab_size=300, min_frequency=1)
+    tok.backend.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    return Tokenizer(tok.backend, chat_template=TEMPLATE)
+
+
+class Served:
+    """A uvicorn server of ``app`` in a thread, on a free port of 127.0.0.1; ``stop()`` ends it."""
+
+    def __init__(self, app) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[tuple[DecoderLM, Tokenizer, Served]]:
+    tok = tokenizer()
+    torch.manual_seed(0)
+    model = DecoderLM.from_preset("tiny", vocab_size=len(tok), d_model=32, n_heads=4, n_layers=2, d_ff=64,
+                                  max_len=128, dropout=0.0, eos_token_id=tok.token_to_id("<|im_end|>"))
+    with torch.no_grad():  # larger than the 0.02-std init: greedy text that is not one repeated token
+        for p in model.parameters():
+            p.mul_(8.0)
+    served = Served(create_app(model.eval(), tok, model_name="tiny-chat", api_key=KEY, max_num_seqs=4))
+    yield model, tok, served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def client(setup) -> openai.OpenAI:
+    return openai.OpenAI(base_url=setup[2].url + "/v1", api_key=KEY, max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "hello there, how are you?"}]
+
+
+def reference(model: DecoderLM, tok: Tokenizer, messages: list, max_tokens: int) -> list[int]:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, eos_token_id=model.config.eos_token_id)
+    new = out[0, len(ids):].tolist()
+    return new
+
+
+def test_chat_completion_equals_generate_on_the_template_ids(setup, client) -> None:
+    model, tok, _ = setup
+    answer = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, temperature=0, max_tokens=12)
+    want = reference(model, tok, MESSAGES, 12)
+    assert len(set(want)) > 3  # a varied answer
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == tok.decode(want)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    prompt_len = len(tok.apply_chat_template(MESSAGES, add_generation_prompt=True))
+    assert answer.usage.prompt_tokens == prompt_len and answer.usage.completion_tokens == len(want)
+
+
+def test_streaming_equals_the_whole_answer_and_ends_with_usage(setup, client) -> None:
+    whole = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, temperature=0, max_tokens=12)
+    chunks = list(client.chat.completions.create(model="tiny-chat", messages=MESSAGES, temperature=0, max_tokens=12,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    raw = httpx.post(setup[2].url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": "tiny-chat", "messages": MESSAGES, "max_tokens": 3, "stream": True}, timeout=30)
+    assert raw.text.endswith("data: [DONE]\n\n") and raw.headers["content-type"].startswith("text/event-stream")
+
+
+def test_completions_with_token_ids_logprobs_and_n(setup, client) -> None:
+    model, tok, _ = setup
+    prompt = tok.encode("the quick brown", add_special_tokens=False)
+    answer = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=6, eos_token_id=model.config.eos_token_id)
+    want = out[0, len(prompt):].tolist()
+    assert answer.choices[0].text == tok.decode(want)
+    with torch.no_grad():  # the chosen tokens' log-probabilities under the model, computed independently
+        logits = model(out[:, :-1]).logits[0, len(prompt) - 1:]
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(want)), torch.tensor(want)]
+    got = torch.tensor(answer.choices[0].logprobs.token_logprobs)
+    torch.testing.assert_close(got, expected[: len(got)], atol=1e-4, rtol=1e-4)
+    # Greedy: each chosen token is the most likely, so it tops its top-2 (keyed by text: two ids may share one).
+    for top, chosen in zip(answer.choices[0].logprobs.top_logprobs, got.tolist(), strict=True):
+        assert len(top) in (1, 2) and max(top.values()) == pytest.approx(chosen, abs=1e-6)
+    sampled = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, n=3, seed=7,
+                                        temperature=1.0)
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    again = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, n=3, seed=7, temperature=1.0)
+    assert [c.text for c in again.choices] == [c.text for c in sampled.choices]  # seeded
+
+
+@pytest.mark.parametrize(("call", "status", "param"), [
+    (lambda c: c.chat.completions.create(model="nope", messages=MESSAGES), 404, "model"),
+    (lambda c: c.chat.completions.create(model="tiny-chat", messages=MESSAGES, n=0), 400, "n"),
+    (lambda c: c.chat.completions.create(model="tiny-chat", messages=MESSAGES, temperature=5), 400, "temperature"),
+    (lambda c: c.chat.completions.create(model="tiny-chat", messages=MESSAGES, presence_penalty=0.5), 400,
+     "presence_penalty"),
+    (lambda c: c.completions.create(model="tiny-chat", prompt=[5] * 200, max_tokens=4), 400, "prompt"),
+    (lambda c: c.completions.create(model="tiny-chat", prompt=[10**6], max_tokens=4), 400, "prompt"),
+    (lambda c: c.completions.create(model="tiny-chat", prompt="hi", max_tokens=0), 400, "max_tokens"),
+])
+def test_bad_requests_get_openai_errors(client, call, status: int, param: str) -> None:
+    with pytest.raises(openai.APIStatusError) as err:
+        call(client)
+    assert err.value.status_code == status
+    body = err.value.body
+    assert set(body) == {"message", "type", "param", "code"} and body["param"] == param and body["message"]
+
+
+def test_malformed_json_missing_key_and_wrong_key(setup) -> None:
+    url = setup[2].url
+    bad = httpx.post(url + "/v1/chat/completions", content=b"{not json", timeout=30,
+                     headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        denied = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    models = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-chat"]
+
+
+def test_metrics_count_what_was_served(setup, client) -> None:
+    def scrape() -> dict[str, float]:
+        text = httpx.get(setup[2].url + "/metrics", timeout=30).text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    before = scrape()
+    answer = client.completions.create(model="tiny-chat", prompt="hello there", max_tokens=5, temperature=0)
+    after = scrape()
+    assert after["zoo_generation_tokens_total"] - before["zoo_generation_tokens_total"] == \
+        answer.usage.completion_tokens
+    assert after["zoo_prompt_tokens_total"] - before["zoo_prompt_tokens_total"] == answer.usage.prompt_tokens
+    assert after["zoo_time_to_first_token_seconds_count"] == before["zoo_time_to_first_token_seconds_count"] + 1
+    assert after["zoo_kv_blocks_total"] > 0 and after["zoo_requests_running"] == 0
+    assert 0.0 <= after["zoo_prefix_cache_hit_rate"] <= 1.0
+
+
+def test_health_is_503_until_the_model_is_loaded_and_embeddings_equal_embed() -> None:
+    tok = tokenizer()
+    app = create_app(model_name="embedder")
+    served = Served(app)
+    try:
+        assert httpx.get(served.url + "/health", timeout=30).status_code == 503
+        torch.manual_seed(0)
+        model = EncoderLM.from_preset("tiny", vocab_size=len(tok), d_model=32, n_heads=4, n_layers=1, d_ff=64,
+                                      head="embedding", options={"head": {"pooling": "mean", "normalize": True}})
+        model.tokenizer = tok
+        app.state.load(model.eval(), tok)
+        assert httpx.get(served.url + "/health", timeout=30).status_code == 200
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        texts = ["the quick brown fox", "hello there"]
+        want = model.embed(texts)
+        for encoding in ({}, {"encoding_format": "float"}):  # untold, the client asks for base64 and decodes it
+            got = client.embeddings.create(model="embedder", input=texts, **encoding)
+            torch.testing.assert_close(torch.tensor([d.embedding for d in got.data]), want, atol=1e-6, rtol=1e-6)
+        with pytest.raises(openai.BadRequestError, match="embedding head"):
+            client.chat.completions.create(model="embedder", messages=MESSAGES)
+    finally:
+        served.stop()
+
+
+@pytest.fixture(scope="module")
+def folder(setup, tmp_path_factory) -> Path:
+    model, tok, _ = setup
+    path = tmp_path_factory.mktemp("chat-model")
+    model.save_pretrained(path, tokenizer=tok)
+    assert (path / "chat_template.jinja").read_text() == TEMPLATE
+    return path
+
+
+def test_zoo_chat_answers_each_turn_as_generate_does(setup, folder: Path) -> None:
+    model, tok, _ = setup
+    out = io.StringIO()
+    cli.chat(cli.parser().parse_args(["chat", str(folder), "--max-tokens", "8"]),
+             stdin=io.StringIO("hello there\nhow are you?\n\n"), stdout=out)
+    answers = [line.removeprefix("> ") for line in out.getvalue().split("\n")[:2]]
+    messages = [{"role": "user", "content": "hello there"}]
+    first = tok.decode(reference(model, tok, messages, 8))
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "how are you?"}]
+    assert answers == [first, tok.decode(reference(model, tok, messages, 8))]
+
+
+def test_zoo_serve_runs_as_a_console_command(folder: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "serving.cli", "serve", str(folder), "--port", str(port),
+               "--served-model-name", "mine", "--max-batch", "2"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "zoo serve did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(model="mine", messages=MESSAGES, temperature=0, max_tokens=4)
+        assert answer.usage.completion_tokens >= 1 and answer.model == "mine"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
