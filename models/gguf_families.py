@@ -25,7 +25,7 @@ from .gguf_file import meta, number, size, token_id
 from .gguf_rope import rope_scaling_from_metadata
 
 #: ``general.architecture`` values read here.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "phi3", "gpt2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "t5")
 
 _LLAMA_LAYER = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -116,6 +116,8 @@ def hf_checkpoint_layout(metadata: Mapping[str, Any], shapes: Mapping[str, tuple
     arch = architecture_of(metadata, path)
     if arch == "gpt2":
         return _gpt2(metadata, shapes)
+    if arch == "t5":
+        return _t5(metadata, shapes)
     return _llama_like(arch, metadata, shapes)
 
 
@@ -307,4 +309,69 @@ def _gpt2(metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) ->
             _, index, short, suffix = gguf_name.split(".")
             change = "transpose" if suffix == "weight" and short not in ("attn_norm", "ffn_norm") else None
             names[gguf_name] = (f"transformer.h.{index}.{_GPT2_LAYER[short]}.{suffix}", change)
+    return Layout(config, names)
+
+
+_T5_ATTENTION = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_o": "o"}
+_T5_FFN = {"ffn_gate": "wi_0", "ffn_up": "wi_1", "ffn_down": "wo"}
+
+
+def _t5(metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> Layout:
+    """T5 (1.0 and 1.1/Flan): llama.cpp's ``enc.blk.N`` / ``dec.blk.N`` tensors as ``T5ForConditionalGeneration``."""
+    n_layers = size(metadata, "t5.block_count")
+    d_model = size(metadata, "t5.embedding_length")
+    d_ff = size(metadata, "t5.feed_forward_length")
+    n_heads = size(metadata, "t5.attention.head_count")
+    d_kv = size(metadata, "t5.attention.key_length", d_model // n_heads)
+    buckets = size(metadata, "t5.attention.relative_buckets_count", 32)
+    eps_key = "t5.attention.layer_norm_rms_epsilon"
+    if eps_key not in metadata:
+        eps_key = "t5.attention.layer_norm_epsilon"
+    vocab_size = _vocab(shapes)
+    n_decoder = len({name.split(".")[2] for name in shapes if name.startswith("dec.blk.")})
+    gated = "enc.blk.0.ffn_gate.weight" in shapes
+    inner = n_heads * d_kv
+    attention = {"attn_q": (inner, d_model), "attn_k": (inner, d_model), "attn_v": (inner, d_model),
+                 "attn_o": (d_model, inner)}
+    ffn = {"ffn_up": (d_ff, d_model), "ffn_down": (d_model, d_ff), **({"ffn_gate": (d_ff, d_model)} if gated else {})}
+    expected = {"token_embd.weight": (vocab_size, d_model), "enc.output_norm.weight": (d_model,),
+                "dec.output_norm.weight": (d_model,), "enc.blk.0.attn_rel_b.weight": (buckets, n_heads),
+                "dec.blk.0.attn_rel_b.weight": (buckets, n_heads)}
+    names: dict[str, tuple[str, str | None]] = {
+        "token_embd.weight": ("shared.weight", None),
+        "enc.output_norm.weight": ("encoder.final_layer_norm.weight", None),
+        "dec.output_norm.weight": ("decoder.final_layer_norm.weight", None),
+        "enc.blk.0.attn_rel_b.weight": ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", None),
+        "dec.blk.0.attn_rel_b.weight": ("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", None),
+    }
+    for stack, count, ffn_index in (("enc", n_layers, 1), ("dec", n_decoder, 2)):
+        hf = "encoder" if stack == "enc" else "decoder"
+        for i in range(count):
+            block = f"{hf}.block.{i}.layer"
+            parts = {"attn_norm": ((d_model,), f"{block}.0.layer_norm"),
+                     "ffn_norm": ((d_model,), f"{block}.{ffn_index}.layer_norm")}
+            parts.update({k: (s, f"{block}.0.SelfAttention.{v}") for k, s in attention.items()
+                          for v in [_T5_ATTENTION[k]]})
+            ffn_names = {**_T5_FFN, "ffn_up": "wi_1" if gated else "wi"}  # T5 1.0's one input matrix is "wi"
+            parts.update({k: (s, f"{block}.{ffn_index}.DenseReluDense.{ffn_names[k]}") for k, s in ffn.items()})
+            if stack == "dec":
+                parts["cross_attn_norm"] = ((d_model,), f"{block}.1.layer_norm")
+                parts.update({f"cross_{k}": (s, f"{block}.1.EncDecAttention.{_T5_ATTENTION[k]}")
+                              for k, s in attention.items()})
+            for short, (shape, hf_name) in parts.items():
+                expected[f"{stack}.blk.{i}.{short}.weight"] = shape
+                names[f"{stack}.blk.{i}.{short}.weight"] = (f"{hf_name}.weight", None)
+    _check_tensor_set("t5", shapes, expected, {"output.weight": (vocab_size, d_model)})
+    if "output.weight" in shapes:
+        names["output.weight"] = ("lm_head.weight", None)
+    config = {
+        "model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "is_encoder_decoder": True,
+        "d_model": d_model, "d_ff": d_ff, "d_kv": d_kv, "num_heads": n_heads, "num_layers": n_layers,
+        "num_decoder_layers": n_decoder, "relative_attention_num_buckets": buckets, "vocab_size": vocab_size,
+        "layer_norm_epsilon": number(metadata, eps_key, None), "n_positions": size(metadata, "t5.context_length", 512),
+        "feed_forward_proj": "gated-gelu" if gated else "relu", "tie_word_embeddings": "output.weight" not in shapes,
+        "decoder_start_token_id": token_id(metadata, "t5.decoder_start_token_id", vocab_size) or 0,
+        **_special_ids(metadata, vocab_size),
+    }
+    config.pop("bos_token_id")
     return Layout(config, names)

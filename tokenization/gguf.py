@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models, normalizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from .gguf_pretokenizers import pre_name_of, pre_tokenizer_for
@@ -44,7 +44,7 @@ _ROLE_KEYS = {
 # Ids llama.cpp reads beside the roles a ``Tokenizer`` has: end of turn / message, separator, fill-in-the-middle.
 _EXTRA_ID_KEYS = ("eot", "eom", "sep", "cls", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
 
-SUPPORTED_MODELS = ("llama", "gpt2")
+SUPPORTED_MODELS = ("llama", "gpt2", "t5")
 
 
 class GGUFTokenizer(Tokenizer):
@@ -118,18 +118,15 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GGUFTokenizer:
 
     kind = metadata.get("tokenizer.ggml.model")
     token_types = _int_list(metadata, "tokenizer.ggml.token_type", len(tokens))
+    default_eos = False
     if kind == "llama":
-        scores = metadata.get("tokenizer.ggml.scores")
-        if not isinstance(scores, list) or len(scores) != len(tokens):
-            got = len(scores) if isinstance(scores, list) else scores
-            raise ValueError(f"tokenizer.ggml.scores must list one score per token ({len(tokens)}), got {got!r}")
-        bad = next((i for i, v in enumerate(scores) if isinstance(v, bool) or not isinstance(v, (int, float))
-                    or not math.isfinite(v)), None)
-        if bad is not None:
-            raise ValueError(f"tokenizer.ggml.scores[{bad}]={scores[bad]!r}: expected finite numbers")
         add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-        backend = _sentencepiece_bpe(tokens, scores, metadata.get("tokenizer.ggml.merges"), roles["unk"], add_prefix)
+        backend = _sentencepiece_bpe(tokens, _scores(metadata, len(tokens)), metadata.get("tokenizer.ggml.merges"),
+                                     roles["unk"], add_prefix)
         default_bos = True  # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
+    elif kind == "t5":  # SentencePiece Unigram (llama.cpp's UGM): EOS added, no BOS
+        backend = _unigram(tokens, _scores(metadata, len(tokens)), metadata)
+        default_bos, default_eos = False, True
     elif kind == "gpt2":
         pre = metadata.get("tokenizer.ggml.pre")
         if pre is not None and not isinstance(pre, str):
@@ -148,7 +145,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GGUFTokenizer:
 
     _add_whole_tokens(backend, tokens, token_types, roles)
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_bos))
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", default_eos))
     backend.post_processor = _template(tokens, metadata, add_bos, add_eos)
     return GGUFTokenizer(backend, roles, **_extras(metadata, len(tokens), add_bos, add_eos))
 
@@ -171,6 +168,41 @@ def _extras(metadata: Mapping[str, Any], size: int, add_bos: bool, add_eos: bool
             "special_ids": special_ids, "model": metadata.get("tokenizer.ggml.model"),
             "pre": metadata.get("tokenizer.ggml.pre"),
             "metadata": {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}}
+
+
+def _scores(metadata: Mapping[str, Any], length: int) -> list[float]:
+    scores = metadata.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) != length:
+        got = len(scores) if isinstance(scores, list) else scores
+        raise ValueError(f"tokenizer.ggml.scores must list one score per token ({length}), got {got!r}")
+    bad = next((i for i, v in enumerate(scores) if isinstance(v, bool) or not isinstance(v, (int, float))
+                or not math.isfinite(v)), None)
+    if bad is not None:
+        raise ValueError(f"tokenizer.ggml.scores[{bad}]={scores[bad]!r}: expected finite numbers")
+    return scores
+
+
+def _unigram(tokens: Sequence[str], scores: Sequence[float], metadata: Mapping[str, Any]) -> Backend:
+    """T5's vocabulary: a Unigram model over ``▁``-joined words, with the file's normalizer settings."""
+    unk = metadata.get("tokenizer.ggml.unknown_token_id", 2 if len(tokens) > 2 else None)  # llama.cpp's T5 default
+    backend = Backend(models.Unigram([(t, float(v)) for t, v in zip(tokens, scores, strict=True)], unk_id=unk))
+    steps = []
+    charsmap = metadata.get("tokenizer.ggml.precompiled_charsmap")
+    if isinstance(charsmap, list) and charsmap:
+        try:
+            steps.append(normalizers.Precompiled(bytes(b & 0xFF for b in charsmap)))
+        except Exception as err:  # tokenizers raises a bare Exception on a bad map
+            raise ValueError(f"tokenizer.ggml.precompiled_charsmap is not a SentencePiece charsmap: {err}") from err
+    if metadata.get("tokenizer.ggml.remove_extra_whitespaces", False):
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+    add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    # As SentencePiece: the space prefix always (tokenizers' Metaspace skips it before a leading space), then every
+    # space a visible one, and a piece starts at each of them.
+    steps += [normalizers.Prepend(_SPACE)] if add_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="never", split=True)
+    backend.decoder = decoders.Metaspace(replacement=_SPACE, prepend_scheme="always" if add_prefix else "never")
+    return backend
 
 
 def _roles(metadata: Mapping[str, Any], tokens: Sequence[str]) -> dict[str, str | None]:

@@ -199,7 +199,7 @@ def test_split_set_reads_as_one_file(tmp_path, tiny_models):
 
 
 def test_architectures_listed():
-    assert set(SUPPORTED_ARCHITECTURES) == {ARCH.get(f, f) for f in FAMILIES}
+    assert set(SUPPORTED_ARCHITECTURES) == {ARCH.get(f, f) for f in FAMILIES} | {"t5"}
 
 
 @pytest.mark.parametrize("family, drop, add, message", [
@@ -254,3 +254,74 @@ def test_model_built_without_init_gets_every_weight(tmp_path, tiny_models, monke
     with pytest.raises(RuntimeError, match="build failed"):
         models.from_pretrained(path)
     assert torch.nn.init.normal_ is normal
+
+
+def test_t5_matches_transformers_gguf_loader_and_its_unigram_vocabulary(tmp_path):
+    """T5 1.1 / Flan (gated-gelu, untied head) from a GGUF file as llama.cpp writes it (enc./dec. blocks): tensors
+    bit-identical to transformers' GGUF loader, logits those of the original model; its Unigram vocabulary
+    (tokenizer.ggml.model = t5) gives SentencePiece's own ids (with EOS, as llama.cpp adds it)."""
+    import sentencepiece as spm
+
+    from tests.tokenization.test_gguf_pretokenizers import CORPUS, TEXTS
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(t for t in CORPUS if t and "<|" not in t))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=110,
+                                   model_type="unigram", character_coverage=1.0, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                   minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=sp.get_piece_size(), d_model=64, d_ff=96, d_kv=16, num_heads=4,
+                                   num_layers=2, relative_attention_num_buckets=16, feed_forward_proj="gated-gelu",
+                                   tie_word_embeddings=False, layer_norm_epsilon=1e-5, decoder_start_token_id=0)
+    original = transformers.T5ForConditionalGeneration(config).eval()
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.T5, config.num_layers)
+    writer = gguf.GGUFWriter(str(tmp_path / "t5.gguf"), "t5")
+    writer.add_name("flan-t5-tiny")
+    writer.add_context_length(512)
+    writer.add_embedding_length(config.d_model)
+    writer.add_feed_forward_length(config.d_ff)
+    writer.add_block_count(config.num_layers)
+    writer.add_head_count(config.num_heads)
+    writer.add_key_length(config.d_kv)
+    writer.add_value_length(config.d_kv)
+    writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    writer.add_relative_attn_buckets_count(config.relative_attention_num_buckets)
+    writer.add_decoder_start_token_id(0)
+    writer.add_vocab_size(config.vocab_size)
+    n = sp.get_piece_size()
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    writer.add_token_scores([sp.get_score(i) for i in range(n)])
+    writer.add_token_types([2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 1 for i in range(n)])
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(2)
+    for hf_name, tensor in original.state_dict().items():
+        base, suffix = hf_name.rsplit(".", 1)
+        mapped = name_map.get_name(base)
+        if mapped is not None and not (mapped == "token_embd" and base != "shared"):
+            writer.add_tensor(f"{mapped}.{suffix}", tensor.numpy().copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = tmp_path / "t5.gguf"
+
+    config_read, state, tokenizer = read_gguf(path)
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                                        dtype=torch.float32).eval()
+    theirs = reference.state_dict()
+    for name, tensor in state.items():
+        assert torch.equal(tensor, theirs[name]) and torch.equal(tensor, original.state_dict()[name]), name
+    zoo = models.from_pretrained(path)
+    src, tgt = IDS % n, torch.tensor([[0, 5, 9, 33, 4]])
+    # Logits against the original model: transformers' GGUF loader builds T5 with a gated *relu* (its config
+    # keeps dense_act_fn="relu" while setting is_gated_act), where Flan-T5 and llama.cpp use a gated gelu.
+    assert reference.config.dense_act_fn == "relu" and reference.config.is_gated_act
+    with torch.no_grad():
+        want = original(input_ids=src, decoder_input_ids=tgt).logits
+        torch.testing.assert_close(zoo(src, tgt).logits, want, atol=1e-4, rtol=0)
+    for text in [t for t in TEXTS if "<|" not in t]:
+        assert tokenizer.encode(text) == [*sp.encode(text), 1], text
