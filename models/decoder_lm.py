@@ -146,9 +146,11 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, Persist
             )
         return None
 
-    def final_hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def final_hidden(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, document_ids: Tensor | None = None
+    ) -> Tensor:
         """The last hidden state ``(B, L, d_model)`` after the final norm (what the heads read)."""
-        out = self.forward(input_ids, attention_mask, output_hidden_states=True,
+        out = self.forward(input_ids, attention_mask, document_ids=document_ids, output_hidden_states=True,
                            logits_to_keep=0 if self.has_task_head else 1)
         return out.hidden_states[-1]
 

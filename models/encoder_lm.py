@@ -30,7 +30,7 @@ from .core.stack import (
     positions_from_mask,
 )
 from .generation import EncoderLMFillMaskMixin
-from .tasks import TASK_HEADS, TaskHeadMixin
+from .tasks import TASK_HEADS, TaskHeadMixin, document_positions
 from .text_tasks import TextTasksMixin
 
 
@@ -126,10 +126,14 @@ class EncoderLM(EncoderLMFillMaskMixin, TaskHeadMixin, TextTasksMixin, Persisten
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         *,
+        document_ids: Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
-        """The encoder without the MLM head: ``(last hidden state (B, L, d_model), hidden states, attentions)``."""
+        """The encoder without the MLM head: ``(last hidden state (B, L, d_model), hidden states, attentions)``.
+
+        ``document_ids`` ``(B, L)``: several sequences packed in a row (``embed`` packs them): attention stays
+        inside each document and positions restart at every document start."""
         self.check_ids(input_ids, "input_ids")
         b, length = input_ids.shape
         attention_mask = self.check_mask(attention_mask, (b, length), "attention_mask")
@@ -152,11 +156,18 @@ class EncoderLM(EncoderLMFillMaskMixin, TaskHeadMixin, TextTasksMixin, Persisten
                 token_type_ids = torch.zeros_like(input_ids)
             x = x + self.token_type_embed(token_type_ids)
         positions, _ = positions_from_mask(attention_mask, 0, length, input_ids.device)
+        if document_ids is not None:
+            if tuple(document_ids.shape) != (b, length):
+                raise ValueError(f"document_ids must have shape {(b, length)}, got {tuple(document_ids.shape)}")
+            positions = document_positions(document_ids)
         self.positional.check_positions(positions)
         x = self.dropout(self.embed_norm(self.positional(x, positions)))  # (B, L, d_model)
         per_layer = positional_per_layer(self.positional, self.layer_positionals, len(self.layers), positions,
                                          positions)
         mask = None if attention_mask is None else blocks.padding_mask(attention_mask)  # (B, 1, 1, L)
+        if document_ids is not None:
+            same_document = blocks.document_mask(document_ids)  # (B, 1, L, L)
+            mask = same_document if mask is None else mask & same_document
         hidden_states, attentions = [x], []
         for layer, (rotary, bias) in zip(self.layers, per_layer, strict=True):
             x, weights = layer(
@@ -168,9 +179,11 @@ class EncoderLM(EncoderLMFillMaskMixin, TaskHeadMixin, TextTasksMixin, Persisten
         hidden_states[-1] = x
         return x, hidden_states, attentions
 
-    def final_hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """The last hidden state ``(B, L, d_model)`` (what the heads read)."""
-        return self.encode(input_ids, attention_mask)[0]
+    def final_hidden(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, document_ids: Tensor | None = None
+    ) -> Tensor:
+        """The last hidden state ``(B, L, d_model)`` (what the heads read); ``document_ids`` as in ``encode``."""
+        return self.encode(input_ids, attention_mask, document_ids=document_ids)[0]
 
     def forward(
         self,

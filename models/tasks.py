@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from blocks.heads import LM_HEADS, build_head, pool
+from blocks.heads import LM_HEADS, build_head
 
 from .checkpoints.sentence_folder import save_sentence_transformers
 from .core.outputs import ModelOutput, QuestionAnsweringOutput
@@ -26,6 +26,61 @@ from .core.stack import build_norm
 TASK_HEADS = ("sequence_classification", "token_classification", "question_answering", "embedding")
 #: inputs above this many texts get a progress bar when ``progress`` is None and stderr is a terminal.
 PROGRESS_THRESHOLD = 256
+
+
+def document_positions(document_ids: Tensor) -> Tensor:
+    """Positions that restart at 0 at every document start of packed rows ``(B, L)``."""
+    b, length = document_ids.shape
+    index = torch.arange(length, device=document_ids.device).expand(b, length)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(-1).values
+
+
+def packed_batches(lengths: list[int], batch_size: int) -> list[list[list[int]]]:
+    """The forward passes of ``embed``: ``batch_size`` texts each, longest first, packed into rows.
+
+    Each pass takes the next ``batch_size`` texts by length; its rows are as wide as its longest text, and the
+    shorter texts share rows (each row takes the longest text left, then the shortest ones while they fit), so the
+    pass computes few padding positions. Returns, per pass, rows of text indices.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    passes = []
+    for start in range(0, len(order), batch_size):
+        group = order[start:start + batch_size]
+        width, low, high, rows = lengths[group[0]], 0, len(group) - 1, []
+        while low <= high:
+            row, used = [group[low]], lengths[group[low]]
+            low += 1
+            while low <= high and used + lengths[group[high]] <= width:
+                row.append(group[high])
+                used += lengths[group[high]]
+                high -= 1
+            rows.append(row)
+        passes.append(rows)
+    return passes
+
+
+def pool_documents(hidden: Tensor, documents: Tensor, count: int, pooling: str) -> Tensor:
+    """Pool the tokens of each packed document: ``hidden (R, W, D)``, ``documents (R, W)`` ids in ``[0, count)``
+    (-1 for padding) -> ``(count, D)``, as ``blocks.heads.pool`` computes each alone."""
+    flat, ids = hidden.reshape(-1, hidden.shape[-1]), documents.reshape(-1)
+    real = ids >= 0
+    flat, ids = flat[real], ids[real]  # (T, D), (T,)
+    position = torch.arange(len(ids), device=ids.device)
+    if pooling in ("cls", "last"):
+        reduce = "amin" if pooling == "cls" else "amax"
+        pick = torch.full((count,), -1, dtype=torch.long, device=ids.device).scatter_reduce(
+            0, ids, position, reduce=reduce, include_self=False)
+        return flat[pick]
+    if pooling == "max":
+        return flat.new_full((count, flat.shape[-1]), torch.finfo(flat.dtype).min).scatter_reduce(
+            0, ids[:, None].expand_as(flat), flat, reduce="amax", include_self=False)
+    total = flat.new_zeros(count, flat.shape[-1]).index_add_(0, ids, flat)
+    tokens = flat.new_zeros(count).index_add_(0, ids, torch.ones_like(ids, dtype=flat.dtype))[:, None]
+    if pooling not in ("mean", "mean_sqrt_len"):
+        raise ValueError(f"unknown pooling {pooling!r}")
+    return total / (tokens if pooling == "mean" else tokens.sqrt())
 
 
 class TaskHeadMixin:
@@ -121,30 +176,39 @@ class TaskHeadMixin:
         options = self.embedding_options()
         rows = self.token_rows(texts_or_ids, prompt, options)
         normalize = bool(options.get("normalize", False)) if normalize is None else normalize
+        if any(not row for row in rows):
+            raise ValueError("a text encodes to no tokens; embed needs at least one token per text")
         device = next(self.parameters()).device
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
         out = torch.empty(len(rows), self.config.d_model, dtype=torch.float32, device=device)
-        starts = range(0, len(rows), batch_size)
+        forwards = packed_batches([len(row) for row in rows], batch_size)
         show = progress if progress is not None else len(rows) > PROGRESS_THRESHOLD and sys.stderr.isatty()
         if show:
             from tqdm.auto import tqdm
 
-            starts = tqdm(starts, desc="embed", unit="batch")
+            forwards = tqdm(forwards, desc="embed", unit="batch")
         pad = 0 if self.config.pad_token_id is None else self.config.pad_token_id
-        for start in starts:
-            index = order[start:start + batch_size]
-            width = len(rows[index[0]])
-            ids = torch.full((len(index), width), pad, dtype=torch.long)
-            mask = torch.zeros(len(index), width, dtype=torch.bool)
-            for j, i in enumerate(index):
-                ids[j, :len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
-                mask[j, :len(rows[i])] = True
-            ids, mask = ids.to(device), mask.to(device)
-            hidden = self.final_hidden(ids, None if bool(mask.all()) else mask)  # (b, width, d_model)
-            vectors = pool(hidden, mask, options.get("pooling", self.default_pooling)).float()
+        pooling = options.get("pooling", self.default_pooling)
+        for packed in forwards:
+            width = max(sum(len(rows[i]) for i in row) for row in packed)
+            ids = torch.full((len(packed), width), pad, dtype=torch.long)
+            documents = torch.full((len(packed), width), -1, dtype=torch.long)
+            texts = [i for row in packed for i in row]
+            slot = {i: k for k, i in enumerate(texts)}
+            for r, row in enumerate(packed):
+                at = 0
+                for i in row:
+                    ids[r, at:at + len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
+                    documents[r, at:at + len(rows[i])] = slot[i]
+                    at += len(rows[i])
+            ids, documents = ids.to(device), documents.to(device)
+            mask = documents >= 0
+            several = any(len(row) > 1 for row in packed)
+            hidden = self.final_hidden(ids, None if bool(mask.all()) else mask,
+                                       documents if several else None)  # (rows, width, d_model)
+            vectors = pool_documents(hidden, documents, len(texts), pooling).float()
             if normalize:
                 vectors = nn.functional.normalize(vectors, p=2, dim=-1)
-            out[torch.tensor(index, device=device)] = vectors
+            out[torch.tensor(texts, device=device)] = vectors
         return out
 
     def token_rows(

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, pre_tokenizers, processors
 from tokenizers import models as tok_models
 
 import models
+from models.tasks import packed_batches
 
 WORDS = [f"w{i}" for i in range(90)]
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -111,3 +112,22 @@ def test_decoder_with_last_token_pooling(llama_folder, tmp_path) -> None:
     zoo.save_sentence_transformers(tmp_path / "back")
     again = SentenceTransformer(str(tmp_path / "back"), device="cpu")
     torch.testing.assert_close(encode(again, sentences), encode(st, sentences), atol=1e-5, rtol=0)
+
+
+def test_packing_fills_rows_up_to_the_longest_text() -> None:
+    lengths = [30, 5, 12, 7, 30, 3, 18, 9, 2, 25]
+    passes = packed_batches(lengths, batch_size=6)
+    assert sorted(i for rows in passes for row in rows for i in row) == list(range(len(lengths)))
+    for rows in passes:
+        width = max(lengths[i] for row in rows for i in row)
+        assert all(sum(lengths[i] for i in row) <= width for row in rows)
+    assert any(len(row) > 1 for rows in passes for row in rows)
+
+
+@torch.no_grad()
+def test_packed_embeddings_equal_one_text_at_a_time(bert_folder, tmp_path) -> None:
+    build_st(bert_folder, tmp_path / "st", "mean", False)
+    zoo = models.from_pretrained(tmp_path / "st")
+    sentences = texts(n=9, seed=3)
+    alone = torch.cat([zoo.embed([s]) for s in sentences])
+    torch.testing.assert_close(zoo.embed(sentences, batch_size=9), alone, atol=1e-5, rtol=0)
