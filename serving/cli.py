@@ -1,13 +1,16 @@
-"""The ``zoo`` command: ``zoo serve MODEL`` (the OpenAI-compatible server) and ``zoo chat MODEL`` (a chat in the
-terminal). ``MODEL`` is a checkpoint folder, a Hub repo id or a ``.gguf`` file (``models.from_pretrained``).
+"""The ``zoo`` command. ``MODEL`` is a checkpoint folder, a Hub repo id or a ``.gguf`` file
+(``models.from_pretrained``).
 
-    zoo serve ./my-model --port 8000 --api-key sk-local --served-model-name mine
-    zoo chat ./my-model --max-tokens 256 --temperature 0.7
+    zoo serve ./my-model --port 8000 --api-key sk-local --served-model-name mine   # the OpenAI API
+    zoo chat ./my-model --temperature 0.7        # a terminal chat: /reset, /system TEXT, /exit; Ctrl-C stops a reply
+    zoo generate ./my-model "Once upon a time" --max-tokens 64                     # one completion, streamed
+    zoo embed ./my-embedder "first text" "second text"                             # one JSON vector per line
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -42,12 +45,19 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=_positive, default=16)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
-    chat = sub.add_parser("chat", help="chat with a model in the terminal")
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (/reset, /system TEXT, /exit)")
     chat.add_argument("model")
     chat.add_argument("--system", default=None, help="a system message")
-    chat.add_argument("--max-tokens", type=_positive, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    chat.add_argument("--seed", type=int, default=None)
+    generate = sub.add_parser("generate", help="complete one prompt, streamed to stdout")
+    generate.add_argument("model")
+    generate.add_argument("prompt")
+    for command in (chat, generate):
+        command.add_argument("--max-tokens", type=_positive, default=256)
+        command.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+        command.add_argument("--seed", type=int, default=None)
+    embed = sub.add_parser("embed", help="embed texts (a model with an embedding head): one JSON list per line")
+    embed.add_argument("model")
+    embed.add_argument("texts", nargs="+")
     return p
 
 
@@ -62,10 +72,40 @@ def serve(args: argparse.Namespace) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 
-def chat(args: argparse.Namespace, stdin: Any = None, stdout: Any = None) -> None:
-    """Read user turns line by line; print each answer as it is generated. An empty line or EOF ends."""
+def _sampling(args: argparse.Namespace) -> Any:
     from models.generation.sampling import SamplingParams
 
+    if args.temperature < 0:
+        raise SystemExit(f"zoo: --temperature must be >= 0, got {args.temperature}")
+    return SamplingParams() if args.temperature == 0 else SamplingParams(do_sample=True, temperature=args.temperature)
+
+
+def _stream(engine: Any, ids: list[int], args: argparse.Namespace, stdout: Any) -> str:
+    """Generate from ``ids``, writing the text as it comes; Ctrl-C stops (aborts) this reply only."""
+    room = engine.context - len(ids)
+    if room < 1:
+        raise ValueError(f"the prompt fills the model's context of {engine.context} tokens")
+    request = engine.add_request(ids, _sampling(args), max_tokens=min(args.max_tokens, room), seed=args.seed)
+    text = []
+    try:
+        while engine.has_unfinished():
+            for delta in engine.step():
+                stdout.write(delta.text)
+                stdout.flush()
+                text.append(delta.text)
+    except KeyboardInterrupt:
+        engine.abort(request)
+        stdout.write(" [stopped]")
+    finally:
+        engine.requests.pop(request, None)
+    stdout.write("\n")
+    return "".join(text)
+
+
+def chat(args: argparse.Namespace, stdin: Any = None, stdout: Any = None) -> None:
+    """A chat through the model's template: each answer streams as it is generated and joins the history.
+    ``/reset`` clears the history, ``/system TEXT`` sets the system message (and clears), ``/exit`` or EOF ends;
+    Ctrl-C during an answer stops that answer."""
     from .engine import Engine
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
@@ -74,37 +114,57 @@ def chat(args: argparse.Namespace, stdin: Any = None, stdout: Any = None) -> Non
     if getattr(tok, "chat_template", None) is None:
         raise SystemExit(f"zoo: {args.model} has no chat template (chat_template.jinja or tokenizer_config.json)")
     engine = Engine(model, tok, max_num_seqs=1)
-    sampling = SamplingParams() if args.temperature == 0 else SamplingParams(do_sample=True,
-                                                                             temperature=args.temperature)
-    messages = [] if args.system is None else [{"role": "system", "content": args.system}]
+    system = args.system
+    messages: list[dict[str, str]] = []
     while True:
         stdout.write("> ")
         stdout.flush()
-        line = stdin.readline()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            stdout.write("\n")
+            continue
+        if not line or line.strip() == "/exit":
+            return
+        line = line.rstrip("\n")
+        if line.strip() in ("/reset", "/system") or line.startswith("/system "):
+            messages = []
+            if line.startswith("/system"):
+                system = line.removeprefix("/system").strip() or None
+            stdout.write("[history cleared]\n")
+            continue
         if not line.strip():
-            return
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
-        room = engine.context - len(ids)
-        if room < 1:
-            stdout.write("[the conversation fills the model's context; start a new one]\n")
-            return
-        request = engine.add_request(ids, sampling, max_tokens=min(args.max_tokens, room), seed=args.seed)
-        answer = []
-        while engine.has_unfinished():
-            for delta in engine.step():
-                if delta.request_id == request:
-                    stdout.write(delta.text)
-                    stdout.flush()
-                    answer.append(delta.text)
-        engine.requests.pop(request, None)
-        stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(answer)})
+            continue
+        turn = [*([{"role": "system", "content": system}] if system else []), *messages,
+                {"role": "user", "content": line}]
+        try:
+            answer = _stream(engine, tok.apply_chat_template(turn, add_generation_prompt=True), args, stdout)
+        except ValueError as err:
+            stdout.write(f"[{err}; /reset to start again]\n")
+            continue
+        messages += [{"role": "user", "content": line}, {"role": "assistant", "content": answer}]
+
+
+def generate(args: argparse.Namespace, stdout: Any = None) -> None:
+    from .engine import Engine
+
+    model = _load(args.model)
+    engine = Engine(model, model.tokenizer, max_num_seqs=1)
+    _stream(engine, model.tokenizer.encode(args.prompt), args, stdout or sys.stdout)
+
+
+def embed(args: argparse.Namespace, stdout: Any = None) -> None:
+    model = _load(args.model)
+    if getattr(model.config, "head", None) != "embedding":
+        raise SystemExit(f"zoo: {args.model} has no embedding head")
+    stdout = stdout or sys.stdout
+    for vector in model.embed(args.texts).tolist():
+        stdout.write(json.dumps(vector) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    {"serve": serve, "chat": chat}[args.command](args)
+    {"serve": serve, "chat": chat, "generate": generate, "embed": embed}[args.command](args)
 
 
 if __name__ == "__main__":

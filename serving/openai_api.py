@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from models.generation.sampling import SamplingParams
 
@@ -44,13 +45,19 @@ class APIError(Exception):
     """An error answered in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after
 
     def response(self) -> JSONResponse:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        headers = None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+#: Seconds a client is asked to wait (``Retry-After``) when the waiting queue is full.
+RETRY_AFTER_S = 1
 
 
 class StreamOptions(BaseModel):
@@ -146,7 +153,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         state.update(model=model, tokenizer=tokenizer if tokenizer is not None else getattr(model, "tokenizer", None))
         if getattr(model.config, "head", None) != "embedding":
             engine = Engine(model.eval(), state["tokenizer"], **engine_limits)
-            state["engine"] = AsyncEngine(engine)
+            state["engine"] = app.state.engine = AsyncEngine(engine)
             metrics.bind(engine)
 
     app.state.load = load
@@ -156,6 +163,18 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
         return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own refusals (an undecodable body, an unknown path or method) in OpenAI's shape.
+        type_ = "invalid_request_error" if err.status_code < 500 else "server_error"
+        return APIError(err.status_code, str(err.detail), type_=type_).response()
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, err: Exception) -> JSONResponse:
+        # A bug or an unexpected failure in one request: that request gets a 500, the server keeps serving.
+        return APIError(500, f"internal error: {type(err).__name__}: {err}", type_="server_error",
+                        code="internal_error").response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -213,13 +232,21 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
             if tok is None:
                 raise APIError(400, "this server has no tokenizer: send prompts as token ids", param="prompt")
             prompt = list(tok.encode(prompt))
+        context = eng.engine.context
+        if isinstance(prompt, list) and len(prompt) >= context:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; the model's context is {context} tokens "
+                                "(one is needed for the answer)", param="prompt")
         if max_tokens is None:
-            max_tokens = max(1, eng.engine.context - len(prompt))
+            max_tokens = max(1, context - len(prompt))
+        elif isinstance(prompt, list) and len(prompt) + max_tokens > context:
+            raise APIError(400, f"the prompt's {len(prompt)} tokens + max_tokens={max_tokens} exceed the model's "
+                                f"context of {context} tokens", param="max_tokens")
         try:
             request_id = await eng.add_request(prompt, sampling, max_tokens=max_tokens, stop=body.stop, n=body.n,
                                                seed=body.seed, logprobs=logprobs)
         except QueueFullError as err:
-            raise APIError(503, f"the server is busy: {err}", type_="server_error", code="queue_full") from err
+            raise APIError(503, f"the server is busy: {err}", type_="server_error", code="queue_full",
+                           retry_after=RETRY_AFTER_S) from err
         except ValueError as err:
             raise APIError(400, str(err), param=_param_of(str(err))) from err
         metrics.received(len(prompt))
