@@ -3,7 +3,8 @@
 ``read_gguf(path)`` gives what a ``transformers`` folder of the file's family would hold: the ``config.json`` dict,
 the state dict under that family's names, and the embedded tokenizer. ``models.from_pretrained("model.gguf")``
 passes the first two to ``models.convert.from_transformers``, so a GGUF loads through the same converter (looked up
-by ``model_type``) as a ``transformers`` checkpoint of its family: llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2.
+by ``model_type``) as a ``transformers`` checkpoint of its family: llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2
+and t5.
 
 What llama.cpp's converter changed is undone:
 - quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K ... Q6_K) are dequantized with the
@@ -50,7 +51,7 @@ MAX_SPLITS = 9999
 def read_gguf(
     path: str | os.PathLike[str], dtype: str | torch.dtype | None = None
 ) -> tuple[dict[str, Any], dict[str, Tensor], Tokenizer | None]:
-    """Read a GGUF file (llama, mistral, qwen2, qwen3, gemma2, phi3 or gpt2) as a ``transformers`` checkpoint.
+    """Read a GGUF file (llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2 or t5) as a ``transformers`` checkpoint.
 
     Every check runs before any tensor is decoded or any array is turned into Python objects: the header's
     counts, lengths and tensor layout against the file (``models.gguf_file``), then the architecture, tensor

@@ -1,10 +1,10 @@
 """GGUF architectures -> ``transformers`` configs and tensor names: the inverse of llama.cpp's ``convert_hf_to_gguf``.
 
 Each family llama.cpp writes under its own ``general.architecture`` (``llama``, ``qwen2``, ``qwen3``, ``gemma2``,
-``phi3``, ``gpt2``) keeps its sizes under ``<arch>.*`` keys and its tensors under llama.cpp's names (``token_embd``,
-``blk.N.attn_q`` ...). ``hf_checkpoint_layout`` turns those into what a ``transformers`` folder of that family holds:
-the ``config.json`` dict (``model_type`` picks the zoo converter at load time, so no family module is imported here)
-and, per GGUF tensor, its ``transformers`` name and the change llama.cpp's converter made to it:
+``phi3``, ``gpt2``, ``t5``) keeps its sizes under ``<arch>.*`` keys and its tensors under llama.cpp's names
+(``token_embd``, ``blk.N.attn_q`` ...). ``hf_checkpoint_layout`` turns those into what a ``transformers`` folder of
+that family holds: the ``config.json`` dict (``model_type`` picks the zoo converter at load time, so no family
+module is imported here) and, per GGUF tensor, its ``transformers`` name and the change llama.cpp's converter made:
 
 - ``permute_q`` / ``permute_k``: llama's q and k rows interleaved for llama.cpp's rotary (``LlamaModel.permute``);
 - ``minus_one``: Gemma's RMSNorm weights stored as ``1 + w`` (llama.cpp's norm multiplies by the weight);

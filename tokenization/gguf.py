@@ -22,6 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
@@ -189,8 +190,10 @@ def _unigram(tokens: Sequence[str], scores: Sequence[float], metadata: Mapping[s
     steps = []
     charsmap = metadata.get("tokenizer.ggml.precompiled_charsmap")
     if isinstance(charsmap, list) and charsmap:
+        blob = bytes(b & 0xFF for b in charsmap)
+        _check_charsmap(blob)
         try:
-            steps.append(normalizers.Precompiled(bytes(b & 0xFF for b in charsmap)))
+            steps.append(normalizers.Precompiled(blob))
         except Exception as err:  # tokenizers raises a bare Exception on a bad map
             raise ValueError(f"tokenizer.ggml.precompiled_charsmap is not a SentencePiece charsmap: {err}") from err
     if metadata.get("tokenizer.ggml.remove_extra_whitespaces", False):
@@ -203,6 +206,47 @@ def _unigram(tokens: Sequence[str], scores: Sequence[float], metadata: Mapping[s
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="never", split=True)
     backend.decoder = decoders.Metaspace(replacement=_SPACE, prepend_scheme="always" if add_prefix else "never")
     return backend
+
+
+def _check_charsmap(blob: bytes) -> None:
+    """Walk SentencePiece's precompiled charsmap (a u32 trie size, a darts-clone double-array trie, then the
+    NUL-terminated replacement strings) and check that no lookup can leave it: ``tokenizers`` indexes it unchecked
+    and panics (an uncatchable crash) on a map whose offsets or values point outside.
+
+    Raises:
+        ValueError: a trie size or an offset or value that runs past the map.
+    """
+    bad = ValueError("tokenizer.ggml.precompiled_charsmap is not a SentencePiece charsmap: a trie offset or value "
+                     "points outside it")
+    if len(blob) < 4:
+        raise bad
+    size = int.from_bytes(blob[:4], "little")
+    if size % 4 or size < 4 or 4 + size > len(blob):
+        raise bad
+    units = np.frombuffer(blob, dtype="<u4", count=size // 4, offset=4).astype(np.int64)
+    strings = blob[4 + size:]
+    n = len(units)
+    offsets = (units >> 10) << ((units & (1 << 9)) >> 6)
+    labels = units & ((1 << 31) | 0xFF)
+    codes = np.arange(1, 256)
+    pending, seen = [int(offsets[0])], set()
+    while pending:  # every node a lookup can reach: its 255 possible children must lie inside the array
+        base = pending.pop()
+        if base in seen:
+            continue
+        seen.add(base)
+        if base | 0xFF >= n:
+            raise bad
+        slots = base ^ codes
+        for slot in slots[labels[slots] == codes].tolist():
+            child = slot ^ int(offsets[slot])
+            if child >= n:
+                raise bad
+            if (units[slot] >> 8) & 1:  # a leaf: the unit at the child holds an index into the strings
+                start = int(units[child] & ((1 << 31) - 1))
+                if start >= len(strings) or strings.find(b"\0", start) < 0:
+                    raise bad
+            pending.append(child)
 
 
 def _roles(metadata: Mapping[str, Any], tokens: Sequence[str]) -> dict[str, str | None]:

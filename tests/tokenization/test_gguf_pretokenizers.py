@@ -233,3 +233,43 @@ def test_sentencepiece_vocabulary_with_byte_fallback(tmp_path):
     for text in [*texts, "控制 ☃ unseen 𝔘 bytes"]:
         assert zoo.encode(text) == [sp.bos_id(), *sp.encode(text)], text
     assert any(sp.is_byte(i) for i in zoo.encode("𝔘☃"))  # pieces the vocabulary lacks fell back to bytes
+
+
+def test_t5_charsmap_is_used_and_a_hostile_one_never_crashes(tmp_path):
+    """A SentencePiece NFKC charsmap normalizes as SentencePiece does; a corrupted one is refused with ValueError
+    (tokenizers would index it unchecked and panic), never a crash."""
+    import random
+
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2
+
+    (tmp_path / "c.txt").write_text("hello world full café\n" * 50)
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "c.txt"), model_prefix=str(tmp_path / "m"), vocab_size=16,
+                                   model_type="unigram", minloglevel=2)  # the default nmt_nfkc normalizer
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((tmp_path / "m.model").read_bytes())
+    charsmap = list(proto.normalizer_spec.precompiled_charsmap)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "m.model"))
+    base = {"tokenizer.ggml.model": "t5", "tokenizer.ggml.eos_token_id": sp.eos_id(),
+            "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+            "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(sp.get_piece_size())],
+            "tokenizer.ggml.scores": [sp.get_score(i) for i in range(sp.get_piece_size())],
+            "tokenizer.ggml.token_type": [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 1
+                                          for i in range(sp.get_piece_size())]}
+    tok = tokenizer_from_gguf({**base, "tokenizer.ggml.precompiled_charsmap": charsmap})
+    for text in ["ｆｕｌｌ ｗｏｒｌｄ", "hello world", "café"]:  # fullwidth letters: NFKC folds them
+        assert tok.encode(text) == [*sp.encode(text), sp.eos_id()], text
+    rng = random.Random(0)
+    refused = 0
+    for _ in range(15):
+        broken = list(charsmap)
+        for _ in range(3):
+            broken[rng.randrange(4, len(broken))] = rng.randrange(256)
+        try:
+            tokenizer_from_gguf({**base, "tokenizer.ggml.precompiled_charsmap": broken}).encode("ｆｕｌｌ é 中 a")
+        except ValueError as err:
+            assert "precompiled_charsmap" in str(err)
+            refused += 1
+    assert refused > 0
+    with pytest.raises(ValueError, match="precompiled_charsmap"):
+        tokenizer_from_gguf({**base, "tokenizer.ggml.precompiled_charsmap": [200, 0, 0, 0, 1, 2]})
