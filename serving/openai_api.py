@@ -31,104 +31,23 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from models.generation.sampling import SamplingParams
 
 from .async_engine import AsyncEngine
 from .engine import Engine, QueueFullError
 from .metrics import ServerMetrics
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.retry_after = retry_after
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        headers = None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
-        return JSONResponse(body, status_code=self.status, headers=headers)
-
-
-#: Seconds a client is asked to wait (``Retry-After``) when the waiting queue is full.
-RETRY_AFTER_S = 1
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None)
-    n: int = Field(default=1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
-
-
-class ChatRequest(_Sampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-
-
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: str = "float"
-
-
-def sampling_params(body: _Sampling) -> SamplingParams:
-    """OpenAI's sampling fields as the zoo's ``SamplingParams`` (temperature 0 is greedy; default 1)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise APIError(400, f"{name}={getattr(body, name)} is not supported by this server; expected 0",
-                           param=name)
-    if body.top_k is not None and body.top_k != -1 and body.top_k < 1:
-        raise APIError(400, f"top_k={body.top_k}: expected an integer >= 1 (or -1 for all)", param="top_k")
-    temperature = 1.0 if body.temperature is None else body.temperature
-    if temperature == 0.0:
-        return SamplingParams()
-    top_k = None if body.top_k in (None, -1) else body.top_k
-    return SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=body.top_p)
-
-
-def _flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Content given as parts (``[{"type": "text", "text": ...}]``) joined to the string templates expect."""
-    out = []
-    for i, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            message = {**message, "content": "".join(texts)}
-        out.append(message)
-    return out
+from .protocol import (
+    RETRY_AFTER_S,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    SamplingFields,
+    flatten_content,
+    sampling_params,
+    top_by_text,
+    usage,
+)
 
 
 def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "model", api_key: str | None = None,
@@ -223,7 +142,8 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    async def submit(prompt: Any, body: _Sampling, max_tokens: int | None, logprobs: int | None) -> tuple[str, int]:
+    async def submit(prompt: Any, body: SamplingFields, max_tokens: int | None,
+                     logprobs: int | None) -> tuple[str, int]:
         """Queue one prompt; return the request id and its prompt length."""
         eng = engine()
         sampling = sampling_params(body)
@@ -256,7 +176,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         tok = state["tokenizer"]
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
 
-    async def run(prompts: list[Any], body: _Sampling, max_tokens: int | None, logprobs: int | None,
+    async def run(prompts: list[Any], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                   chat: bool) -> Response:
         kind = "chatcmpl" if chat else "cmpl"
         response_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
@@ -277,7 +197,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                 } for e in entries]}
             return {"tokens": [token_text(e.token_id) for e in entries],
                     "token_logprobs": [e.logprob for e in entries],
-                    "top_logprobs": [_by_text(e.top, token_text) for e in entries]}
+                    "top_logprobs": [top_by_text(e.top, token_text) for e in entries]}
 
         def choice(index: int, text: str, entries: Any, finish: str | None, first: bool, stream: bool) -> dict:
             reason = None if finish is None else ("stop" if finish == "abort" else finish)
@@ -338,9 +258,9 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                     started.add(index)
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
                 if include_usage:
-                    usage = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
-                             "model": model_name, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)}
-                    yield f"data: {json.dumps(usage)}\n\n"
+                    last = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
+                            "model": model_name, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+                    yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -358,7 +278,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         choices = [choice(i, "".join(texts.get(i, [])), entries.get(i), finish.get(i, "stop"), True, False)
                    for i in range(len(prompts) * body.n)]
         return JSONResponse({"id": response_id, "object": obj, "created": created, "model": model_name,
-                             "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+                             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
@@ -377,7 +297,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise APIError(400, f"{model_name!r} has no chat template: use /v1/completions", param="messages")
         try:
-            ids = tok.apply_chat_template(_flatten_content(body.messages), add_generation_prompt=True)
+            ids = tok.apply_chat_template(flatten_content(body.messages), add_generation_prompt=True)
         except ValueError as err:
             raise APIError(400, f"messages: {err}", param="messages") from err
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -412,20 +332,6 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
 
 START = time.time()
-
-
-def _by_text(top: dict[int, float], text: Any) -> dict[str, float]:
-    """Top log-probabilities keyed by token text (the completions API's shape); ids that decode alike (parts of
-    one character) keep the largest."""
-    out: dict[str, float] = {}
-    for token, logprob in top.items():
-        key = text(token)
-        out[key] = max(logprob, out.get(key, logprob))
-    return out
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _param_of(message: str) -> str | None:

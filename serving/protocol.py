@@ -1,0 +1,115 @@
+"""The OpenAI API's shapes for the server: request bodies (pydantic), errors, usage and the sampling fields as
+the zoo's ``SamplingParams``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from models.generation.sampling import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        headers = None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+#: Seconds a client is asked to wait (``Retry-After``) when the waiting queue is full.
+RETRY_AFTER_S = 1
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None)
+    n: int = Field(default=1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+class ChatRequest(SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+
+
+def sampling_params(body: SamplingFields) -> SamplingParams:
+    """OpenAI's sampling fields as the zoo's ``SamplingParams`` (temperature 0 is greedy; default 1)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise APIError(400, f"{name}={getattr(body, name)} is not supported by this server; expected 0",
+                           param=name)
+    if body.top_k is not None and body.top_k != -1 and body.top_k < 1:
+        raise APIError(400, f"top_k={body.top_k}: expected an integer >= 1 (or -1 for all)", param="top_k")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if temperature == 0.0:
+        return SamplingParams()
+    top_k = None if body.top_k in (None, -1) else body.top_k
+    return SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=body.top_p)
+
+
+def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content given as parts (``[{"type": "text", "text": ...}]``) joined to the string templates expect."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            message = {**message, "content": "".join(texts)}
+        out.append(message)
+    return out
+
+
+def top_by_text(top: dict[int, float], text: Any) -> dict[str, float]:
+    """Top log-probabilities keyed by token text (the completions API's shape); ids that decode alike (parts of
+    one character) keep the largest."""
+    out: dict[str, float] = {}
+    for token, logprob in top.items():
+        key = text(token)
+        out[key] = max(logprob, out.get(key, logprob))
+    return out
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
