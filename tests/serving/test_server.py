@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import signal
 import socket
 import subprocess
 import sys
@@ -248,6 +249,20 @@ def test_zoo_serve_runs_as_a_console_command(folder: Path) -> None:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         answer = client.chat.completions.create(model="mine", messages=MESSAGES, temperature=0, max_tokens=4)
         assert answer.usage.completion_tokens >= 1 and answer.model == "mine"
+        # SIGTERM while a stream is in flight: the stream is finished (every token, then [DONE]), then the
+        # server exits cleanly.
+        stream = client.completions.create(model="mine", prompt="hello there", max_tokens=90, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        chunks = [next(stream)]
+        process.send_signal(signal.SIGTERM)
+        chunks += list(stream)
+        assert chunks[-1].usage.completion_tokens == 90  # nothing cut short ("length": all 90 tokens)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        # uvicorn shuts down gracefully (requests in flight finish, then the application's shutdown closes the
+        # engine), then exits by the signal it caught.
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+        log = process.stdout.read().decode()
+        assert "Application shutdown complete" in log and "Finished server process" in log, log
     finally:
         process.terminate()
         process.wait(timeout=30)
