@@ -17,9 +17,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from tokenization import Tokenizer, train_byte_level_bpe
 from tokenization.chat import render_chat
 
+from .chat_templates import PUBLISHED
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>", "[INST]", "[/INST]",
             "<start_of_turn>", "<end_of_turn>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-            "<|eot_id|>"]
+            "<|eot_id|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<think>", "</think>"]
 
 CHATML = """{%- if tools %}
 {{- '<|im_start|>system\\n' }}
@@ -110,7 +112,8 @@ Document {{ loop.index0 }}: {{ doc.title }}
 {%- if add_generation_prompt %}
 ASSISTANT:{% endif %}"""
 
-TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "mistral": MISTRAL, "gemma": GEMMA, "documents": DOCUMENTS}
+TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "mistral": MISTRAL, "gemma": GEMMA, "documents": DOCUMENTS,
+             **{f"published-{name}": template for name, template in PUBLISHED.items()}}
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city — «now»",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -125,6 +128,8 @@ CONVERSATIONS = [
                                                                           "arguments": {"city": "Paris"}}}]},
      {"role": "user", "content": "thanks"}],
     [{"role": "user", "content": "Finish this: the quick brown"}, {"role": "assistant", "content": "fox jumps"}],
+    [{"role": "user", "content": "Think first: 17 * 3?"},
+     {"role": "assistant", "content": "\n51", "reasoning_content": "\n17 * 3 = 51\n"}],
 ]
 
 
@@ -155,8 +160,10 @@ def both(pair, template: str, messages: list, **kwargs) -> tuple:
 def test_text_and_ids_equal_transformers(pair, name: str, conversation: int, generation: str) -> None:
     messages = CONVERSATIONS[conversation]
     kwargs = {"add_generation_prompt": generation == "prompt", "continue_final_message": generation == "continue"}
-    if name == "chatml" and conversation == 1:
+    if name in ("chatml", "published-qwen3") and conversation == 1:
         kwargs["tools"] = TOOLS
+    if name == "published-qwen3" and conversation == 0:
+        kwargs["enable_thinking"] = False
     if name == "documents":
         kwargs["documents"] = DOCS
     try:
