@@ -1,0 +1,160 @@
+"""The HTTP server's overhead: concurrent ``openai`` clients against ``zoo serve``'s application, beside the engine
+driven in-process and the same requests one after another through ``generate``, on one workload.
+
+    python -m benchmarks.serve                  # the demo-sized model, 64 requests (see the README for figures)
+    python -m benchmarks.serve --quick          # a tiny model, few requests: checks that the script runs
+
+The workload is ``benchmarks.engine``'s (seeded prompts and output lengths of random ids, Poisson arrivals, greedy,
+no EOS: every request produces exactly its length). Systems:
+
+- **server**: ``serving.openai_api.create_app`` under uvicorn in a child process (its own interpreter, so the
+  client's event loop does not share a GIL with the server), on 127.0.0.1; one ``openai.AsyncOpenAI`` client sends
+  each request at its arrival time as a streamed ``/v1/completions`` call with token-id prompts, ``temperature=0``
+  and ``logprobs=0`` (the chunks then carry the token ids: the model has no tokenizer);
+- **engine in-process**: ``benchmarks.engine.run_engine`` (the same engine limits, stepped in this process);
+- **sequential**: ``benchmarks.engine.run_sequential`` (``stream(compile=True)`` one request after another).
+
+Reported: output tokens/s, TTFT and ITL p50/p99 of each, the server's throughput against the in-process engine
+(its HTTP overhead), the peak number of requests in flight, and whether the tokens are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import httpx
+import openai
+import torch
+
+from benchmarks.engine import SHAPES, Request, Result, percentile, run_engine, run_sequential, workload
+from models import DecoderLM
+
+ENGINE_LIMITS = dict(block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
+
+
+def serve(folder: str, port: int, threads: int) -> None:
+    """The child process: load the saved model and serve it (until terminated)."""
+    import uvicorn
+
+    from serving.openai_api import create_app
+
+    torch.set_num_threads(threads)
+    model = DecoderLM.from_pretrained(folder).eval()
+    uvicorn.run(create_app(model, None, model_name="bench", **ENGINE_LIMITS), host="127.0.0.1", port=port,
+                log_level="warning")
+
+
+def run_server(model: DecoderLM, requests: list[Request], args: argparse.Namespace) -> Result:
+    with tempfile.TemporaryDirectory() as folder, socket.socket() as s:
+        model.save_pretrained(folder)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        child = multiprocessing.get_context("spawn").Process(target=serve, args=(folder, port, args.threads))
+        child.start()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if httpx.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline or not child.is_alive():
+                    raise RuntimeError("the server did not start")
+                time.sleep(0.2)
+            return asyncio.run(_drive(url, requests))
+        finally:
+            child.terminate()
+            child.join(30)
+
+
+async def _drive(url: str, requests: list[Request]) -> Result:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=256)))
+
+    async def one(r: Request, emit: Any) -> None:
+        stream = await client.completions.create(model="bench", prompt=r.prompt, max_tokens=r.max_tokens,
+                                                 temperature=0, logprobs=0, stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].logprobs is not None:
+                emit([int(t) for t in chunk.choices[0].logprobs.tokens])
+
+    for r in requests[:4]:  # warm-up
+        await one(Request(0.0, r.prompt, 4), lambda new: None)
+    in_flight = {"now": 0, "peak": 0}
+
+    async def scheduled(i: int, r: Request, start: float, emit: Any) -> None:
+        await asyncio.sleep(max(0.0, start + r.arrival - time.perf_counter()))
+        in_flight["now"] += 1
+        in_flight["peak"] = max(in_flight["peak"], in_flight["now"])
+        await one(r, lambda new: emit(i, new))
+        in_flight["now"] -= 1
+
+    started = time.perf_counter()
+    record: list[tuple[int, list[int], float]] = []
+    await asyncio.gather(*(scheduled(i, r, started, lambda i, new: record.append((i, new, time.perf_counter())))
+                           for i, r in enumerate(requests)))
+    await client.close()
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+    stamps: dict[int, list[float]] = {i: [] for i in range(len(requests))}
+    for i, new, at in record:
+        tokens[i] += new
+        stamps[i] += [at - started] * len(new)
+    return Result(
+        "server (openai clients over HTTP)", max(s[-1] for s in stamps.values()) - requests[0].arrival, tokens,
+        ttft=[stamps[i][0] - r.arrival for i, r in enumerate(requests)],
+        itl=[b - a for s in stamps.values() for a, b in zip(s, s[1:], strict=False)],
+        extra={"peak_in_flight": in_flight["peak"]},
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="demo", choices=sorted(SHAPES))
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=100.0, help="arrivals per second")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(8, 256))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(8, 128))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    shape = SHAPES[args.model]
+    if args.quick:
+        args.requests, args.prompt_len, args.output_len = 8, (4, 24), (2, 8)
+        shape = dict(shape, d_model=32, n_layers=1, n_heads=2, d_ff=64, vocab_size=256)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = DecoderLM(DecoderLM.config_class.from_dict(
+        {**shape, "dropout": 0.0, "attention_dropout": 0.0, "eos_token_id": None, "bos_token_id": None,
+         "pad_token_id": None})).eval()
+    requests = workload(args, model.config.vocab_size)
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} thread(s) per process, torch {torch.__version__}")
+    results = [run_server(model, requests, args), run_engine(model, requests, args),
+               run_sequential(model, requests, args)]
+    server, engine = results[0], results[1]
+    print(f"\n#### {args.model}: {len(requests)} requests at {args.rate:g}/s, prompts {args.prompt_len[0]}-"
+          f"{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}; peak "
+          f"{server.extra['peak_in_flight']} requests in flight at the server\n")
+    print("| system | output tokens/s | vs engine in-process | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | same tokens |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        same = sum(r.tokens[i] == engine.tokens[i] for i in r.tokens)
+        print(f"| {r.name} | {r.tokens_per_s:.0f} | {r.tokens_per_s / engine.tokens_per_s:.2f}x | "
+              f"{percentile(r.ttft, 50):.2f} / {percentile(r.ttft, 99):.2f} | "
+              f"{1e3 * statistics.median(r.itl):.0f} / {1e3 * percentile(r.itl, 99):.0f} | {same}/{len(r.tokens)} |")
+    print(f"\nHTTP overhead (1 - server / engine throughput): {1 - server.tokens_per_s / engine.tokens_per_s:.1%}")
+
+
+if __name__ == "__main__":
+    main()
