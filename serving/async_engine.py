@@ -18,6 +18,10 @@ from .engine import Engine, QueueFullError
 from .requests import RequestDelta
 
 
+class EngineStepError(RuntimeError):
+    """An engine step raised while this request was in the engine: the request was aborted."""
+
+
 class AsyncEngine:
     """Streams of per-request deltas over one ``Engine``.
 
@@ -28,7 +32,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._ops: collections.deque[Callable[[], list[RequestDelta]]] = collections.deque()
-        self._queues: dict[str, asyncio.Queue[RequestDelta | None]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestDelta | EngineStepError | None]] = {}
         self._open: dict[str, int] = {}  # request id -> samples not finished yet
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
@@ -62,12 +66,18 @@ class AsyncEngine:
         return request_id
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
-        """The deltas of a request as its samples gain tokens, ending after every sample has finished."""
+        """The deltas of a request as its samples gain tokens, ending after every sample has finished.
+
+        Raises:
+            EngineStepError: an engine step failed while the request was in the engine (it was aborted).
+        """
         queue = self._queues.get(request_id)
         if queue is None:
             raise ValueError(f"unknown request id {request_id!r}")
         try:
             while (delta := await queue.get()) is not None:
+                if isinstance(delta, EngineStepError):
+                    raise delta
                 yield delta
         finally:
             self._queues.pop(request_id, None)
@@ -120,8 +130,30 @@ class AsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            for delta in await asyncio.to_thread(self._work):
+            try:
+                deltas = await asyncio.to_thread(self._work)
+            except Exception as err:  # noqa: BLE001 - a failed step fails the requests it held, not the engine
+                self._fail_open_requests(err)
+                continue
+            for delta in deltas:
                 self._deliver(delta)
+
+    def _fail_open_requests(self, err: Exception) -> None:
+        """After a step raised: every request in the engine is aborted (its blocks freed) and its stream raises
+        ``EngineStepError``; requests added later are served as usual."""
+        for request_id in list(self.engine.requests):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - the step left this request half-updated; drop it regardless
+                pass
+            self.engine.requests.pop(request_id, None)
+        failure = EngineStepError(f"the engine step failed: {type(err).__name__}: {err}")
+        failure.__cause__ = err
+        for request_id in list(self._open):
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(failure)
+        self._open.clear()
 
     def _deliver(self, delta: RequestDelta) -> None:
         queue = self._queues.get(delta.request_id)

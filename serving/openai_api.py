@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, EngineStepError
 from .engine import Engine, QueueFullError
 from .metrics import ServerMetrics
 from .protocol import (
@@ -225,6 +225,8 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                                                    first=last == started)
                             last = now
                         await queue.put((prompt_index * body.n + delta.index, delta))
+                except EngineStepError as err:
+                    await queue.put(err)
                 finally:
                     await queue.put(None)
 
@@ -235,6 +237,8 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                     item = await queue.get()
                     if item is None:
                         remaining -= 1
+                    elif isinstance(item, EngineStepError):
+                        raise item
                     else:
                         yield item
             finally:
@@ -249,14 +253,21 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
             async def events() -> AsyncIterator[str]:
                 started: set[int] = set()
                 completion_tokens = 0
-                async for index, delta in deltas():
-                    completion_tokens += len(delta.token_ids)
-                    chunk = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
-                             "model": model_name,
-                             "choices": [choice(index, delta.text, delta.logprobs, delta.finish_reason,
-                                                index not in started, True)]}
-                    started.add(index)
-                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                try:
+                    async for index, delta in deltas():
+                        completion_tokens += len(delta.token_ids)
+                        chunk = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
+                                 "model": model_name,
+                                 "choices": [choice(index, delta.text, delta.logprobs, delta.finish_reason,
+                                                    index not in started, True)]}
+                        started.add(index)
+                        yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                except EngineStepError as err:  # the status is sent already: an error event, then the end
+                    error = {"error": {"message": str(err), "type": "server_error", "param": None,
+                                       "code": "engine_error"}}
+                    yield f"data: {json.dumps(error)}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
                 if include_usage:
                     last = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
                             "model": model_name, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}

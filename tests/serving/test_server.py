@@ -398,3 +398,30 @@ def test_zoo_generate_embed_and_help(setup, folder: Path, capsys) -> None:
         assert exit_.value.code == 0 and "usage: zoo " + command in capsys.readouterr().out
     with pytest.raises(SystemExit, match="has no embedding head"):
         cli.main(["embed", str(folder), "text"])
+
+
+def test_a_failing_engine_step_fails_its_requests_with_500_and_the_server_keeps_serving(setup, monkeypatch) -> None:
+    _, _, served = setup
+    engine = served.server.config.app.state.engine.engine
+    real, calls = engine.step, {"n": 0}
+
+    def step_failing_once():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("kernel exploded")
+        return real()
+
+    monkeypatch.setattr(engine, "step", step_failing_once)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    failed = httpx.post(served.url + "/v1/completions", headers=headers, timeout=30,
+                        json={"model": "tiny-chat", "prompt": "hello there", "max_tokens": 8, "temperature": 0})
+    assert failed.status_code == 500 and "kernel exploded" in failed.json()["error"]["message"]
+    assert not engine.requests and engine.allocator.num_free == engine.allocator.n_blocks  # aborted, blocks freed
+    calls["n"] = 0
+    with httpx.stream("POST", served.url + "/v1/completions", headers=headers, timeout=30,
+                      json={"model": "tiny-chat", "prompt": "hello", "max_tokens": 8, "stream": True}) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert '"code": "engine_error"' in lines[-2] and lines[-1] == "data: [DONE]"  # mid-stream: an error event
+    ok = httpx.post(served.url + "/v1/completions", headers=headers, timeout=30,
+                    json={"model": "tiny-chat", "prompt": "hello there", "max_tokens": 3, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
