@@ -13,11 +13,12 @@ times (relative to its own start), greedily:
 - **engine**: ``serving.Engine`` (paged cache, blocks of 16, token budget 512, up to 64 sequences per step);
 - **(a) sequential**: each request in arrival order through ``DecoderLM.stream(compile=True)`` — a request starts
   when it has arrived and the previous one has finished;
-- **(b) transformers**: ``continuous_batching_context_manager`` (the engine of ``generate_batch``) with the
-  ``paged|sdpa`` attention, pages of 16, the same token budget and request limit, on the same weights exported with
-  ``models.convert.export``; requests added at their arrival times, streamed.
+- **(b) transformers**: ``continuous_batching_context_manager`` (the engine of ``generate_batch``) with ``sdpa``
+  attention (paged under continuous batching), pages of 16, the same token budget and request limit, on the same
+  weights exported with ``models.convert.export``; requests added at their arrival times, streamed.
 
-Every system is warmed up first: compiles are excluded (for (a), two tokens of every request beforehand).
+Every system is warmed up first, so compiles are excluded; (a) streams ask for 512 positions and are closed after
+the request's tokens, so every request uses one compiled graph (the bucket is capped at prompt + max_new_tokens).
 Reported: output tokens/s (all output tokens ÷ time from the first arrival to the last token), time to first token
 (from arrival) and inter-token latency (gaps between a request's successive tokens), p50/p99; the engine's peak
 concurrency, the KV memory of its peak blocks in use, and the KV memory of a contiguous cache of (peak concurrency
@@ -42,6 +43,9 @@ import torch
 
 from models import DecoderLM
 from serving import Engine
+
+#: The positions every sequential ``stream`` asks for (prompt + new tokens), so that all share one cache bucket.
+SEQUENTIAL_LIMIT = 512
 
 SHAPES = {
     # examples/generate.py's demo model: preset "tiny" at d_model 128, 4 layers, a 2048-token BPE vocabulary.
@@ -141,20 +145,24 @@ def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespa
 
 
 def run_sequential(model: DecoderLM, requests: list[Request], args: argparse.Namespace) -> Result:
-    # Warm-up: the compiled step's cache is sized by prompt + max_new_tokens (buckets capped there), so each request
-    # shape compiles its own graph on its first decoding step; two tokens of each request compile them all.
-    for r in requests:
-        stream = model.stream(torch.tensor([r.prompt]), max_new_tokens=r.max_tokens, compile=True, eos_token_id=None)
-        for _, _ in zip(range(2), stream, strict=False):
+    # The compiled step's cache bucket is capped at prompt + max_new_tokens, so requests of different lengths would
+    # each compile a graph: every stream asks for up to SEQUENTIAL_LIMIT positions (one bucket for all) and is
+    # closed after the request's own number of tokens. The warm-up compiles that graph.
+    def stream(r: Request) -> Any:
+        ids = torch.tensor([r.prompt])
+        return model.stream(ids, max_new_tokens=SEQUENTIAL_LIMIT - len(r.prompt), compile=True, eos_token_id=None)
+
+    for r in requests[:2]:
+        for _, _ in zip(range(4), stream(r), strict=False):
             pass
-        stream.close()
 
     def run(emit: Callable[[int, list[int]], None], start: float) -> None:
         for i, r in enumerate(requests):
             wait_until(start, r.arrival)
-            for token in model.stream(torch.tensor([r.prompt]), max_new_tokens=r.max_tokens, compile=True,
-                                      eos_token_id=None):
+            tokens = stream(r)
+            for _, token in zip(range(r.max_tokens), tokens, strict=False):
                 emit(i, token.tolist())
+            tokens.close()
 
     return timed("(a) sequential generate(compile=True)", requests, run)
 
@@ -168,7 +176,8 @@ def run_transformers(model: DecoderLM, requests: list[Request], args: argparse.N
     hf_logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as folder:
         save_transformers(model, folder)
-        hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="paged|sdpa").eval()
+        # sdpa: transformers switches to its paged form under continuous batching ("paged|sdpa" is deprecated).
+        hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
     longest = max(len(r.prompt) + r.max_tokens for r in requests)
     config = ContinuousBatchingConfig(page_size=16, num_blocks=64 * -(-longest // 16), max_batch_tokens=512,
                                       max_requests_per_batch=64, allow_block_sharing=False)
