@@ -38,26 +38,32 @@ def document_positions(document_ids: Tensor) -> Tensor:
 
 
 def packed_batches(lengths: list[int], batch_size: int) -> list[list[list[int]]]:
-    """The forward passes of ``embed``: ``batch_size`` texts each, longest first, packed into rows.
+    """The forward passes of ``embed``: rows of texts packed up to the longest text, about ``batch_size`` texts per
+    pass.
 
-    Each pass takes the next ``batch_size`` texts by length; its rows are as wide as its longest text, and the
-    shorter texts share rows (each row takes the longest text left, then the shortest ones while they fit), so the
-    pass computes few padding positions. Returns, per pass, rows of text indices.
+    Each row takes the longest text left, then the shortest ones while they fit in the longest text's length, so
+    rows are nearly full and little padding is computed; a pass takes rows until it holds ``batch_size`` texts.
+    Returns, per pass, rows of text indices.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    passes = []
-    for start in range(0, len(order), batch_size):
-        group = order[start:start + batch_size]
-        width, low, high, rows = lengths[group[0]], 0, len(group) - 1, []
-        while low <= high:
-            row, used = [group[low]], lengths[group[low]]
-            low += 1
-            while low <= high and used + lengths[group[high]] <= width:
-                row.append(group[high])
-                used += lengths[group[high]]
-                high -= 1
-            rows.append(row)
-        passes.append(rows)
+    width = lengths[order[0]] if order else 0
+    rows, low, high = [], 0, len(order) - 1
+    while low <= high:
+        row, used = [order[low]], lengths[order[low]]
+        low += 1
+        while low <= high and used + lengths[order[high]] <= width:
+            row.append(order[high])
+            used += lengths[order[high]]
+            high -= 1
+        rows.append(row)
+    passes: list[list[list[int]]] = []
+    count = batch_size
+    for row in rows:
+        if count >= batch_size:
+            passes.append([])
+            count = 0
+        passes[-1].append(row)
+        count += len(row)
     return passes
 
 
@@ -156,8 +162,8 @@ class TaskHeadMixin:
         """Sentence embeddings ``(N, d_model)`` (float32, on the model's device).
 
         Texts are tokenized with ``model.tokenizer``, truncated at the model's maximum sequence length
-        (``max_seq_length`` of the embedding head, else ``max_len``), sorted by length so that each batch pads
-        little, and returned in their original order. Pooling and normalisation are the embedding head's
+        (``max_seq_length`` of the embedding head, else ``max_len``), packed several to a row (attention stays inside
+        each text, positions restart) so that little padding is computed, and returned in their original order. Pooling and normalisation are the embedding head's
         (``mean`` and none without one; ``last`` for decoders).
 
         Args:

@@ -116,12 +116,11 @@ def test_decoder_with_last_token_pooling(llama_folder, tmp_path) -> None:
 
 def test_packing_fills_rows_up_to_the_longest_text() -> None:
     lengths = [30, 5, 12, 7, 30, 3, 18, 9, 2, 25]
-    passes = packed_batches(lengths, batch_size=6)
+    passes = packed_batches(lengths, batch_size=3)
     assert sorted(i for rows in passes for row in rows for i in row) == list(range(len(lengths)))
-    for rows in passes:
-        width = max(lengths[i] for row in rows for i in row)
-        assert all(sum(lengths[i] for i in row) <= width for row in rows)
+    assert all(sum(lengths[i] for i in row) <= max(lengths) for rows in passes for row in rows)
     assert any(len(row) > 1 for rows in passes for row in rows)
+    assert all(sum(map(len, rows)) >= 3 for rows in passes[:-1])  # every pass but the last holds batch_size texts
 
 
 @torch.no_grad()
