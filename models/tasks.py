@@ -163,8 +163,8 @@ class TaskHeadMixin:
 
         Texts are tokenized with ``model.tokenizer``, truncated at the model's maximum sequence length
         (``max_seq_length`` of the embedding head, else ``max_len``), packed several to a row (attention stays inside
-        each text, positions restart) so that little padding is computed, and returned in their original order. Pooling and normalisation are the embedding head's
-        (``mean`` and none without one; ``last`` for decoders).
+        each text, positions restart) so that little padding is computed, and returned in their original order.
+        Pooling and normalisation are the embedding head's (``mean`` and none without one; ``last`` for decoders).
 
         Args:
             texts_or_ids: one text, a list of texts, a list of token-id lists or a ``(N, L)`` id tensor.
