@@ -3,12 +3,23 @@ forward pass over it, checked against the plain forward pass of each sequence al
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 import blocks
 from blocks.paged_cache import BlockAllocator, PagedBatch, PagedLayerCache
 from models import DecoderLM
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models: one intra-op thread is faster, and immune to a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_paged_cache_is_a_registered_kv_cache_kind() -> None:
@@ -98,3 +109,26 @@ def test_packed_prefill_chunks_and_decode_rows_match_each_sequence_alone(preset:
     want = [ref[0][6], ref[1][4], ref[2][0], ref[0][12], ref[2][9], ref[2][10]]
     torch.testing.assert_close(torch.cat(got), torch.stack(want), rtol=0, atol=1e-5)
     assert 0 < caches[0].self_attn.nbytes <= 64 * caches[0].self_attn.block_nbytes()
+
+
+def test_forward_rejects_bad_positions_and_index_logits_with_labels() -> None:
+    model = DecoderLM.from_preset("tiny", dropout=0.0).eval()
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"positions must be a \(1, 3\) long tensor"):
+        model(ids, positions=torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="positions must be"):
+        model(ids, positions=torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="logits_to_keep cannot be combined with labels"):
+        model(ids, labels=ids, logits_to_keep=torch.tensor([0]))
+    with torch.no_grad():
+        full = model(ids).logits
+        kept = model(ids, positions=torch.arange(3)[None], logits_to_keep=torch.tensor([2, 0])).logits
+    torch.testing.assert_close(kept, full[:, [2, 0]])
+
+
+def test_paged_cache_needs_its_batch() -> None:
+    cache = blocks.PagedKVCache(4, 2)
+    with pytest.raises(ValueError, match="needs its PagedBatch"):
+        cache.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+    with pytest.raises(NotImplementedError, match="not reordered"):
+        PagedLayerCache(4, 2).reorder(torch.tensor([0]))
