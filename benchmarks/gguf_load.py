@@ -75,7 +75,8 @@ def smollm_135m_shaped(quick: bool):
 
 
 def as_q4_k(source: Path, target: Path) -> None:
-    """``source`` rewritten with every matrix as random valid Q4_K blocks (finite fp16 scales ``d``, ``dmin``).
+    """``source`` rewritten with every matrix as random valid Q4_K blocks (finite fp16 scales ``d``, ``dmin``), or
+    Q5_0 where a row is no whole number of Q4_K's 256-element blocks (as llama.cpp's quantize falls back).
 
     The ``gguf`` package cannot quantize to Q4_K; the weights are random anyway, and loading time depends on the
     type's decoding, not on the values.
@@ -101,6 +102,10 @@ def as_q4_k(source: Path, target: Path) -> None:
             scales = rng.uniform(0.001, 0.02, size=(*data.shape[:2], 2)).astype(np.float16)
             data[..., :4] = scales.view(np.uint8).reshape(*data.shape[:2], 4)
             writer.add_tensor(tensor.name, data.reshape(shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif len(shape) == 2:  # rows that are no whole number of 256-blocks: Q5_0, llama.cpp's fallback for Q4_K
+            values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).reshape(shape)
+            q5 = gguf.GGMLQuantizationType.Q5_0
+            writer.add_tensor(tensor.name, gguf.quants.quantize(values, q5), raw_dtype=q5)
         else:
             writer.add_tensor(tensor.name, np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type)))
     writer.write_header_to_file()
