@@ -137,6 +137,7 @@ class _Group:
     tables: Tensor  # (G, nb) long block ids (0 where padded: read but masked)
     q_pos: Tensor  # (G, Lq) long positions of the queries
     masks: dict[tuple[int | None, int, int], Tensor]  # (window, Hkv, rep) -> mask
+    dense: bool = False  # every query is real (no padding): no boolean indexing (static shapes when compiled)
 
     def mask(self, window: int | None, block_size: int, n_kv: int, rep: int) -> Tensor:
         """``(Hkv·G, 1, rep·Lq, K)`` bool, True = may attend: keys at or before each query's position (and within
@@ -171,9 +172,19 @@ class PagedBatch:
     """
 
     def __init__(self, rows: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", *, pad_rows: int | None = None, pad_blocks: int | None = None,
+                 scratch: int = 0, capacity: int | None = None) -> None:
         if not rows:
             raise ValueError("a paged batch needs at least one row")
+        if pad_rows is not None:
+            # Static shapes for a compiled decode step: one-token rows only, padded to ``pad_rows`` rows (which
+            # write to and read the ``scratch`` block) and ``pad_blocks`` blocks per row; ``capacity`` fixes
+            # ``max_block`` (the pool is allocated whole).
+            if any(n_query != 1 for n_query, _, _ in rows) or len(rows) > pad_rows:
+                raise ValueError(f"padding needs at most pad_rows={pad_rows} one-token rows")
+            if any(-(-n // block_size) > pad_blocks for _, n, _ in rows):
+                raise ValueError(f"a row needs more than pad_blocks={pad_blocks} blocks")
+            rows = [*rows, *[(1, 1, [scratch])] * (pad_rows - len(rows))]
         positions, slots, last = [], [], []
         start = 0
         by_kind: dict[bool, list[tuple[int, int, int, Sequence[int]]]] = {True: [], False: []}
@@ -196,11 +207,14 @@ class PagedBatch:
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         self.last = torch.tensor(last, dtype=torch.long, device=device)
         self.max_block = max(max(table[: -(-n // block_size)]) for _, n, table in rows) + 1
-        self.groups = [self._group(members, device) for members in by_kind.values() if members]
+        if capacity is not None:
+            self.max_block = capacity
+        self.groups = [self._group(members, device, pad_blocks) for members in by_kind.values() if members]
 
-    def _group(self, members: list[tuple[int, int, int, Sequence[int]]], device: torch.device | str) -> _Group:
+    def _group(self, members: list[tuple[int, int, int, Sequence[int]]], device: torch.device | str,
+               pad_blocks: int | None = None) -> _Group:
         lq = max(m[1] for m in members)
-        nb = max(-(-m[2] // self.block_size) for m in members)
+        nb = pad_blocks or max(-(-m[2] // self.block_size) for m in members)
         q_index = torch.zeros(len(members), lq, dtype=torch.long)
         q_pos = torch.zeros(len(members), lq, dtype=torch.long)
         tables = torch.zeros(len(members), nb, dtype=torch.long)
@@ -212,7 +226,9 @@ class PagedBatch:
             used = -(-n_context // self.block_size)
             tables[g, :used] = torch.as_tensor(list(table[:used]), dtype=torch.long)
         q_index, valid = q_index.to(device), valid.to(device)
-        return _Group(q_index, valid, q_index[valid], tables.to(device), q_pos.to(device), {})
+        dense = bool(valid.all())
+        flat = q_index.flatten() if dense else q_index[valid]
+        return _Group(q_index, valid, flat, tables.to(device), q_pos.to(device), {}, dense)
 
 
 @register("kv_cache", "paged")
@@ -299,7 +315,7 @@ class PagedKVCache:
             mask = group.mask(window, self.block_size, n_kv, rep)  # (Hkv·G, 1, rep·Lq, K)
             og = backend(qg, k, v, mask=mask, scale=scale, softcap=softcap)  # (Hkv·G, 1, rep·Lq, Dv)
             og = og.view(n_kv, g, rep, lq, -1).transpose(1, 2).reshape(n_heads, g, lq, -1)  # (H, G, Lq, Dv)
-            out[:, group.flat] = og[:, group.valid]
+            out[:, group.flat] = og.flatten(1, 2) if group.dense else og[:, group.valid]
         return out[None]
 
     @staticmethod

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from blocks.paged_cache import BlockAllocator
 from models import DecoderLM
+from models.generation.steps import refuse_longrope_switch
 
 from .requests import (
     RequestDelta,
@@ -50,6 +51,8 @@ class Engine:
         max_waiting: requests ``add_request`` queues at most (``QueueFullError`` beyond).
         max_model_len: the context (default ``config.max_len``): prompt + output tokens at most.
         prefix_caching: share full blocks of equal prefixes between requests.
+        compile: run the steps where every row decodes one token through a compiled graph per bucket of rows and
+            blocks (``serving.runner``); the pools are then allocated whole. The first step of each bucket compiles.
 
     Raises:
         NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``) or one
@@ -60,7 +63,7 @@ class Engine:
     def __init__(
         self, model: Any, tokenizer: Any = None, *, block_size: int = 16, num_blocks: int | None = None,
         max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 1024,
-        max_model_len: int | None = None, prefix_caching: bool = True,
+        max_model_len: int | None = None, prefix_caching: bool = True, compile: bool = False,  # noqa: A002
     ) -> None:
 
 
@@ -83,7 +86,7 @@ class Engine:
         self.context, self.max_waiting = context, max_waiting
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, prefix_caching)
-        self.runner = PagedRunner(model, num_blocks, block_size)
+        self.runner = PagedRunner(model, num_blocks, block_size, compile)
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -94,11 +97,14 @@ class Engine:
                      n: Any = 1, seed: Any = None, logprobs: Any = None) -> RequestSpec:
         """Check one request's arguments (as ``generate`` takes them for one prompt) without queueing it."""
         config = self.model.config
-        return check_request(
+        spec = check_request(
             prompt, sampling, max_tokens, stop, n, seed, logprobs, tokenizer=self.tokenizer,
             vocab_size=config.vocab_size, context=self.context, eos=config.eos_token_id,
             cache_tokens=self.allocator.n_blocks * self.allocator.block_size,
         )
+        # The paged cache keeps rotated keys: a request may not cross a LongRoPE switch (ValueError).
+        refuse_longrope_switch(self.model, len(spec.prompt), len(spec.prompt) + spec.max_tokens, "the engine")
+        return spec
 
     def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
                     seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:

@@ -1,4 +1,11 @@
-"""The model step over a paged cache: one packed forward pass of prefill chunks and decode rows together."""
+"""The model step over a paged cache: one packed forward pass of prefill chunks and decode rows together.
+
+With ``compile=True`` the steps whose rows all decode one token run a compiled graph instead (as
+``generate(compile=True)`` does for one request): the rows are padded to a bucket of rows (powers of two from
+``MIN_ROWS``) and each row's block table to a bucket of blocks (powers of two from ``MIN_BLOCKS``), so shapes are
+static and one graph serves every step of a bucket whatever the positions and blocks. Padding rows write to and read
+a scratch block past the allocator's ids; the pools are allocated whole. Steps holding a prefill chunk stay eager.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,24 @@ import torch
 from torch import Tensor
 
 from blocks.paged_cache import PagedBatch, PagedLayerCache
+from models.generation import compiled
 from models.generation.steps import eval_mode
+
+#: The smallest buckets of the compiled decode step: rows per step and blocks per row.
+MIN_ROWS, MIN_BLOCKS = 8, 4
+
+
+def bucket(n: int, smallest: int) -> int:
+    """The smallest power-of-two multiple of ``smallest`` holding ``n``."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
+
+
+def packed_logits(model: Any, ids: Tensor, positions: Tensor, caches: list[PagedLayerCache], keep: Tensor) -> Tensor:
+    """One packed forward pass: the logits at ``keep``, ``(len(keep), V)`` (the function the compiled step wraps)."""
+    return model(ids, positions=positions, cache=caches, logits_to_keep=keep).logits[0]
 
 
 class PagedRunner:
@@ -22,20 +46,34 @@ class PagedRunner:
         model: the ``DecoderLM``.
         n_blocks: blocks each layer's pool may grow to.
         block_size: positions per block.
+        compile: run decode-only steps through a compiled graph per (rows, blocks) bucket.
 
     Raises:
         NotImplementedError: a positional encoding with an attention bias (ALiBi, T5's relative bias).
     """
 
-    def __init__(self, model: Any, n_blocks: int, block_size: int) -> None:
+    def __init__(self, model: Any, n_blocks: int, block_size: int, compile: bool = False) -> None:  # noqa: A002
         probe = torch.zeros(1, 1, dtype=torch.long)
         for positional in (model.positional, *model.layer_positionals.values()):
             if positional.attention_bias(probe, probe) is not None:
                 raise NotImplementedError(
                     f"the paged engine does not support attention biases ({type(positional).__name__})"
                 )
-        self.model, self.block_size = model, block_size
-        self.caches = [PagedLayerCache(n_blocks, block_size) for _ in model.layers]
+        self.model, self.block_size, self.n_blocks = model, block_size, n_blocks
+        self.step = None
+        if not compile:
+            self.caches = [PagedLayerCache(n_blocks, block_size) for _ in model.layers]
+            return
+        # Whole pools with one scratch block (id n_blocks) for padding rows: no growth inside a graph.
+        weight = model.embed_tokens.weight
+        self.caches = []
+        for layer in model.layers:
+            attn = layer.self_attn
+            cache = PagedLayerCache(n_blocks + 1, block_size)
+            cache.self_attn.k = weight.new_zeros((attn.n_kv_heads, n_blocks + 1, block_size, attn.d_head))
+            cache.self_attn.v = weight.new_zeros((attn.n_kv_heads, n_blocks + 1, block_size, attn.d_value))
+            self.caches.append(cache)
+        self.step = torch.compile(packed_logits, dynamic=False, backend=compiled.BACKEND)
 
     @property
     def nbytes(self) -> int:
@@ -58,12 +96,20 @@ class PagedRunner:
             ``(n_rows, vocab_size)`` float logits.
         """
         device = self.model.embed_tokens.weight.device
-        batch = PagedBatch(rows, self.block_size, device)
+        step, n_rows, ids = packed_logits, len(rows), list(ids)
+        if self.step is not None and all(n_query == 1 for n_query, _, _ in rows):
+            pad_rows = bucket(n_rows, MIN_ROWS)
+            blocks = max(-(-n_context // self.block_size) for _, n_context, _ in rows)
+            batch = PagedBatch(rows, self.block_size, device, pad_rows=pad_rows, pad_blocks=bucket(blocks, MIN_BLOCKS),
+                               scratch=self.n_blocks, capacity=self.n_blocks + 1)
+            step, ids = self.step, ids + [0] * (pad_rows - n_rows)
+        else:
+            batch = PagedBatch(rows, self.block_size, device, capacity=None if self.step is None else self.n_blocks + 1)
         for cache in self.caches:
             cache.self_attn.batch = batch
         with eval_mode(self.model):
-            out = self.model(torch.tensor([list(ids)], device=device), positions=batch.positions[None],
-                             cache=self.caches, logits_to_keep=batch.last)
+            logits = step(self.model, torch.tensor([ids], device=device), batch.positions[None], self.caches,
+                          batch.last)
         for cache in self.caches:
             cache.self_attn.batch = None
-        return out.logits[0]
+        return logits[:n_rows]

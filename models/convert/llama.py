@@ -121,11 +121,12 @@ def convert_llama_like(
 
 def export_llama_like(
     model: nn.Module, model_type: str, architecture: str, extra: Callable[[DecoderLMConfig], dict[str, Any]],
-    names: NameMap = NAMES,
+    names: NameMap = NAMES, moe: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The Llama-style part of an export: config fields every family shares, and the renamed tensors.
 
     ``extra(config)`` returns the family's own config fields (and raises ``NotExportable`` for what it lacks).
+    ``moe=True``: the FFN must be the ``moe`` block, whose experts' FFN gives ``hidden_act``.
     """
     require(isinstance(model, DecoderLM), f"{type(model).__name__} is not a DecoderLM")
     c = model.config
@@ -133,7 +134,9 @@ def export_llama_like(
     require(c.norm == "rmsnorm", f"norm={c.norm!r} (only 'rmsnorm')")
     require(c.sublayer == "pre_norm", f"sublayer={c.sublayer!r} (only 'pre_norm')")
     require(c.layer == "decoder", f"layer={c.layer!r} (only 'decoder')")
-    require(c.ffn in GATED_ACTIVATIONS, f"ffn={c.ffn!r} (one of {sorted(GATED_ACTIVATIONS)})")
+    require((c.ffn == "moe") == moe, f"ffn={c.ffn!r} ({'only' if moe else 'not'} 'moe')")
+    ffn = c.block_options("ffn").get("expert", "swiglu") if moe else c.ffn
+    require(ffn in GATED_ACTIVATIONS, f"ffn={ffn!r} (one of {sorted(GATED_ACTIVATIONS)})")
     require(c.attention == "mha" and c.d_value == c.d_head, "attention other than 'mha' with d_value == d_head")
     require(not c.scale_embeddings and c.logit_softcap is None and c.output_scale == 1.0,
             "scaled embeddings, logit soft-capping or an output scale")
@@ -153,7 +156,7 @@ def export_llama_like(
         "model_type": model_type, "architectures": [architecture], "vocab_size": c.vocab_size,
         "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layers,
         "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.d_head,
-        "hidden_act": GATED_ACTIVATIONS[c.ffn], "max_position_embeddings": c.max_len, "rms_norm_eps": c.norm_eps,
+        "hidden_act": GATED_ACTIVATIONS[ffn], "max_position_embeddings": c.max_len, "rms_norm_eps": c.norm_eps,
         "tie_word_embeddings": c.tie_embeddings, "attention_dropout": c.attention_dropout,
         "rope_parameters": rope, "rope_theta": rope["rope_theta"], "pad_token_id": c.pad_token_id,
         "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
