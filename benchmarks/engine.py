@@ -4,13 +4,15 @@ continuous batching, on requests of mixed lengths arriving over time.
     python -m benchmarks.engine                  # demo-sized and GPT-2-shaped models (see the README for figures)
     python -m benchmarks.engine --models demo    # one model
     python -m benchmarks.engine --quick          # tiny model, few requests: checks that the script runs
+    python -m benchmarks.engine --models demo --compile   # adds Engine(compile=True) (compiles ~16 graphs first)
 
 The workload (seeded): ``--requests`` prompts with lengths uniform in ``--prompt-len`` and output lengths uniform in
 ``--output-len`` (random token ids, random fp32 weights, no EOS, so every request produces exactly its length),
 arriving as a Poisson process of ``--rate`` requests/s. Each system serves the same requests at the same arrival
 times (relative to its own start), greedily:
 
-- **engine**: ``serving.Engine`` (paged cache, blocks of 16, token budget 512, up to 64 sequences per step);
+- **engine**: ``serving.Engine`` (paged cache, blocks of 16, token budget 512, up to 64 sequences per step); with
+  ``--compile`` also ``Engine(compile=True)``, every bucket of its compiled decode step compiled beforehand;
 - **(a) sequential**: each request in arrival order through ``DecoderLM.stream(compile=True)`` — a request starts
   when it has arrived and the previous one has finished;
 - **(b) transformers**: ``continuous_batching_context_manager`` (the engine of ``generate_batch``) with ``sdpa``
@@ -43,6 +45,7 @@ import torch
 
 from models import DecoderLM
 from serving import Engine
+from serving.runner import MIN_BLOCKS, MIN_ROWS
 
 #: The positions every sequential ``stream`` asks for (prompt + new tokens), so that all share one cache bucket.
 SEQUENTIAL_LIMIT = 512
@@ -114,8 +117,30 @@ def wait_until(start: float, at: float) -> None:
         time.sleep(delay)
 
 
-def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespace) -> Result:
-    engine = Engine(model, block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
+def warm_compiled(engine: Engine, requests: list[Request]) -> None:
+    """Compile every (rows, blocks) bucket the workload can reach with one decode step each (fresh engine)."""
+    bs = engine.allocator.block_size
+    most_blocks = -(-max(len(r.prompt) + r.max_tokens for r in requests) // bs)
+    rows = MIN_ROWS
+    while True:
+        blocks = MIN_BLOCKS
+        while True:
+            table = list(range(blocks))
+            engine.runner.run([0] * rows, [(1, (blocks - 1) * bs + 1, table)] * rows)
+            if blocks >= most_blocks:
+                break
+            blocks *= 2
+        if rows >= min(len(requests), engine.scheduler.max_num_seqs):
+            break
+        rows *= 2
+
+
+def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespace, compile: bool = False) -> Result:  # noqa: A002
+    engine = Engine(model, block_size=16, max_num_seqs=64, max_num_batched_tokens=512, compile=compile)
+    if compile:
+        started = time.perf_counter()
+        warm_compiled(engine, requests)
+        print(f"(engine compile=True: {time.perf_counter() - started:.0f} s to compile its buckets)")
     engine.generate([r.prompt for r in requests[:4]], max_tokens=4)  # warm-up
 
     def run(emit: Callable[[int, list[int]], None], start: float) -> dict[str, Any]:
@@ -141,7 +166,7 @@ def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespa
                     kv_contiguous=peak * longest * per_block / engine.allocator.block_size,
                     kv_pool=engine.runner.nbytes, preemptions=engine.scheduler.preemptions)
 
-    return timed("engine", requests, run)
+    return timed("engine, compile=True" if compile else "engine", requests, run)
 
 
 def run_sequential(model: DecoderLM, requests: list[Request], args: argparse.Namespace) -> Result:
@@ -218,6 +243,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[Result]]]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", nargs="*", default=[], choices=["sequential", "transformers"])
+    parser.add_argument("--compile", action="store_true",
+                        help="also the engine with compile=True (every bucket compiled first: minutes)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 8 short requests")
     args = parser.parse_args(argv)
     if args.quick:
@@ -236,6 +263,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[Result]]]:
         )).eval()
         requests = workload(args, model.config.vocab_size)
         results = [run_engine(model, requests, args)]
+        if args.compile:
+            results.append(run_engine(model, requests, args, compile=True))
         if "sequential" not in args.skip:
             results.append(run_sequential(model, requests, args))
         if "transformers" not in args.skip:
