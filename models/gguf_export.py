@@ -85,7 +85,7 @@ def save_gguf(model: nn.Module, path: str | os.PathLike[str], dtype: str = "F32"
         writer.add_name(name or kind)
         # The tokenizer's own special ids win over the config's (the same keys), as llama.cpp reads one of each.
         _add_metadata(writer, gguf, kind, arch, {k: v for k, v in config.items() if not (
-            vocab is not None and k in ("bos_token_id", "eos_token_id", "pad_token_id"))}, state)
+            vocab is not None and k in ("bos_token_id", "eos_token_id", "pad_token_id"))})
         if vocab is not None:
             for key, value in vocab.items():
                 _add_value(writer, gguf, key, value)
@@ -130,7 +130,7 @@ def _rope(config: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
-def _add_metadata(writer: Any, gguf: Any, kind: str, arch: str, c: dict[str, Any], state: dict[str, Tensor]) -> None:
+def _add_metadata(writer: Any, gguf: Any, kind: str, arch: str, c: dict[str, Any]) -> None:
     if kind == "gpt2":
         writer.add_context_length(c["n_positions"])
         writer.add_embedding_length(c["n_embd"])
