@@ -157,3 +157,15 @@ def test_base_checkpoint_gets_a_new_head_with_a_warning(tmp_path) -> None:
     assert model(torch.randint(5, 50, (2, 4))).logits.shape == (2, 3)
     with pytest.raises(ValueError, match="unknown head 'classify'"):
         EncoderLM.from_pretrained(tmp_path, head="classify")
+
+
+@pytest.mark.parametrize("cls", [EncoderLM, DecoderLM])
+def test_task_models_save_and_load_with_their_head(cls, tmp_path) -> None:
+    config_class = EncoderLMConfig if cls is EncoderLM else DecoderLMConfig
+    model = cls(config_class(**SMALL, head="token_classification",
+                             options={"head": {"num_labels": 4, "id2label": dict(enumerate("abcd"))}})).eval()
+    model.save_pretrained(tmp_path)
+    again = cls.from_pretrained(tmp_path)
+    assert again.config == model.config
+    ids = torch.randint(5, 50, (2, 6))
+    assert torch.equal(again(ids).logits, model(ids).logits)
