@@ -4,7 +4,7 @@
 Importing this package registers every component.
 """
 
-from . import adapters, backends, ffn, heads, masks, norm, patch_embedding, positional, quantized, sublayer  # noqa: F401  (registers components)
+from . import adapters, backends, ffn, heads, masks, moe, norm, patch_embedding, positional, quantized, sublayer  # noqa: F401  (registers components)
 from .attention import MultiHeadAttention
 from .kv_cache import KVCache, LayerCache, StaticKVCache, reorder_caches
 from .layers import DecoderLayer, EncoderLayer, decoder_layer, encoder_layer

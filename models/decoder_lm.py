@@ -12,6 +12,7 @@ from torch import Tensor, nn
 import blocks
 from blocks.heads import check_head_options
 from blocks.kv_cache import LayerCache
+from blocks.moe import router_loss
 
 from .checkpoints.adapter_files import AdapterFilesMixin
 from .checkpoints.architectures import register_architecture
@@ -243,6 +244,8 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, Persist
             )
             hidden_states.append(x)
             attentions.append(weights)
+        # Mixture-of-experts blocks' load-balancing and z losses (None without them); see blocks.moe.
+        aux_loss = router_loss((layer.ffn for layer in self.layers), attention_mask, compute=labels is not None)
         x = self.final_norm(x)
         hidden_states[-1] = x
         if self.has_task_head:
@@ -264,6 +267,8 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, Persist
             # Shift the labels, not the logits: slicing logits[:, :-1] would copy the largest tensor.
             shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], dim=1)
             loss = lm_loss(logits, shifted)
+            if aux_loss is not None:
+                loss = loss + aux_loss
         return ModelOutput(
             logits=logits,
             loss=loss,

@@ -22,7 +22,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def _mistral_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
+def mistral_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
     if cfg["attention_bias"] or cfg["mlp_bias"]:
         raise cfg.unsupported("attention_bias", "biases (Mistral has none)", "attention_bias=False")
     window = cfg["sliding_window"]
@@ -40,7 +40,7 @@ def convert_mistral(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     Raises:
         ValueError: as for Llama, or a bad ``sliding_window``.
     """
-    return convert_llama_like("mistral", hf_config, state_dict, DEFAULTS, _mistral_fields)
+    return convert_llama_like("mistral", hf_config, state_dict, DEFAULTS, mistral_fields)
 
 
 @register_exporter("mistral")

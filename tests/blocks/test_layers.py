@@ -11,6 +11,7 @@ from torch import Tensor, nn
 import blocks
 from blocks import DecoderLayer, EncoderLayer, LayerCache
 from tests import strategies as zst
+from tests.blocks.test_moe import moe_reference
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -51,6 +52,8 @@ def ffn_formula(name: str, ffn: nn.Module, x: Tensor) -> Tensor:
         "geglu_tanh": lambda h: 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3))),
         "silu": lambda h: h * torch.sigmoid(h),
     }
+    if name == "moe":  # routed experts: the per-token brute force of tests/blocks/test_moe.py
+        return moe_reference(ffn, x)
     if name not in activations:
         pytest.fail(f"ffn {name!r} is registered but test_layers.py has no formula for it")
     act = activations[name]

@@ -1,0 +1,58 @@
+"""Qwen3-MoE and Qwen2-MoE checkpoints against ``transformers`` (logits, greedy generation, export)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import models
+from models.convert import from_transformers, to_transformers
+from tests.models.family_harness import build_hf, check_decoder_family
+
+VOCAB = 251  # odd, prime
+BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=6,
+            num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            moe_intermediate_size=24, num_experts=7, num_experts_per_tok=3)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renormalised", "raw-top-k"])
+def test_qwen3_moe(norm_topk_prob: bool, tmp_path: Path) -> None:
+    hf = build_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", **BASE, head_dim=16, norm_topk_prob=norm_topk_prob)
+    zoo = check_decoder_family(hf, tmp_path, VOCAB, backends=("sdpa",) if norm_topk_prob else ("sdpa", "math"))
+    ffn = zoo.layers[0].ffn
+    assert (ffn.n_experts, ffn.top_k, ffn.renormalize) == (7, 3, norm_topk_prob)
+    assert zoo.layers[0].self_attn.q_norm is not None
+
+
+def test_qwen2_moe_shared_expert_with_sigmoid_gate(tmp_path: Path) -> None:
+    hf = build_hf("Qwen2MoeConfig", "Qwen2MoeForCausalLM", **BASE, shared_expert_intermediate_size=20,
+                  tie_word_embeddings=True)
+    zoo = check_decoder_family(hf, tmp_path, VOCAB, backends=("math",))
+    ffn = zoo.layers[0].ffn
+    assert ffn.shared_expert.up_proj.weight.shape == (20, 48)
+    assert ffn.router.weight.shape == (8, 48)  # 7 experts, then the shared expert's gate
+    assert not ffn.renormalize and zoo.layers[0].self_attn.q_proj.bias is not None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_presets_export_to_their_family_and_back(family: str) -> None:
+    torch.manual_seed(0)
+    model = models.DecoderLM.from_preset(f"{family}-tiny").eval()
+    config, state = to_transformers(model, family)
+    back = from_transformers(config, state)
+    assert back.config.replace(options={}) == model.config.replace(options={})
+    assert back.config.options["ffn"] == {"expert": "swiglu", "aux_loss_coef": 0.0, **model.config.options["ffn"]}
+    reloaded = models.DecoderLM(back.config).eval()
+    reloaded.load_state_dict(back.state_dict)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("field", "value"), [("mlp_only_layers", [1]), ("decoder_sparse_step", 2)])
+def test_dense_layers_among_moe_layers_are_refused_by_name(field: str, value: object) -> None:
+    hf = build_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", **BASE)
+    config = {**hf.config.to_dict(), field: value}
+    with pytest.raises(ValueError, match=field):
+        from_transformers(config, hf.state_dict())
