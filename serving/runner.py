@@ -9,7 +9,8 @@ a scratch block past the allocator's ids; the pools are allocated whole. Steps h
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +35,24 @@ def bucket(n: int, smallest: int) -> int:
 def packed_logits(model: Any, ids: Tensor, positions: Tensor, caches: list[PagedLayerCache], keep: Tensor) -> Tensor:
     """One packed forward pass: the logits at ``keep``, ``(len(keep), V)`` (the function the compiled step wraps)."""
     return model(ids, positions=positions, cache=caches, logits_to_keep=keep).logits[0]
+
+
+class BucketedStep:
+    """``packed_logits`` compiled once per shape bucket, each under a code object of its own: dynamo keeps its graphs
+    per code object and stops compiling one after ``recompile_limit`` (8) shapes, which a workload's buckets of rows
+    × blocks exceed. Called as ``packed_logits``."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[tuple[int, ...], Callable[..., Tensor]] = {}
+
+    def __call__(self, model: Any, ids: Tensor, positions: Tensor, caches: list[PagedLayerCache],
+                 keep: Tensor) -> Tensor:
+        key = (ids.shape[1], caches[0].self_attn.batch.groups[0].tables.shape[1])
+        if key not in self.compiled:
+            fn = packed_logits
+            own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+            self.compiled[key] = torch.compile(own, dynamic=False, backend=compiled.BACKEND)
+        return self.compiled[key](model, ids, positions, caches, keep)
 
 
 class PagedRunner:
@@ -73,7 +92,7 @@ class PagedRunner:
             cache.self_attn.k = weight.new_zeros((attn.n_kv_heads, n_blocks + 1, block_size, attn.d_head))
             cache.self_attn.v = weight.new_zeros((attn.n_kv_heads, n_blocks + 1, block_size, attn.d_value))
             self.caches.append(cache)
-        self.step = torch.compile(packed_logits, dynamic=False, backend=compiled.BACKEND)
+        self.step = BucketedStep()
 
     @property
     def nbytes(self) -> int:
