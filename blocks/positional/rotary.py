@@ -5,14 +5,26 @@ Options (through ``options={"positional": {...}}`` in a model config):
 - ``base``: θ of the frequencies ``θ^(-2i/d)`` (10000 in the paper; Llama 3 uses 500000);
 - ``fraction``: rotate only the first ``int(d_head · fraction)`` dimensions of each head, pass the rest through
   (GPT-NeoX ``rotary_pct``, Phi ``partial_rotary_factor``);
-- ``scaling``: frequency scaling for longer contexts, ``{"type": "linear", "factor": f}`` (positions divided by f,
-  Chen et al. 2023) or ``{"type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-  "original_max_len"}`` (Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth blend
-  between).
+- ``scaling``: frequency scaling for longer contexts:
+
+  - ``{"type": "linear", "factor": f}``: positions divided by f (Chen et al. 2023);
+  - ``{"type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_len"}`` (Llama 3.1: long
+    wavelengths divided by ``factor``, short ones kept, a smooth blend between);
+  - ``{"type": "yarn", "factor", "original_max_len"}`` with optional ``beta_fast`` (32), ``beta_slow`` (1),
+    ``truncate`` (True), and ``attention_factor`` or ``mscale``/``mscale_all_dim`` (YaRN, Peng et al. 2023:
+    interpolate the long wavelengths, extrapolate the short ones, a linear ramp between the correction dimensions,
+    and cos/sin multiplied by the attention factor ``0.1 ln(factor) + 1``);
+  - ``{"type": "longrope", "short_factor", "long_factor", "original_max_len"}`` with optional ``factor`` (default
+    ``max_len / original_max_len``) and ``attention_factor`` (default ``sqrt(1 + ln(factor) / ln(original_max_len))``)
+    (LongRoPE, Phi-3: per-frequency rescale factors, the long set when a forward pass reaches past
+    ``original_max_len`` positions, the short set otherwise, as ``transformers`` switches them).
+
+  The formulas are those of ``transformers``' ``modeling_rope_utils`` (tested against it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -23,10 +35,27 @@ from torch import Tensor
 from ..registry import register
 from .base import PositionalEncoding
 
-SCALING_KEYS: dict[str, tuple[str, ...]] = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_len"),
+#: Required and optional keys of each scaling type.
+SCALING_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_len"), ()),
+    "yarn": (("factor", "original_max_len"),
+             ("beta_fast", "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim")),
+    "longrope": (("short_factor", "long_factor", "original_max_len"), ("factor", "attention_factor")),
 }
+_FLAGS = ("truncate",)
+_LISTS = ("short_factor", "long_factor")
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryScaling:
+    """Frequencies of a scaled rotary encoding: ``inv_freq`` (LongRoPE: the short set), LongRoPE's long set and the
+    position count past which it applies, and the factor cos and sin are multiplied by."""
+
+    inv_freq: Tensor
+    long_inv_freq: Tensor | None = None
+    switch_after: int | None = None
+    attention_factor: float = 1.0
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -42,31 +71,80 @@ def rotate_pairs(x: Tensor) -> Tensor:
 
 
 def rotary_frequencies(dim: int, base: float, scaling: Mapping[str, Any] | None = None) -> Tensor:
-    """``inv_freq_i = base^(-2i/dim)`` for ``i < dim/2``, with optional context-extension scaling, in float32.
+    """``inv_freq_i = base^(-2i/dim)`` for ``i < dim/2``, with optional context-extension scaling, in float32
+    (LongRoPE: the short set; see ``rotary_scaling`` for the rest).
 
     Shapes: returns ``(dim // 2,)``.
 
     Raises:
-        ValueError: an unknown scaling type, missing or extra scaling keys, or non-positive factors.
+        ValueError: as ``rotary_scaling``.
     """
-    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    if scaling is None:
-        return inv_freq
+    return rotary_scaling(dim, base, scaling).inv_freq
+
+
+def check_scaling(scaling: Mapping[str, Any], dim: int) -> str:
+    """The scaling type, after checking its keys and values.
+
+    Raises:
+        ValueError: an unknown type, missing or unknown keys, a factor that is not a finite number > 0, a flag that
+            is not a bool, or a LongRoPE factor list that is not ``dim / 2`` positive numbers (each named).
+    """
     kind = scaling.get("type")
     if kind not in SCALING_KEYS:
         raise ValueError(f"unknown rotary scaling type {kind!r}; expected one of {sorted(SCALING_KEYS)}")
+    required, optional = SCALING_KEYS[kind]
     keys = set(scaling) - {"type"}
-    if keys != set(SCALING_KEYS[kind]):
-        raise ValueError(f"rotary scaling {kind!r} takes the keys {list(SCALING_KEYS[kind])}, got {sorted(keys)}")
+    if not set(required) <= keys <= set(required) | set(optional):
+        raise ValueError(f"rotary scaling {kind!r} takes the keys {list(required)} and optionally "
+                         f"{list(optional)}, got {sorted(keys)}")
     for key in keys:
         value = scaling[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        if key in _FLAGS:
+            if not isinstance(value, bool):
+                raise ValueError(f"rotary scaling {key} must be True or False, got {value!r}")
+        elif key in _LISTS:
+            if (not isinstance(value, (list, tuple)) or len(value) != dim // 2
+                    or not all(_positive(v) for v in value)):
+                raise ValueError(f"rotary scaling {key} must be a list of {dim // 2} finite numbers > 0 (one per "
+                                 f"frequency), got {value!r}")
+        elif not _positive(value):
             raise ValueError(f"rotary scaling {key} must be a finite number > 0, got {value!r}")
-    factor = scaling["factor"]
+    return kind
+
+
+def _positive(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+
+
+def rotary_scaling(dim: int, base: float, scaling: Mapping[str, Any] | None = None,
+                   max_len: int | None = None) -> RotaryScaling:
+    """The frequencies (float32) and attention factor of a rotary encoding with optional scaling; ``max_len`` (the
+    model's context) gives LongRoPE's default ``factor``.
+
+    Raises:
+        ValueError: see ``check_scaling``; llama3 with ``high_freq_factor <= low_freq_factor``.
+    """
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if scaling is None:
+        return RotaryScaling(inv_freq)
+    kind = check_scaling(scaling, dim)
     if kind == "linear":
-        return inv_freq / factor
+        return RotaryScaling(inv_freq / scaling["factor"])
+    if kind == "yarn":
+        return _yarn(inv_freq, dim, base, scaling)
+    if kind == "longrope":
+        original = int(scaling["original_max_len"])
+        factor = scaling.get("factor", (max_len or original) / original)
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32) * base**shape)
+                       for k in ("short_factor", "long_factor"))
+        return RotaryScaling(short, long, original, float(attention))
     # Llama 3.1: wavelengths longer than original_max_len / low_freq_factor are slowed by `factor`, those
     # shorter than original_max_len / high_freq_factor are kept, and the band between is interpolated.
+    factor = scaling["factor"]
     low, high, original = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["original_max_len"]
     if high <= low:
         raise ValueError(f"rotary llama3 scaling needs high_freq_factor > low_freq_factor, got {high} <= {low}")
@@ -75,7 +153,35 @@ def rotary_frequencies(dim: int, base: float, scaling: Mapping[str, Any] | None 
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
     medium = (wavelength >= original / high) & (wavelength <= original / low)
-    return torch.where(medium, blended, scaled)
+    return RotaryScaling(torch.where(medium, blended, scaled))
+
+
+def _yarn(inv_freq: Tensor, dim: int, base: float, scaling: Mapping[str, Any]) -> RotaryScaling:
+    """YaRN: interpolated (÷ factor) below the ``beta_slow`` correction dimension, extrapolated (kept) above the
+    ``beta_fast`` one, a linear ramp between; cos/sin scaled by the attention factor."""
+    factor, original = scaling["factor"], scaling["original_max_len"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast", 32)), correction_dim(scaling.get("beta_slow", 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    return RotaryScaling(inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated,
+                         attention_factor=float(attention))
 
 
 @register("positional", "rotary")
@@ -117,14 +223,35 @@ class RotaryPositionalEncoding(PositionalEncoding):
                 f"rotary encoding needs an even number >= 2 of rotated dimensions, got {self.dim} "
                 f"(d_head={d_head}, fraction={fraction})"
             )
-        self.register_fp32_buffer("inv_freq", rotary_frequencies(self.dim, float(base), scaling))
+        frequencies = rotary_scaling(self.dim, float(base), scaling, max_len)
+        self.register_fp32_buffer("inv_freq", frequencies.inv_freq)
+        if frequencies.long_inv_freq is not None:
+            self.register_fp32_buffer("long_inv_freq", frequencies.long_inv_freq)
+        else:
+            self.long_inv_freq = None
+        self.switch_after = frequencies.switch_after
+        self.attention_factor = frequencies.attention_factor
+
+    def _frequencies(self, positions: Tensor) -> Tensor:
+        """The frequencies of this forward pass: LongRoPE's long set once it reaches past ``switch_after``
+        positions (the whole batch switches, as in ``transformers``), else ``inv_freq``."""
+        if self.long_inv_freq is None:
+            return self.inv_freq
+        return torch.where(positions.max() + 1 > self.switch_after, self.long_inv_freq, self.inv_freq)
+
+    def _cos_sin(self, angles: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:  # YaRN / LongRoPE scale cos and sin (so q·k by its square)
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
     def _angles(self, positions: Tensor) -> Tensor:
-        angles = positions[..., None].float() * self.inv_freq  # (B, L, dim/2), float32
+        angles = positions[..., None].float() * self._frequencies(positions)  # (B, L, dim/2), float32
         return torch.cat([angles, angles], dim=-1)[:, None]  # (B, 1, L, dim)
 
     def _rotate_part(self, x: Tensor, angles: Tensor) -> Tensor:
-        return x * angles.cos().to(x.dtype) + rotate_half(x) * angles.sin().to(x.dtype)
+        cos, sin = self._cos_sin(angles, x.dtype)
+        return x * cos + rotate_half(x) * sin
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         angles = self._angles(positions)
@@ -139,8 +266,9 @@ class InterleavedRotaryPositionalEncoding(RotaryPositionalEncoding):
     """Rotary encoding with pairs ``(2i, 2i+1)`` (GPT-J, the RoFormer paper's own layout, llama.cpp's storage)."""
 
     def _angles(self, positions: Tensor) -> Tensor:
-        angles = positions[..., None].float() * self.inv_freq  # (B, L, dim/2)
+        angles = positions[..., None].float() * self._frequencies(positions)  # (B, L, dim/2)
         return angles.repeat_interleave(2, dim=-1)[:, None]  # (B, 1, L, dim): θ0, θ0, θ1, θ1, ...
 
     def _rotate_part(self, x: Tensor, angles: Tensor) -> Tensor:
-        return x * angles.cos().to(x.dtype) + rotate_pairs(x) * angles.sin().to(x.dtype)
+        cos, sin = self._cos_sin(angles, x.dtype)
+        return x * cos + rotate_pairs(x) * sin

@@ -135,8 +135,8 @@ class HFConfig:
         the older ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` fields.
 
         Raises:
-            ValueError: a RoPE type other than default, ``linear`` and ``llama3`` (e.g. ``yarn``, ``dynamic``),
-                named, since the zoo would compute different angles.
+            ValueError: a RoPE type other than default, ``linear``, ``llama3``, ``yarn`` and ``longrope`` (e.g.
+                ``dynamic``), named, since the zoo would compute different angles.
         """
         data = self.data
         if parameters is None:
@@ -158,14 +158,41 @@ class HFConfig:
                     "high_freq_factor": float(parameters["high_freq_factor"]),
                     "original_max_len": int(parameters["original_max_position_embeddings"]),
                 }
+            elif kind in ("yarn", "longrope"):
+                options["scaling"] = self.scaled_rope(kind, parameters)
             elif kind != "default":
                 raise ValueError(
                     f"{self.model_type} checkpoint has rope_type={kind!r} (RoPE frequency scaling); the zoo "
-                    "represents only the default, 'linear' and 'llama3' types, so it cannot load this model exactly"
+                    "represents the default, 'linear', 'llama3', 'yarn' and 'longrope' types, so it cannot load "
+                    "this model exactly"
                 )
         except KeyError as err:
             raise ValueError(f"{self.model_type} checkpoint's {kind!r} RoPE scaling lacks {err}") from err
         return options
+
+    def scaled_rope(self, kind: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
+        """The zoo's ``yarn`` / ``longrope`` scaling of a checkpoint's RoPE parameters (the optional keys only
+        where the checkpoint sets them; ``original_max_position_embeddings`` may sit at the top level)."""
+        data = self.data
+        original = parameters.get("original_max_position_embeddings",
+                                  data.get("original_max_position_embeddings", data.get("max_position_embeddings")))
+        scaling: dict[str, Any] = {"type": kind, "original_max_len": int(original)}
+        factor = parameters.get("factor")
+        if kind == "yarn":
+            scaling["factor"] = float(data["max_position_embeddings"] / original if factor is None else factor)
+            for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+                if parameters.get(key) is not None:
+                    scaling[key] = float(parameters[key])
+            if parameters.get("truncate") is not None:
+                scaling["truncate"] = bool(parameters["truncate"])
+            return scaling
+        scaling.update(short_factor=[float(v) for v in parameters["short_factor"]],
+                       long_factor=[float(v) for v in parameters["long_factor"]])
+        if factor is not None:
+            scaling["factor"] = float(factor)
+        if parameters.get("attention_factor") is not None:
+            scaling["attention_factor"] = float(parameters["attention_factor"])
+        return scaling
 
     def warn_training_only(self, key: str, zoo_value: float, what: str) -> None:
         """Warn that a field which only matters in training is approximated (eval-mode outputs are exact)."""
@@ -265,3 +292,19 @@ def zoo_config(model_type: str, config_class: type[C], **fields: Any) -> C:
         return config_class(**fields)
     except ValueError as err:
         raise ValueError(f"{model_type} checkpoint maps to an invalid {config_class.__name__}: {err}") from err
+
+
+def rope_parameters(rotary: Mapping[str, Any]) -> dict[str, Any]:
+    """``rope_parameters`` of a ``transformers`` config for the zoo rotary options ``rotary`` (``base``,
+    ``fraction``, ``scaling``): the inverse of ``HFConfig.rope_options``."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rotary.get("base", 10000.0)}
+    scaling = dict(rotary.get("scaling") or {})
+    if scaling:
+        rope["rope_type"] = scaling.pop("type")
+        if "original_max_len" in scaling:
+            rope["original_max_position_embeddings"] = scaling.pop("original_max_len")
+        rope.update(scaling)
+    if "fraction" in rotary:
+        rope["partial_rotary_factor"] = rotary["fraction"]
+    return rope
+

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..decoder_lm import DecoderLM, DecoderLMConfig
 from .export import register_exporter, require, tensors
-from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
+from .hf_checkpoint import CheckpointReader, HFConfig, rope_parameters, zoo_config
 from .name_maps import NameMap, read_mapped, write_mapped
 from .registry import Converted, register_converter
 from .tasks import TaskLayout, decoder_classes, register_tasks
@@ -142,16 +142,7 @@ def export_llama_like(
             "scaled embeddings, logit soft-capping or an output scale")
     rotary = c.block_options("positional")
     require(set(rotary) <= {"base", "scaling", "fraction"}, f"rotary options {sorted(rotary)}")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rotary.get("base", 10000.0)}
-    scaling = rotary.get("scaling")
-    if scaling is not None:
-        rope["rope_type"] = scaling["type"]
-        rope["factor"] = scaling["factor"]
-        if scaling["type"] == "llama3":
-            rope.update(low_freq_factor=scaling["low_freq_factor"], high_freq_factor=scaling["high_freq_factor"],
-                        original_max_position_embeddings=scaling["original_max_len"])
-    if "fraction" in rotary:
-        rope["partial_rotary_factor"] = rotary["fraction"]
+    rope = rope_parameters(rotary)
     config: dict[str, Any] = {
         "model_type": model_type, "architectures": [architecture], "vocab_size": c.vocab_size,
         "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layers,

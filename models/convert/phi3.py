@@ -4,7 +4,7 @@
 and value rows) and ``gate_up_proj`` the rows ``[gate; up]``; the converter splits them into the zoo's separate
 projections and the exporter fuses them back. ``partial_rotary_factor`` becomes the rotary option ``fraction`` and
 ``sliding_window`` (every layer) the attention option ``window``. The long-context RoPE of Phi-3 128k models
-(``longrope``, older files ``su``/``yarn``) has no zoo counterpart and is refused by name.
+(``longrope``, older files ``su``/``yarn``) becomes the rotary scaling ``longrope``.
 """
 
 from __future__ import annotations
@@ -39,12 +39,10 @@ def _phi3_fields(cfg: HFConfig) -> dict[str, Any]:
     # As Phi3Config reads them: rope_scaling (older files) replaces rope_parameters, it is not merged into it.
     parameters = dict(cfg.data.get("rope_scaling") or cfg.data.get("rope_parameters") or {})
     kind = parameters.get("rope_type", parameters.get("type", "default"))
-    if kind != "default":
-        # Phi3Config accepts only the default RoPE and longrope ("su" and "yarn" are its older names).
-        raise ValueError(
-            f"phi3 checkpoint has rope_type={kind!r} (Phi-3's long-context RoPE scaling with short/long factors); "
-            "the zoo represents only the default RoPE for Phi-3, so it cannot load this model exactly"
-        )
+    if kind in ("su", "yarn"):  # Phi3Config's older names of longrope
+        parameters["rope_type"] = kind = "longrope"
+    if kind not in ("default", "longrope"):
+        raise ValueError(f"phi3 checkpoint has rope_type={kind!r}; Phi-3 uses the default RoPE or 'longrope'")
     rotary = cfg.rope_options(10000.0, parameters)
     fields = llama_fields(cfg)
     # Phi-3 has no biases at all (transformers ignores attention_bias/mlp_bias in its config).
@@ -72,7 +70,7 @@ def convert_phi3(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
     """Convert a ``Phi3ForCausalLM`` checkpoint (Phi-3 and Phi-3.5 mini/medium with the default RoPE).
 
     Raises:
-        ValueError: ``longrope``/``su``/``yarn`` RoPE scaling (named), an activation without a gated zoo FFN, a bad
+        ValueError: RoPE scaling other than ``longrope`` (named), an activation without a gated zoo FFN, a bad
             ``sliding_window``, or weights that do not fit the config.
     """
     cfg = HFConfig("phi3", hf_config, DEFAULTS)
@@ -103,16 +101,19 @@ def export_phi3(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     ``gate_up_proj``).
 
     Raises:
-        NotExportable: biases, RoPE scaling, per-layer windows, or other parts Phi-3 lacks, named.
+        NotExportable: biases, RoPE scaling other than longrope, per-layer windows, or other parts Phi-3 lacks,
+            named.
     """
 
     def extra(c: DecoderLMConfig) -> dict[str, Any]:
         attention = check_attention_options(c, {"window"})
         require(not c.layer_options, "per-layer options (Phi-3's layers are all alike)")
         require(not c.bias, "bias=True (Phi-3 has no biases)")
-        require("scaling" not in c.block_options("positional"), "RoPE scaling (Phi-3 has only the default RoPE)")
+        scaling = c.block_options("positional").get("scaling")
+        require(scaling is None or scaling["type"] == "longrope", "RoPE scaling other than longrope")
+        original = c.max_len if scaling is None else scaling["original_max_len"]
         return {"sliding_window": attention.get("window"), "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
-                "original_max_position_embeddings": c.max_len}
+                "original_max_position_embeddings": original}
 
     config, state = export_llama_like(model, "phi3", "Phi3ForCausalLM", extra)
     for key in [k for k in state if k.endswith("self_attn.q_proj.weight")]:

@@ -18,7 +18,7 @@ from .compiled import compiled_steps
 from .requests import CONFIG_DEFAULT, LMRequest, check_compilable, lm_request
 from .sampling import SamplingParams, seen_tokens
 from .speculative import check_draft, speculative_steps
-from .steps import Step, each_step_in_eval_mode, eval_mode, make_room, token_loop
+from .steps import Step, each_step_in_eval_mode, eval_mode, longrope_switch, make_room, token_loop
 
 
 class DecoderLMGenerationMixin:
@@ -167,9 +167,16 @@ class DecoderLMGenerationMixin:
             mask_buffer[:, :length] = mask
         logits = self(prompt, attention_mask=mask, cache=cache, logits_to_keep=1).logits[:, -1]
         filled = length
+        # LongRoPE switches every position to its long factors once a sequence passes `switch` positions: the cache
+        # (rotated with the short ones) is then computed again from the tokens, as transformers does.
+        switch = longrope_switch(self)
+        history = None
+        if switch is not None and length <= switch < limit:
+            history = torch.empty((b, limit), dtype=prompt.dtype, device=prompt.device)
+            history[:, :length] = prompt
 
         def step(tokens: Tensor) -> Tensor:
-            nonlocal filled, mask_buffer
+            nonlocal filled, mask_buffer, cache
             make_room(cache, 1, limit)
             filled += 1
             step_mask = None
@@ -177,6 +184,12 @@ class DecoderLMGenerationMixin:
                 if mask_buffer.shape[1] < filled:
                     mask_buffer = torch.cat([mask_buffer, torch.ones_like(mask_buffer)], dim=1)
                 step_mask = mask_buffer[:, :filled]
+            if history is not None:
+                history[:, filled - 1] = tokens
+                if filled == switch + 1:
+                    cache = stack.new_caches(len(self.layers), min(limit, filled + steps.CACHE_CHUNK))
+                    return self(history[:, :filled], attention_mask=step_mask, cache=cache,
+                                logits_to_keep=1).logits[:, -1]
             return self(tokens[:, None], attention_mask=step_mask, cache=cache).logits[:, -1]
 
         seen = seen_tokens(prompt, mask, self.config.vocab_size) if request.params.uses_history else None

@@ -230,6 +230,8 @@ def speculative_steps(target: Any, draft: Any, request: LMRequest, k: int) -> Sp
     prompt, params, generator = request.prompt, request.params, request.generator
     length = prompt.shape[1]
     limit = length + request.max_new_tokens
+    for model in (target, draft):
+        steps.refuse_longrope_switch(model, length, limit, "speculative decoding")
     ids = prompt.new_empty((1, limit))
     ids[:, :length] = prompt
     size = min(limit, length + steps.CACHE_CHUNK)

@@ -106,6 +106,29 @@ def token_loop(
         logits = step(tokens)
 
 
+def longrope_switch(model: nn.Module) -> int | None:
+    """The positions past which the model's LongRoPE switches to its long factors (None: no LongRoPE)."""
+    positionals = [getattr(model, "positional", None), *getattr(model, "layer_positionals", {}).values()]
+    switches = [p.switch_after for p in positionals if getattr(p, "switch_after", None) is not None]
+    return min(switches) if switches else None
+
+
+def refuse_longrope_switch(model: nn.Module, length: int, limit: int, what: str) -> None:
+    """Raise when a decoding loop that cannot compute its cache again (``what``) would cross the LongRoPE switch:
+    a prompt of ``length`` positions growing to ``limit``.
+
+    Raises:
+        ValueError: naming the switch and the way that works (eager ``generate``).
+    """
+    switch = longrope_switch(model)
+    if switch is not None and length <= switch < limit:
+        raise ValueError(
+            f"{what} cannot cross the LongRoPE switch at {switch} positions (a prompt of {length} growing to "
+            f"{limit}): every cached key would have to be rotated again with the long factors; use the eager "
+            "generate (compile=False, no draft model), which computes the cache again at the switch"
+        )
+
+
 def make_room(caches: list[LayerCache], new: int, limit: int) -> None:
     """Grow the self-attention caches so that ``new`` more positions fit: at least double their size, at most
     ``limit`` positions (what the request can ever need), keeping what they hold.

@@ -333,3 +333,75 @@ def test_t5_buckets_match_the_published_scheme() -> None:
     causal = relative_position_buckets(rel, causal=True, num_buckets=32, max_distance=128)
     assert causal[rel >= 0].tolist() == [0] * 6  # later keys (masked anyway) share bucket 0
     assert causal.tolist()[:6] == [31, 31, 16 + int(math.log(20 / 16) / math.log(128 / 16) * 16), 8, 7, 1]
+
+
+YARN = [
+    {"factor": 4.0, "original_max_position_embeddings": 1024},
+    {"factor": 16.0, "original_max_position_embeddings": 4096, "beta_fast": 24.0, "beta_slow": 2.0,
+     "mscale": 0.707, "mscale_all_dim": 0.5, "truncate": False},
+    {"factor": 2.0, "original_max_position_embeddings": 128, "attention_factor": 1.3},
+]
+
+
+@pytest.mark.parametrize("parameters", YARN, ids=["plain", "mscale-beta-no-truncate", "attention-factor"])
+@pytest.mark.parametrize("dim", [16, 64])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(parameters: dict, dim: int) -> None:
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from blocks.positional.rotary import rotary_scaling
+
+    hf = transformers.LlamaConfig(hidden_size=4 * dim, num_attention_heads=4, max_position_embeddings=8192,
+                                  rope_scaling={"rope_type": "yarn", "rope_theta": 50000.0, **parameters})
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    ours = {k: v for k, v in parameters.items() if k != "original_max_position_embeddings"}
+    got = rotary_scaling(dim, 50000.0, {"type": "yarn", "original_max_len": parameters[
+        "original_max_position_embeddings"], **ours})
+    torch.testing.assert_close(got.inv_freq, inv_freq, rtol=1e-6, atol=0)
+    assert got.attention_factor == pytest.approx(attention, rel=1e-12)
+    assert not torch.equal(got.inv_freq, rotary_scaling(dim, 50000.0).inv_freq)  # scaling did something
+
+
+def test_longrope_sets_and_switch_equal_transformers() -> None:
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from blocks.positional import RotaryPositionalEncoding
+
+    short, long = [1.0, 1.2, 1.9, 2.5], [1.5, 3.0, 7.0, 16.0]
+    hf = transformers.Phi3Config(hidden_size=32, num_attention_heads=4, max_position_embeddings=256,
+                                 original_max_position_embeddings=32,
+                                 rope_scaling={"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                                               "original_max_position_embeddings": 32})
+    short_hf, attention = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu")
+    long_hf, _ = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=33)
+    rotary = RotaryPositionalEncoding(32, 4, max_len=256, scaling={
+        "type": "longrope", "short_factor": short, "long_factor": long, "original_max_len": 32})
+    torch.testing.assert_close(rotary.inv_freq, short_hf, rtol=1e-6, atol=0)
+    torch.testing.assert_close(rotary.long_inv_freq, long_hf, rtol=1e-6, atol=0)
+    assert rotary.attention_factor == pytest.approx(attention)  # sqrt(1 + ln(256/32) / ln 32)
+    q = torch.randn(1, 4, 40, 8, generator=torch.Generator().manual_seed(0))
+    # 32 positions use the short set, 33 the long one, for every position of the pass.
+    for n, freqs in ((32, short_hf), (33, long_hf)):
+        positions = torch.arange(n)[None]
+        angles = positions[..., None].float() * freqs
+        cos, sin = torch.cat([angles, angles], -1).cos() * attention, torch.cat([angles, angles], -1).sin() * attention
+        x = q[:, :, :n]
+        want = x * cos[:, None] + torch.cat([-x[..., 4:], x[..., :4]], -1) * sin[:, None]
+        torch.testing.assert_close(rotary.rotate(x, positions), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("scaling", "message"), [
+    ({"type": "yarn", "factor": 4.0}, "takes the keys"),
+    ({"type": "yarn", "factor": 4.0, "original_max_len": 64, "truncate": "yes"}, "truncate must be True or False"),
+    ({"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 4, "original_max_len": 8},
+     "short_factor must be a list of 4"),
+    ({"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0, 2.0, float("nan"), 1.0],
+      "original_max_len": 8}, "long_factor must be a list of 4"),
+    ({"type": "dynamic", "factor": 2.0}, "unknown rotary scaling type 'dynamic'"),
+])
+def test_bad_scaling_options_are_named(scaling: dict, message: str) -> None:
+    from blocks.positional import RotaryPositionalEncoding
+
+    with pytest.raises(ValueError, match=message):
+        RotaryPositionalEncoding(32, 4, scaling=scaling)

@@ -22,7 +22,10 @@ BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_l
     dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 16}),
     dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, attention_bias=True),
-], ids=["untied", "tied-head_dim-theta", "llama3-scaling", "linear-scaling-bias"])
+    dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+    dict(rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16.0,
+                       "beta_slow": 2.0, "mscale": 0.8, "mscale_all_dim": 0.5, "truncate": False}),
+], ids=["untied", "tied-head_dim-theta", "llama3-scaling", "linear-scaling-bias", "yarn", "yarn-mscale-no-truncate"])
 def test_llama(overrides: dict, tmp_path: Path) -> None:
     check_decoder_family(build_hf("LlamaConfig", "LlamaForCausalLM", **{**BASE, **overrides}), tmp_path, VOCAB)
 
@@ -53,8 +56,7 @@ def test_qwen3_qk_norm(tmp_path: Path) -> None:
     assert zoo.layers[0].self_attn.q_norm is not None
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
-                                  {"rope_type": "dynamic", "factor": 2.0}])
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "proportional"}])
 def test_unrepresentable_rope_scaling_is_refused_by_name(rope: dict) -> None:
     hf = build_hf("LlamaConfig", "LlamaForCausalLM", **BASE)
     config, state = hf.config.to_dict(), hf.state_dict()

@@ -50,15 +50,27 @@ def test_fused_projections_split_in_order() -> None:
         from_transformers(hf.config.to_dict(), state)
 
 
+LONGROPE = {"short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 6.0, 11.0]}
+
+
 @pytest.mark.parametrize("rope", [
-    {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
-     "original_max_position_embeddings": 64},
-    {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
-])
-def test_long_context_rope_is_refused_by_name(rope: dict) -> None:
+    {"rope_type": "longrope", **LONGROPE, "original_max_position_embeddings": 16},
+    {"type": "su", **LONGROPE, "original_max_position_embeddings": 16},  # the older name
+], ids=["longrope", "su"])
+def test_long_context_rope_switches_factors_as_transformers(rope: dict, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # 24 positions against an original context of 16: the short factors below 16, the long ones past it, in the
+    # full forward pass and during cached generation.
+    monkeypatch.setattr(family_harness, "save_transformers", functools.partial(save_transformers, model_type="phi3"))
+    hf = build_hf("Phi3Config", "Phi3ForCausalLM", **BASE, original_max_position_embeddings=16, rope_scaling=rope)
+    zoo = check_decoder_family(hf, tmp_path, VOCAB, length=24)
+    assert zoo.positional.switch_after == 16 and zoo.positional.attention_factor > 1.0
+
+
+def test_other_rope_scaling_is_refused_by_name() -> None:
     hf = build_hf("Phi3Config", "Phi3ForCausalLM", **BASE)
-    config = {**hf.config.to_dict(), "rope_scaling": rope}
-    with pytest.raises(ValueError, match=rope.get("rope_type", rope.get("type"))):
+    config = {**hf.config.to_dict(), "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
         from_transformers(config, hf.state_dict())
 
 
@@ -90,3 +102,20 @@ def test_phi_3_mini_4k_preset_shape() -> None:
         model = models.DecoderLM.from_preset("phi-3-mini-4k")
     assert sum(p.numel() for p in model.parameters()) == 3_821_079_552
     assert {layer.self_attn.window for layer in model.layers} == {2047}
+
+
+def test_loops_that_cannot_recompute_their_cache_refuse_to_cross_the_longrope_switch() -> None:
+    from serving import Engine
+
+    model = models.DecoderLM.from_preset("phi3-tiny", max_len=64, options={"positional": {"scaling": {
+        "type": "longrope", "original_max_len": 16, "short_factor": [1.0 + i / 4 for i in range(8)],
+        "long_factor": [2.0 + i for i in range(8)]}}}).eval()
+    prompt = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(0))
+    for kwargs in ({"compile": True}, {"draft_model": model}):
+        with pytest.raises(ValueError, match="cannot cross the LongRoPE switch at 16 positions"):
+            model.generate(prompt, max_new_tokens=10, **kwargs)
+    with pytest.raises(ValueError, match="the engine cannot cross the LongRoPE switch"):
+        Engine(model).generate([prompt[0].tolist()], max_tokens=10)
+    # Requests that stay on one side of the switch are served.
+    assert Engine(model).generate([prompt[0].tolist()], max_tokens=5)[0].token_ids == \
+        model.generate(prompt, max_new_tokens=5, eos_token_id=None)[0, 10:].tolist()
