@@ -15,6 +15,7 @@ from .convert import (  # noqa: F401  (each family registers its converter, expo
     bert,
     distilbert,
     gemma2,
+    gemma3,
     gpt2,
     gpt_neox,
     llama,

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ..decoder_lm import DecoderLM, DecoderLMConfig
 from .export import register_exporter, require, tensors
-from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
+from .hf_checkpoint import CheckpointReader, HFConfig, rope_parameters, zoo_config
 from .llama import GATED_ACTIVATIONS, GATED_FFNS
 from .name_maps import NameMap, read_mapped, write_mapped
 from .registry import Converted, register_converter
@@ -146,26 +146,6 @@ def convert_gemma2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor
     return Converted(DecoderLM, config, out)
 
 
-def rope_parameters(rotary: Mapping[str, Any], allow_fraction: bool) -> dict[str, Any]:
-    """transformers 5's ``rope_parameters`` for the zoo rotary options (shared by the exporters here).
-
-    Raises:
-        NotExportable: options other than base, scaling (and fraction where ``allow_fraction``).
-    """
-    allowed = {"base", "scaling", "fraction"} if allow_fraction else {"base", "scaling"}
-    require(set(rotary) <= allowed, f"rotary options {sorted(set(rotary) - allowed)}")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rotary.get("base", 10000.0)}
-    scaling = rotary.get("scaling")
-    if scaling is not None:
-        rope.update(rope_type=scaling["type"], factor=scaling["factor"])
-        if scaling["type"] == "llama3":
-            rope.update(low_freq_factor=scaling["low_freq_factor"], high_freq_factor=scaling["high_freq_factor"],
-                        original_max_position_embeddings=scaling["original_max_len"])
-    if "fraction" in rotary:
-        rope["partial_rotary_factor"] = rotary["fraction"]
-    return rope
-
-
 def _query_pre_attn_scalar(c: DecoderLMConfig, scale: float | None) -> int:
     """The integer ``query_pre_attn_scalar`` whose ``** -0.5`` is the attention scale (Gemma2Config types it int)."""
     if scale is None:
@@ -185,6 +165,15 @@ def export_gemma2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
         NotExportable: a model with parts Gemma 2 lacks (not offset RMSNorm with sandwich sublayers, unscaled
             embeddings, FFN biases, several window sizes, ...), named.
     """
+    return export_gemma_like(model)
+
+
+def export_gemma_like(
+    model: nn.Module, attention_keys: frozenset[str] = frozenset({"scale", "softcap", "bias"}),
+    layer_keys: frozenset[str] = frozenset({"attention"}), names: NameMap = NAMES,
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """Gemma 2's export, for Gemma 2 and the families built on it (which allow more ``attention_keys`` options,
+    ``layer_keys`` entries and tensor ``names``, and fix the config up)."""
     require(isinstance(model, DecoderLM), f"{type(model).__name__} is not a DecoderLM")
     c = model.config
     require(c.positional == "rotary", f"positional={c.positional!r} (only 'rotary')")
@@ -199,11 +188,13 @@ def export_gemma2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     require(not c.bias, "bias=True (Gemma 2's MLP has no biases)")
     other = sorted(set(c.options) - {"positional", "attention"})
     require(not other, f"options for {other}")
+    rotary = c.block_options("positional")
+    require(set(rotary) <= {"base", "scaling"}, f"rotary options {sorted(set(rotary) - {'base', 'scaling'})}")
     attention = c.block_options("attention")
-    require(set(attention) <= {"scale", "softcap", "bias"}, f"attention options {sorted(attention)}")
+    require(set(attention) <= attention_keys, f"attention options {sorted(set(attention) - attention_keys)}")
     windows = []
     for i, entry in enumerate(c.layer_options):
-        require(set(entry) <= {"attention"} and set(entry.get("attention", {})) <= {"window"},
+        require(set(entry) <= layer_keys and set(entry.get("attention", {})) <= {"window"},
                 f"layer_options[{i}] = {entry}")
         windows.append(entry.get("attention", {}).get("window"))
     sizes = set(windows) - {None}
@@ -215,7 +206,7 @@ def export_gemma2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
         "hidden_activation": GATED_ACTIVATIONS[c.ffn], "max_position_embeddings": c.max_len,
         "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings, "attention_dropout": c.attention_dropout,
         "attention_bias": bool(attention.get("bias", False)),
-        "rope_parameters": rope_parameters(c.block_options("positional"), allow_fraction=False),
+        "rope_parameters": rope_parameters(c.block_options("positional")),
         "query_pre_attn_scalar": _query_pre_attn_scalar(c, attention.get("scale")),
         "attn_logit_softcapping": attention.get("softcap"), "final_logit_softcapping": c.logit_softcap,
         # Every layer global unless it has a window; an unused sliding_window keeps Gemma2Config's default.
@@ -223,7 +214,7 @@ def export_gemma2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
         "sliding_window": sizes.pop() if sizes else DEFAULTS["sliding_window"],
         "pad_token_id": c.pad_token_id, "bos_token_id": c.bos_token_id, "eos_token_id": c.eos_token_id,
     }
-    out = write_mapped(tensors(model), NAMES, skip=("lm_head.weight",) if c.tie_embeddings else ())
+    out = write_mapped(tensors(model), names, skip=("lm_head.weight",) if c.tie_embeddings else ())
     return config, out
 
 
