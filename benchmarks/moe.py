@@ -1,0 +1,99 @@
+"""The ``moe`` FFN block against ``transformers``' sparse MoE blocks on the same weights and tokens.
+
+``python -m benchmarks.moe`` times forward + backward (fp32, CPU) of a Mixtral-shaped layer (8 experts, top-2) and a
+Qwen3-MoE-shaped layer (64 experts, top-8, renormalised) at reduced width, competitors interleaved A B A B, medians
+of ``--repeats``; the outputs are checked equal first. ``--tokens`` sets the batch (tokens through the layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import transformers
+from torch import nn
+
+import blocks
+
+SHAPES = {
+    # name: (transformers config class, block class, config fields, zoo options)
+    "mixtral (8 experts, top-2)": ("MixtralConfig", "models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                                   dict(hidden_size=512, intermediate_size=1024, num_local_experts=8,
+                                        num_experts_per_tok=2), dict(n_experts=8, top_k=2, renormalize=True), 1024),
+    "qwen3_moe (64 experts, top-8)": ("Qwen3MoeConfig", "models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+                                      dict(hidden_size=512, moe_intermediate_size=256, num_experts=64,
+                                           num_experts_per_tok=8, norm_topk_prob=True),
+                                      dict(n_experts=64, top_k=8, renormalize=True), 256),
+}
+
+
+def _hf_block(config_class: str, path: str, fields: dict, experts: str) -> nn.Module:
+    module_path, name = path.rsplit(".", 1)
+    module = __import__(f"transformers.{module_path}", fromlist=[name])
+    config = getattr(transformers, config_class)(**fields)
+    config._experts_implementation = experts  # what a model built from the config would set
+    return getattr(module, name)(config)
+
+
+def copy_weights(zoo: nn.Module, hf: nn.Module) -> nn.Module:
+    """``hf`` holding ``zoo``'s router and expert weights."""
+    with torch.no_grad():
+        hf.gate.weight.copy_(zoo.router.weight)
+        for e, expert in enumerate(zoo.experts):
+            hf.experts.gate_up_proj[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight]))
+            hf.experts.down_proj[e].copy_(expert.down_proj.weight)
+    return hf
+
+
+def step_time(block: nn.Module, x: torch.Tensor) -> float:
+    """Seconds of one forward + backward."""
+    x = x.detach().requires_grad_(True)
+    start = time.perf_counter()
+    block(x).sum().backward()
+    return time.perf_counter() - start
+
+
+def measure(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    for run in runs.values():  # warm-up
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            times[name].append(run())
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+          f"fp32, {args.tokens} tokens, forward + backward, median of {args.repeats}")
+    print("| layer | zoo ms | transformers grouped_mm ms (zoo speed-up) | transformers eager ms (zoo speed-up) |")
+    print("|---|---|---|---|")
+    for name, (config_class, path, fields, options, d_ff) in SHAPES.items():
+        torch.manual_seed(0)
+        zoo = blocks.build("ffn", "moe", d_model=fields["hidden_size"], d_ff=d_ff, **options)
+        with torch.no_grad():
+            for p in zoo.parameters():
+                p.normal_(0, 0.05)
+        runs: dict[str, Callable[[], float]] = {}
+        x = torch.randn(1, args.tokens, fields["hidden_size"], generator=torch.Generator().manual_seed(1))
+        for experts in ("grouped_mm", "eager"):
+            hf = copy_weights(zoo, _hf_block(config_class, path, fields, experts))
+            with torch.no_grad():
+                torch.testing.assert_close(zoo(x), hf(x), atol=1e-5, rtol=1e-4)
+            runs[experts] = functools.partial(step_time, hf, x)
+        runs["zoo"] = functools.partial(step_time, zoo, x)
+        t = measure(runs, args.repeats)
+        print(f"| {name} | {t['zoo'] * 1e3:.1f} | {t['grouped_mm'] * 1e3:.1f} ({t['grouped_mm'] / t['zoo']:.2f}x) | "
+              f"{t['eager'] * 1e3:.1f} ({t['eager'] / t['zoo']:.2f}x) |")
+
+
+if __name__ == "__main__":
+    main()
