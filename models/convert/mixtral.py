@@ -24,6 +24,7 @@ from .llama import GATED_FFNS, NAMES, check_attention_options, convert_llama_lik
 from .mistral import mistral_fields
 from .name_maps import NameMap
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # MixtralConfig's defaults in transformers 5.
 DEFAULTS: dict[str, Any] = {
@@ -167,3 +168,6 @@ DecoderLM.register_preset("mixtral-8x7b-v0.1", dict(
     tie_embeddings=False, pad_token_id=None, bos_token_id=1, eos_token_id=2,
     options={"positional": {"base": 1e6}, "ffn": {"n_experts": 8, "top_k": 2}},
 ))
+
+# The task classes: score on the last real token, a token classifier, qa_outputs.
+register_tasks(TaskLayout("mixtral", "model.", decoder_classes("model.", "model.", stem="Mixtral")))

@@ -22,6 +22,7 @@ from .mixtral import PLAIN_EXPERT, export_moe_fields, moe_names, moe_options, un
 from .qwen2 import qwen_window_fields, window_layers
 from .qwen3_moe import experts_everywhere, with_num_experts
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # Qwen2MoeConfig's defaults in transformers 5.
 DEFAULTS: dict[str, Any] = {
@@ -114,3 +115,6 @@ DecoderLM.register_preset("qwen1.5-moe-a2.7b", dict(
     options={"positional": {"base": 1000000.0}, "attention": {"qkv_bias": True},
              "ffn": {"n_experts": 60, "top_k": 4, "renormalize": False, "d_shared": 5632, "shared_gate": True}},
 ))
+
+# The task classes: score on the last real token, a token classifier, qa_outputs.
+register_tasks(TaskLayout("qwen2_moe", "model.", decoder_classes("model.", "model.", stem="Qwen2Moe")))

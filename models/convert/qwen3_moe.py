@@ -16,6 +16,7 @@ from .llama import DEFAULTS as LLAMA_DEFAULTS
 from .llama import check_attention_options, convert_llama_like, export_llama_like
 from .mixtral import PLAIN_EXPERT, export_moe_fields, moe_names, moe_options, unfuse_experts
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # Qwen3MoeConfig's defaults in transformers 5.
 DEFAULTS: dict[str, Any] = {
@@ -111,3 +112,6 @@ DecoderLM.register_preset("qwen3-30b-a3b", dict(
     options={"positional": {"base": 1000000.0}, "attention": {"qk_norm": "rmsnorm", "qk_norm_eps": 1e-6},
              "ffn": {"n_experts": 128, "top_k": 8, "renormalize": True}},
 ))
+
+# The task classes: score on the last real token, a token classifier, qa_outputs.
+register_tasks(TaskLayout("qwen3_moe", "model.", decoder_classes("model.", "transformer.", stem="Qwen3Moe")))

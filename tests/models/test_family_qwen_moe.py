@@ -67,3 +67,24 @@ def test_dense_layers_among_moe_layers_are_refused_by_name(field: str, value: ob
     config = {**hf.config.to_dict(), field: value}
     with pytest.raises(ValueError, match=field):
         from_transformers(config, hf.state_dict())
+
+
+@pytest.mark.parametrize(("config_class", "task"), [
+    ("MixtralConfig", "MixtralForSequenceClassification"), ("Qwen3MoeConfig", "Qwen3MoeForQuestionAnswering"),
+    ("Qwen2MoeConfig", "Qwen2MoeForTokenClassification"),
+])
+@torch.no_grad()
+def test_task_classes_convert_with_their_head(config_class: str, task: str, tmp_path: Path) -> None:
+    labels = {} if "QuestionAnswering" in task else dict(num_labels=3)
+    hf = build_hf(config_class, task, **BASE, num_local_experts=7, shared_expert_intermediate_size=20, **labels)
+    hf.save_pretrained(tmp_path / "hf")
+    zoo = models.from_pretrained(tmp_path / "hf").eval()
+    assert zoo.config.ffn == "moe" and zoo.config.head != "lm"
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    expected, actual = hf(input_ids=ids), zoo(ids)
+    if hasattr(expected, "start_logits"):
+        expected = torch.stack([expected.start_logits, expected.end_logits], -1)
+        actual = torch.stack([actual.start_logits, actual.end_logits], -1)
+    else:
+        expected, actual = expected.logits, actual.logits
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
