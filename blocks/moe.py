@@ -128,7 +128,7 @@ class MixtureOfExperts(nn.Module):
             out = self._dense(h, weights, experts)
         else:
             out = self._grouped(h, weights, experts)
-            self.router_logits = logits
+        self.router_logits = logits
         if self.shared_expert is not None:
             shared = self.shared_expert(h)
             if self.shared_gate:
@@ -202,15 +202,14 @@ def router_z_loss(logits: Sequence[Tensor], mask: Tensor | None = None) -> Tenso
 def router_loss(modules: Iterable[nn.Module], mask: Tensor | None = None, compute: bool = True) -> Tensor | None:
     """Take the router logits every MoE block among ``modules`` kept from the last forward (clearing them) and
     return ``Σ aux_loss_coef · load_balancing_loss + z_loss_coef · router_z_loss`` over blocks of the same shape
-    and coefficients, or None (no MoE block, ``compute=False``, both coefficients 0, or inside ``torch.compile``).
+    and coefficients, or None (no MoE block, ``compute=False``, or both coefficients 0). Works inside
+    ``torch.compile`` (dynamo replays the attribute writes).
 
     Args:
         modules: the model's FFN blocks (others are ignored).
         mask: the model's ``(B, L)`` padding mask (True = real), or None; with a longer mask (a cache) its last
             ``L`` columns are used.
     """
-    if torch.compiler.is_compiling():
-        return None
     groups: dict[tuple[int, int, float, float], list[Tensor]] = {}
     for module in modules:
         if isinstance(module, MixtureOfExperts):

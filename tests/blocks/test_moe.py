@@ -138,6 +138,19 @@ def test_a_decoder_lm_adds_the_router_loss_only_with_labels() -> None:
     assert out.loss > 0
 
 
+def test_a_compiled_model_gets_the_same_loss_router_loss_included() -> None:
+    import models
+
+    torch.manual_seed(0)
+    model = models.DecoderLM.from_preset("mixtral-tiny", vocab_size=50, n_layers=1).eval()
+    ids = torch.randint(0, 50, (2, 6))
+    run = lambda i: model(i, labels=i).loss  # noqa: E731
+    compiled = torch.compile(run, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(ids), run(ids), **TOL)
+    assert model.layers[0].ffn.router_logits is None
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize(("options", "message"), [
     (dict(n_experts=4, top_k=5), "top_k=5"),
     (dict(top_k=0), "top_k=0"),
