@@ -154,7 +154,9 @@ def test_seq2seq_cached_steps_match_full_forward(positional: str, backend: str) 
             for end in data.draw(chunk_bounds(tgt_len)):
                 pieces.append(model.decode(memory, tgt[:, start:end], src_mask, cache=cache))
                 start = end
-        torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
+        # Configs without a norm (norm="identity") give logits in the hundreds: fp32 rounding scales with them.
+        scale = float(full.abs().max().clamp_min(1.0))
+        torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5 * scale, rtol=0)
 
     check()
 
