@@ -245,7 +245,8 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, Persist
             hidden_states.append(x)
             attentions.append(weights)
         # Mixture-of-experts blocks' load-balancing and z losses (None without them); see blocks.moe.
-        aux_loss = router_loss((layer.ffn for layer in self.layers), attention_mask, compute=labels is not None)
+        aux_loss = router_loss((layer.ffn for layer in self.layers), attention_mask,
+                               compute=labels is not None or self.training)
         x = self.final_norm(x)
         hidden_states[-1] = x
         if self.has_task_head:
@@ -274,4 +275,5 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, Persist
             loss=loss,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
+            aux_loss=aux_loss,
         )

@@ -138,10 +138,17 @@ class TokenLoss:
     def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> Tensor:
         """Summed loss of ``model`` on ``batch`` (a scalar with gradient)."""
         labels = self._labels(batch)
-        logits = model(**{k: v for k, v in batch.items() if k != self.label_key}).logits
-        return label_smoothed_cross_entropy(
-            logits, labels, self.label_smoothing, reduction="sum", exclude_from_smoothing=self.exclude_from_smoothing
+        out = model(**{k: v for k, v in batch.items() if k != self.label_key})
+        loss = label_smoothed_cross_entropy(
+            out.logits, labels, self.label_smoothing, reduction="sum",
+            exclude_from_smoothing=self.exclude_from_smoothing,
         )
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None:
+            # A mixture-of-experts router loss is a mean over the batch: weighted by its target tokens, it stays a
+            # token-weighted mean once the Trainer divides the step's sum by the step's token count.
+            loss = loss + aux * int((labels != IGNORE_INDEX).sum())
+        return loss
 
 
 class MaskedTokenLoss(TokenLoss):

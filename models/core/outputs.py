@@ -17,12 +17,15 @@ class ModelOutput:
         hidden_states: with ``output_hidden_states=True``: the embeddings' output then every layer's
             output, each ``(B, L, d_model)`` (the last one after the final norm, if the model has one).
         attentions: with ``output_attentions=True``: per layer, the weights ``(B, H, Lq, Lk)``.
+        aux_loss: the mixture-of-experts router loss, already weighted by its coefficients (``blocks.moe``), when
+            labels are given (it is then inside ``loss``) or in training mode; None without MoE blocks.
     """
 
     logits: Tensor
     loss: Tensor | None = None
     hidden_states: tuple[Tensor, ...] | None = None
     attentions: tuple[Tensor, ...] | None = None
+    aux_loss: Tensor | None = None
 
 
 @dataclass

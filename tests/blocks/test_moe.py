@@ -117,7 +117,7 @@ def test_router_loss_takes_the_recorded_logits_and_weights_them() -> None:
     assert router_loss([plain]) is None  # coefficients 0: no extra loss
 
 
-def test_a_decoder_lm_adds_the_router_loss_only_with_labels() -> None:
+def test_a_decoder_lm_adds_the_router_loss_with_labels_and_returns_it_in_training() -> None:
     import models
 
     torch.manual_seed(0)
@@ -135,7 +135,11 @@ def test_a_decoder_lm_adds_the_router_loss_only_with_labels() -> None:
         assert all(layer.ffn.router_logits is None for layer in model.layers)  # taken without labels too
         with_aux = model(ids, labels=ids).loss
     torch.testing.assert_close(with_aux, lm + 0.02 * load_balancing_loss(recorded[2:], 5, 2), **TOL)
-    assert out.loss > 0
+    assert out.loss > 0 and out.aux_loss > 0
+    with torch.no_grad():
+        assert model(ids).aux_loss is None  # eval, no labels: not computed
+        model.train()
+        assert model(ids).aux_loss > 0  # training without labels (the Trainer's TokenLoss): returned
 
 
 def test_a_compiled_model_gets_the_same_loss_router_loss_included() -> None:

@@ -12,6 +12,7 @@ import models.generation.compiled as compiled
 from blocks.moe import MixtureOfExperts
 from blocks.quantized import Int8Linear
 from models import DecoderLM
+from training.losses import default_loss
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9], [3, 1, 4, 1, 5]])
 MASK = torch.tensor([[True] * 5, [False, False, True, True, True]])
@@ -82,3 +83,15 @@ def test_lora_targets_the_expert_linears_trains_and_merges() -> None:
         merged = model.merge_and_unload()(ids).logits
     torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=0)
     assert all(isinstance(layer.ffn, MixtureOfExperts) for layer in model.layers)
+
+
+def test_the_trainers_token_loss_includes_the_router_loss() -> None:
+    """TokenLoss sums per-token losses (the Trainer divides by the step's tokens): the router loss enters weighted by
+    the batch's target tokens, so the Trainer's loss per token is the model's own ``loss``."""
+    model = mixtral().train()  # dropout 0: deterministic
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    loss_fn = default_loss(model)
+    batch = {"input_ids": ids, "labels": ids}
+    expected = model(ids, labels=ids).loss
+    torch.testing.assert_close(loss_fn(model, batch) / loss_fn.count(batch), expected, atol=1e-5, rtol=0)
+    assert model(ids).aux_loss > 0
