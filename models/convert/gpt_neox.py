@@ -18,8 +18,7 @@ from torch import Tensor, nn
 
 from ..decoder_lm import DecoderLM, DecoderLMConfig
 from .export import activation_name, register_exporter, require, tensors
-from .gemma2 import rope_parameters
-from .hf_checkpoint import CheckpointReader, HFConfig, zoo_config
+from .hf_checkpoint import CheckpointReader, HFConfig, rope_parameters, zoo_config
 from .name_maps import NameMap, read_mapped, write_mapped
 from .registry import Converted, register_converter
 from .tasks import TaskLayout, decoder_classes, register_tasks
@@ -160,7 +159,9 @@ def export_gpt_neox(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]
     require(not other and not c.layer_options, f"options for {other} or per-layer options")
     attention = c.block_options("attention")
     require(set(attention) <= {"bias"}, f"attention options {sorted(attention)}")
-    rope = rope_parameters(c.block_options("positional"), allow_fraction=True)
+    rotary = c.block_options("positional")
+    require(set(rotary) <= {"base", "scaling", "fraction"}, f"rotary options {sorted(rotary)}")
+    rope = rope_parameters(rotary)
     rope.setdefault("partial_rotary_factor", 1.0)  # GPT-NeoX's own default is 0.25
     config: dict[str, Any] = {
         "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"], "vocab_size": c.vocab_size,
