@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -112,12 +113,19 @@ def convert_task(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
     if task is None:
         if not state_dict or any(k.startswith(layout.base_prefix) for k in state_dict):
             return None
-        # A base-model checkpoint (LlamaModel, as a sentence-transformers folder holds it): read under the family's
-        # prefix, its LM head tied to the embedding since the checkpoint has none.
-        converted = blocks.get(CONVERTER_KIND, model_type)(
-            {**hf_config, "tie_word_embeddings": True}, {layout.base_prefix + k: v for k, v in state_dict.items()}
-        )
-        return converted
+        # A base-model checkpoint (LlamaModel, as a sentence-transformers folder holds it), read under the family's
+        # prefix. Where the family's converter takes a missing LM head (left to initialise, with a warning), it is
+        # missing; otherwise the head is tied to the embedding, and the warning says so.
+        convert = blocks.get(CONVERTER_KIND, model_type)
+        prefixed = {layout.base_prefix + k: v for k, v in state_dict.items()}
+        try:
+            return convert(dict(hf_config), prefixed)
+        except ValueError:
+            if hf_config.get("tie_word_embeddings") is True:
+                raise
+        warnings.warn(f"{model_type} base-model checkpoint has no LM head: the zoo model's head is tied to the "
+                      "token embedding", stacklevel=2)
+        return convert({**hf_config, "tie_word_embeddings": True}, prefixed)
     by_length = sorted(task.names.items(), key=lambda item: -len(item[0]))
     head_state: dict[str, Tensor] = {}
     base_state: dict[str, Tensor] = {}

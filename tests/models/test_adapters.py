@@ -313,7 +313,10 @@ def test_name_map_places_every_linear_weight_where_the_exporter_writes_it(model_
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     tied = {n for n, m in linears.items() if any(m.weight is e.weight for e in model.modules() if isinstance(
         e, nn.Embedding))}
-    assert set(placements) == set(linears) - tied and placements
+    # Qwen2-MoE's router holds the shared-expert gate as its last row, exported as two tensors (mlp.gate,
+    # mlp.shared_expert_gate): a weight with no single home has no placement, and adapting it raises.
+    split = {n for n in linears if model_type == "qwen2_moe" and n.endswith("ffn.router")}
+    assert set(placements) == set(linears) - tied - split and placements
     for zoo, p in placements.items():
         weight = state[p.module + ".weight"]
         weight = weight.t() if p.transposed else weight  # as an nn.Linear weight (out, in)

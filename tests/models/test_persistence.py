@@ -762,7 +762,8 @@ def test_load_options_are_stated_once(tmp_path: Path) -> None:
         DecoderLM.from_pretrained(tmp_path, token=123)
     # One list of names everywhere: the TypedDict the three entry points unpack.
     assert set(auto.LoadOptions.__annotations__) == {
-        "revision", "device", "dtype", "attention_backend", "token", "endpoint"
+        "revision", "device", "dtype", "attention_backend", "token", "endpoint", "gguf_file", "head", "num_labels",
+        "id2label", "head_options",
     }
 
 
