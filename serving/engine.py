@@ -16,6 +16,7 @@ from torch import Tensor
 
 from blocks.paged_cache import BlockAllocator
 from models import DecoderLM
+from models.generation.requests import check_token_head
 from models.generation.steps import refuse_longrope_switch
 
 from .requests import (
@@ -71,6 +72,7 @@ class Engine:
             raise NotImplementedError(
                 f"Engine serves DecoderLM models; {type(model).__name__} is not supported (use its generate)"
             )
+        check_token_head(model, "the engine")
         context = model.config.max_len if max_model_len is None else max_model_len
         limits = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                       max_waiting=max_waiting, max_model_len=context)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .requests import resolve_token
+from .requests import check_token_head, resolve_token
 from .steps import eval_mode
 
 
@@ -61,6 +61,7 @@ class EncoderLMFillMaskMixin:
         Shapes: ``input_ids (B, L)`` -> ``positions (N, 2)``, ``token_ids (N, top_k)``, ``probs (N, top_k)``.
         """
         config = self.config
+        check_token_head(self, "fill_mask")
         self.check_ids(input_ids, "input_ids")
         mask = self.check_mask(attention_mask, tuple(input_ids.shape), "attention_mask")
         if mask_token_id is None:

@@ -150,6 +150,18 @@ def sampling_params(
     return sampling
 
 
+def check_token_head(model: Any, what: str) -> None:
+    """``what`` (generation, fill-mask) predicts tokens: it needs the LM or MLM head.
+
+    Raises:
+        ValueError: a model whose head is a task head (``config.head``), named.
+    """
+    head = getattr(model.config, "head", "lm")
+    if head not in ("lm", "mlm"):
+        raise ValueError(f"{what} predicts tokens, but this model has the {head!r} head instead of its language-model "
+                         "head; load the checkpoint with head='lm' (or 'mlm') to predict tokens")
+
+
 def lm_request(
     model: Any,
     input_ids: Tensor,
@@ -173,6 +185,7 @@ def lm_request(
         ValueError: as ``DecoderLM.generate``.
     """
     config = model.config
+    check_token_head(model, "generate")
     model.check_ids(input_ids, "input_ids")
     b, length = input_ids.shape
     mask = model.check_mask(attention_mask, (b, length), "attention_mask")

@@ -169,3 +169,17 @@ def test_task_models_save_and_load_with_their_head(cls, tmp_path) -> None:
     assert again.config == model.config
     ids = torch.randint(5, 50, (2, 6))
     assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_token_predictions_on_a_task_head_are_value_errors_naming_it() -> None:
+    import models
+    from serving import Engine
+
+    decoder = models.DecoderLM.from_preset("tiny", head="sequence_classification",
+                                           options={"head": {"num_labels": 3}}).eval()
+    for call in (lambda: decoder.generate(torch.tensor([[5, 6]]), max_new_tokens=2), lambda: Engine(decoder)):
+        with pytest.raises(ValueError, match="has the 'sequence_classification' head instead of its language-model"):
+            call()
+    encoder = models.EncoderLM.from_preset("tiny", head="token_classification", options={"head": {"num_labels": 3}})
+    with pytest.raises(ValueError, match="fill_mask predicts tokens, but this model has the 'token_classification'"):
+        encoder.eval().fill_mask(torch.tensor([[5, 4, 6]]))
