@@ -15,7 +15,7 @@ A Gemma 2 is a Llama-shaped decoder with these differences, each a zoo option:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor, nn
@@ -135,11 +135,19 @@ def convert_gemma2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor
     Raises:
         ValueError: a config value the zoo cannot represent (named), or weights that do not fit the config.
     """
-    cfg = HFConfig("gemma2", hf_config, DEFAULTS)
-    config = zoo_config("gemma2", DecoderLMConfig, **gemma2_fields(cfg))
-    ckpt = CheckpointReader("gemma2", state_dict, ignore=[r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"])
+    return convert_gemma_like("gemma2", hf_config, state_dict, DEFAULTS, gemma2_fields, NAMES)
+
+
+def convert_gemma_like(
+    model_type: str, hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor], defaults: Mapping[str, Any],
+    fields: Callable[[HFConfig], dict[str, Any]], names: NameMap,
+) -> Converted:
+    """Gemma 2's conversion, for Gemma 2 and the families built on it (their own ``fields`` and tensor ``names``)."""
+    cfg = HFConfig(model_type, hf_config, defaults)
+    config = zoo_config(model_type, DecoderLMConfig, **fields(cfg))
+    ckpt = CheckpointReader(model_type, state_dict, ignore=[r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"])
     tied = config.tie_embeddings
-    out = read_mapped(ckpt, NAMES, DecoderLM, config, skip=("lm_head.weight",) if tied else ())
+    out = read_mapped(ckpt, names, DecoderLM, config, skip=("lm_head.weight",) if tied else ())
     if tied:
         ckpt.skip("lm_head.weight")  # the tied copy some versions save
     ckpt.finish()

@@ -16,12 +16,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..decoder_lm import DecoderLM, DecoderLMConfig
+from ..decoder_lm import DecoderLM
 from .export import register_exporter, require
 from .gemma2 import NAMES as GEMMA2_NAMES
-from .gemma2 import export_gemma_like, gemma2_fields
-from .hf_checkpoint import CheckpointReader, HFConfig, rope_parameters, zoo_config
-from .name_maps import NameMap, read_mapped
+from .gemma2 import convert_gemma_like, export_gemma_like, gemma2_fields
+from .hf_checkpoint import HFConfig, rope_parameters
+from .name_maps import NameMap
 from .registry import Converted, register_converter
 
 # Gemma3TextConfig's defaults in transformers 5 (Gemma 3 4B's text shape).
@@ -91,16 +91,7 @@ def convert_gemma3(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor
     Raises:
         ValueError: a config value the zoo cannot represent (named), or weights that do not fit the config.
     """
-    cfg = HFConfig("gemma3_text", hf_config, DEFAULTS)
-    config = zoo_config("gemma3_text", DecoderLMConfig, **gemma3_fields(cfg))
-    ckpt = CheckpointReader("gemma3_text", state_dict,
-                            ignore=[r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"])
-    tied = config.tie_embeddings
-    out = read_mapped(ckpt, NAMES, DecoderLM, config, skip=("lm_head.weight",) if tied else ())
-    if tied:
-        ckpt.skip("lm_head.weight")  # the tied copy some versions save
-    ckpt.finish()
-    return Converted(DecoderLM, config, out)
+    return convert_gemma_like("gemma3_text", hf_config, state_dict, DEFAULTS, gemma3_fields, NAMES)
 
 
 @register_exporter("gemma3_text")

@@ -7,7 +7,6 @@ import torch
 from torch._dynamo.utils import counters
 
 import models.generation.compiled as compiled
-from blocks.kv_cache import BucketKVCache
 from models import DecoderLM, DecoderLMConfig
 from models.generation import steps
 from models.generation.requests import lm_request
@@ -17,15 +16,6 @@ from tests.models.test_kv_cache import build
 def decoder(**overrides: object) -> DecoderLM:
     config = dict(vocab_size=64, d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=128, dropout=0.0)
     return build(DecoderLM, DecoderLMConfig(**{**config, **overrides}), 0)
-
-
-@pytest.fixture
-def graph_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Dynamo's graph capture and guards are what decide recompilation; "aot_eager" runs the same captured graph
-    # without inductor's C++ build (which takes ~15 s even for this model on one core).
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    torch._dynamo.reset()
-    counters.clear()
 
 
 @pytest.mark.parametrize("positional", ["learned", "rotary"])
@@ -186,20 +176,6 @@ def test_cuda_graphs_tokens_equal_eager_across_calls_and_lengths() -> None:
 
 
 # ================================================================================= growing buckets, logit values
-@pytest.fixture
-def bucket_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The length of every compiled-decoding bucket cache created while the test runs."""
-    sizes: list[int] = []
-    init = BucketKVCache.__init__
-
-    def recording_init(self: BucketKVCache, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
-        sizes.append(k.shape[2])
-        init(self, k, v, index)
-
-    monkeypatch.setattr(BucketKVCache, "__init__", recording_init)
-    return sizes
-
-
 def spread(model: DecoderLM) -> DecoderLM:
     """Wider logits than the initialisation gives: steps differ in value, and tokens do not repeat."""
     with torch.no_grad():

@@ -11,7 +11,6 @@ from torch._dynamo.utils import counters
 import models.generation.compiled as compiled
 import models.generation.seq2seq_compiled as s2s_compiled
 import models.generation.steps as steps
-from blocks.kv_cache import BucketKVCache
 from models import Seq2SeqConfig, Seq2SeqTransformer
 from tests.models.test_kv_cache import build
 
@@ -38,15 +37,6 @@ def sources(length: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     mask[1, :2] = False
     mask[2, -3:] = False
     return src, mask
-
-
-@pytest.fixture
-def graph_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Dynamo's graph capture and guards decide recompilation; "aot_eager" runs the captured graph without
-    # inductor's C++ build.
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    torch._dynamo.reset()
-    counters.clear()
 
 
 @pytest.fixture
@@ -119,20 +109,6 @@ def test_greedy_sampling_and_repetition_penalty_match_eager(graph_backend: None)
     a = model.generate(src, mask, generator=torch.Generator().manual_seed(1), compile=True, **sampled)
     b = model.generate(src, mask, generator=torch.Generator().manual_seed(1), **sampled)
     assert torch.equal(a, b)
-
-
-@pytest.fixture
-def bucket_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The length of every compiled self-attention bucket created while the test runs."""
-    sizes: list[int] = []
-    init = BucketKVCache.__init__
-
-    def recording_init(self: BucketKVCache, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
-        sizes.append(k.shape[2])
-        init(self, k, v, index)
-
-    monkeypatch.setattr(BucketKVCache, "__init__", recording_init)
-    return sizes
 
 
 @pytest.mark.parametrize("beams", [1, 4])

@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch._dynamo.utils import counters
 
-import models.generation.compiled as compiled
 from blocks.moe import MixtureOfExperts
 from blocks.quantized import Int8Linear
 from models import DecoderLM
@@ -31,13 +29,6 @@ def mixtral(seed: int = 0) -> DecoderLM:
 @pytest.fixture(scope="module")
 def model() -> DecoderLM:
     return mixtral()
-
-
-@pytest.fixture
-def graph_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")  # as tests/models/test_compiled_decode.py
-    torch._dynamo.reset()
-    counters.clear()
 
 
 def test_compiled_decoding_gives_the_eager_tokens(model: DecoderLM, graph_backend: None) -> None:

@@ -7,7 +7,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import models.generation.compiled as compiled
 from models import DecoderLM, DecoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer
 from tests.models.test_kv_cache import build
 
@@ -29,12 +28,6 @@ def poison(model: torch.nn.Module, name: str) -> torch.nn.Module:
     with torch.no_grad():
         dict(model.named_parameters())[name].view(-1)[0] = float("nan")
     return model
-
-
-@pytest.fixture
-def graph_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    torch._dynamo.reset()
 
 
 SAMPLE = dict(do_sample=True, generator=torch.Generator().manual_seed(0))

@@ -25,14 +25,6 @@ def stacked(tokens: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(tokens, dim=1)
 
 
-@pytest.fixture
-def graph_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    # "aot_eager": dynamo's capture and guards without inductor's C++ build (as test_compiled_seq2seq.py).
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    torch._dynamo.reset()
-    counters.clear()
-
-
 def test_greedy_stream_stops_at_eos_pads_and_equals_generate_on_a_padded_batch() -> None:
     # EOS bias 9: rows 0-2 of these sources (1 left-, 2 right-padded) end at different steps, row 3 never does.
     model = seq2seq(eos_bias=9.0)

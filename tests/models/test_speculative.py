@@ -11,7 +11,6 @@ from torch._dynamo.utils import counters
 
 import models.generation.compiled as compiled
 import models.generation.steps as steps
-from blocks.kv_cache import BucketKVCache
 from models import DecoderLM, DecoderLMConfig
 from models.generation.sampling import SamplingParams
 from models.generation.speculative import speculative_decode, verify_draft
@@ -184,14 +183,6 @@ def test_one_target_pass_per_round_and_the_draft_never_reruns_accepted_tokens() 
     assert out.acceptance_rate == 1.0 and fed["draft"][1:].count(2) == out.rounds - 1
 
 
-@pytest.fixture
-def graph_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    # "aot_eager" captures the same graph as inductor without its C++ build (as tests/models/test_compiled_decode).
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    torch._dynamo.reset()
-    counters.clear()
-
-
 def test_compiled_draft_keeps_greedy_identity_with_one_graph(graph_backend: None) -> None:
     target = decoder(0, positional="rotary")
     draft = perturbed(target, 0.1)
@@ -210,20 +201,6 @@ def test_compiled_draft_keeps_greedy_identity_with_one_graph(graph_backend: None
     sampled = speculative_decode(target, draft, prompt, 23, 3, eos_token_id=None, compile=True,
                                  sampling=SamplingParams(do_sample=True), generator=torch.Generator().manual_seed(0))
     assert sampled.sequences.shape == (1, 5 + 23) and sampled.proposed > 0
-
-
-@pytest.fixture
-def bucket_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The length of every compiled bucket cache created while the test runs."""
-    sizes: list[int] = []
-    init = BucketKVCache.__init__
-
-    def recording_init(self: BucketKVCache, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
-        sizes.append(k.shape[2])
-        init(self, k, v, index)
-
-    monkeypatch.setattr(BucketKVCache, "__init__", recording_init)
-    return sizes
 
 
 def test_compiled_draft_grows_its_bucket_with_the_same_proposals(
