@@ -23,6 +23,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -348,6 +349,6 @@ START = time.time()
 def _param_of(message: str) -> str | None:
     """The request field an engine error names (its messages start with the argument's name)."""
     for name in ("max_tokens", "stop", "seed", "logprobs", "prompt", "n"):
-        if message.startswith(name) or f" {name}=" in message or f"{name} " in message[: len(name) + 1]:
+        if re.match(rf"{name}\b", message) or f" {name}=" in message:
             return name
     return "prompt" if "prompt" in message else None
