@@ -28,8 +28,11 @@ from torch import Tensor, nn
 
 from .registry import build, names, register
 
-#: Routers the MoE block knows: ``softmax`` = softmax over all experts, keep the top k (optionally renormalised).
-ROUTERS = ("softmax",)
+#: Routers the MoE block knows: ``softmax`` = softmax over all experts, keep the top k (optionally renormalised);
+#: ``softmax_group`` = DeepSeek-V2's ``group_limited_greedy`` (softmax, top k among the ``topk_group`` groups with the
+#: largest expert probability); ``sigmoid_group`` = DeepSeek-V3's (sigmoid scores plus a correction bias choose,
+#: groups ranked by the sum of their two best biased scores, weights from the unbiased scores).
+ROUTERS = ("softmax", "softmax_group", "sigmoid_group")
 
 
 @register("ffn", "moe")
@@ -51,12 +54,20 @@ class MixtureOfExperts(nn.Module):
         shared_gate: scale the shared expert's output by ``sigmoid(x · w)`` (Qwen2-MoE), ``w`` the router's last row.
         aux_loss_coef: weight of the load-balancing loss in ``router_loss``.
         z_loss_coef: weight of the router z-loss (ST-MoE) in ``router_loss``.
+        n_group: expert groups of the grouped routers (``n_experts`` must divide into them).
+        topk_group: groups a token's experts may come from (grouped routers; ``<= n_group``).
+        routed_scaling_factor: multiplies the kept weights (DeepSeek), after any renormalisation.
+
+    ``n_experts=0`` (with ``top_k=0``) leaves only the shared expert: a dense FFN in MoE clothes, for DeepSeek's first
+    ``first_k_dense_replace`` layers (a per-layer option). ``sigmoid_group`` keeps the correction bias as the
+    persistent buffer ``e_score_correction_bias`` ``(n_experts,)`` (DeepSeek-V3 adjusts it outside the gradient).
 
     Shapes: ``(..., d_model)`` -> ``(..., d_model)``.
 
     Raises:
         ValueError: ``top_k`` outside ``[1, n_experts]``, an unknown router or expert, a negative width or
-            coefficient (the value named).
+            coefficient, ``n_experts`` not divisible by ``n_group``, ``topk_group`` outside ``[1, n_group]``, or
+            fewer experts in ``topk_group`` groups than ``top_k`` (the value named).
     """
 
     def __init__(
@@ -74,16 +85,29 @@ class MixtureOfExperts(nn.Module):
         shared_gate: bool = False,
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
     ) -> None:
         super().__init__()
         if d_model < 1 or d_ff < 1:
             raise ValueError(f"d_model and d_ff must be >= 1, got d_model={d_model}, d_ff={d_ff}")
-        if n_experts < 1:
-            raise ValueError(f"n_experts must be >= 1, got n_experts={n_experts}")
-        if not 1 <= top_k <= n_experts:
+        if n_experts < 0:
+            raise ValueError(f"n_experts must be >= 0 (0: only the shared expert), got n_experts={n_experts}")
+        if n_experts == 0:
+            if top_k != 0 or not d_shared:
+                raise ValueError(f"n_experts=0 needs top_k=0 and a shared expert, got top_k={top_k}, "
+                                 f"d_shared={d_shared}")
+        elif not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must lie in [1, n_experts={n_experts}]")
         if router not in ROUTERS:
             raise ValueError(f"unknown router {router!r}; expected one of {list(ROUTERS)}")
+        check_groups(n_experts, top_k, n_group, topk_group)
+        if router == "softmax" and (n_group, topk_group) != (1, 1):
+            raise ValueError(f"router='softmax' does not group experts, got n_group={n_group}, "
+                             f"topk_group={topk_group}; use 'softmax_group' or 'sigmoid_group'")
+        if not 0.0 < routed_scaling_factor < math.inf:
+            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}")
         experts = [n for n in names("ffn") if n != "moe"]
         if expert not in experts:
             raise ValueError(f"expert={expert!r} is not a registered ffn an expert can be; expected one of {experts}")
@@ -97,7 +121,11 @@ class MixtureOfExperts(nn.Module):
         self.n_experts, self.top_k, self.renormalize = n_experts, top_k, renormalize
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.shared_gate = bool(shared_gate)
-        self.router = nn.Linear(d_model, n_experts + self.shared_gate, bias=False)
+        self.router_name, self.n_group, self.topk_group = router, n_group, topk_group
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.router = nn.Linear(d_model, n_experts + self.shared_gate, bias=False) if n_experts else None
+        if router == "sigmoid_group" and n_experts:
+            self.register_buffer("e_score_correction_bias", torch.zeros(n_experts))
         self.experts = nn.ModuleList(
             build("ffn", expert, d_model=d_model, d_ff=d_ff, dropout=dropout, bias=bias) for _ in range(n_experts)
         )
@@ -112,15 +140,42 @@ class MixtureOfExperts(nn.Module):
 
         Probabilities are computed in float32 (as ``transformers`` does) and returned in the logits' dtype.
         """
+        if self.router_name == "sigmoid_group":
+            return self._route_sigmoid_group(logits)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        if self.router_name == "softmax_group":  # DeepSeek-V2: a group's score is its best expert's probability
+            groups = probs.view(-1, self.n_group, self.n_experts // self.n_group).amax(dim=-1)  # (N, G)
+            probs = probs.masked_fill(~self._group_mask(groups), 0.0)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
         return weights.to(logits.dtype), experts
+
+    def _group_mask(self, groups: Tensor) -> Tensor:
+        """``(N, n_experts)`` bool: the experts of each token's ``topk_group`` best groups (``groups``: ``(N, G)``)."""
+        best = groups.topk(self.topk_group, dim=-1).indices
+        kept = torch.zeros_like(groups, dtype=torch.bool).scatter(1, best, True)  # (N, G)
+        return kept.repeat_interleave(self.n_experts // self.n_group, dim=-1)
+
+    def _route_sigmoid_group(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        # DeepSeek-V3 (§2.1.2 of its report): the bias steers the choice only; weights are the unbiased scores.
+        scores = logits.float().sigmoid()  # (N, E)
+        biased = scores + self.e_score_correction_bias.float()
+        per_group = biased.view(-1, self.n_group, self.n_experts // self.n_group)
+        groups = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)  # (N, G)
+        experts = biased.masked_fill(~self._group_mask(groups), -math.inf).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * self.routed_scaling_factor).to(logits.dtype), experts
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         h = x.reshape(-1, shape[-1])  # (N, d_model)
+        if self.router is None:  # no routed experts: the shared expert alone (a dense layer)
+            return self.shared_expert(h).reshape(shape)
         scores = self.router(h)  # (N, E) or, with a shared gate, (N, E + 1)
         logits = scores[:, :self.n_experts]
         weights, experts = self.route(logits)  # (N, k)
@@ -162,6 +217,21 @@ class MixtureOfExperts(nn.Module):
         for e, expert in enumerate(self.experts):
             out = out + dense[:, e:e + 1] * expert(h)
         return out
+
+
+def check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """Raise ``ValueError`` unless ``n_group`` groups of experts fit ``n_experts`` and ``topk_group`` of them hold at
+    least ``top_k`` experts (every grouped router's precondition; ``n_group=topk_group=1`` is no grouping)."""
+    for name, value in (("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
+    if n_experts % n_group:
+        raise ValueError(f"n_experts={n_experts} is not divisible by n_group={n_group}")
+    if topk_group > n_group:
+        raise ValueError(f"topk_group={topk_group} must be <= n_group={n_group}")
+    if n_experts and topk_group * (n_experts // n_group) < top_k:
+        raise ValueError(f"topk_group={topk_group} groups of {n_experts // n_group} experts hold fewer than "
+                         f"top_k={top_k} experts")
 
 
 def load_balancing_loss(logits: Sequence[Tensor], n_experts: int, top_k: int, mask: Tensor | None = None) -> Tensor:
