@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,21 @@ def _load(path: str) -> Any:
     if getattr(model, "tokenizer", None) is None:
         raise SystemExit(f"zoo: {path} has no tokenizer (tokenizer.json or a GGUF vocabulary); cannot serve text")
     return model
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def memory_size(text: str) -> int:
+    """``"512MiB"``, ``"2GiB"``, ``"1.5G"``, ``"4096"`` (bytes) as a number of bytes; a trailing ``B`` is optional."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB, 2GiB or 1000000 (bytes), got {text!r}")
+    value = int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -40,8 +56,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-batch", type=_positive, default=16, help="sequences decoded together at most")
-    serve.add_argument("--kv-blocks", type=_positive, default=None,
-                       help="KV cache blocks of --block-size positions (default: --max-batch full contexts)")
+    kv = serve.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
+                    help="KV cache memory, e.g. 512MiB or 2GiB (default: --max-batch full contexts)")
+    kv.add_argument("--kv-blocks", type=_positive, default=None,
+                    help="KV cache size in blocks of --block-size positions instead of --kv-cache-memory")
     serve.add_argument("--block-size", type=_positive, default=16)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
@@ -68,7 +87,8 @@ def serve(args: argparse.Namespace) -> None:
 
     model = _load(args.model)
     app = create_app(model, model.tokenizer, model_name=args.served_model_name or args.model, api_key=args.api_key,
-                     max_num_seqs=args.max_batch, num_blocks=args.kv_blocks, block_size=args.block_size)
+                     max_num_seqs=args.max_batch, num_blocks=args.kv_blocks, block_size=args.block_size,
+                     kv_cache_bytes=args.kv_cache_memory)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

@@ -37,6 +37,30 @@ class QueueFullError(RuntimeError):
     """``add_request`` found the waiting queue at its bound (``max_waiting``); retry later."""
 
 
+def kv_block_nbytes(model: Any, block_size: int) -> int:
+    """Bytes of one paged-cache block of ``model``: keys and values of ``block_size`` positions in every layer."""
+    config = model.config
+    element = next(model.parameters()).element_size()
+    return config.n_layers * config.n_kv_heads * block_size * (config.d_head + config.d_value) * element
+
+
+def blocks_in_memory(model: Any, nbytes: Any, block_size: int, num_blocks: int | None) -> int:
+    """How many blocks ``nbytes`` of KV cache hold (``Engine``'s ``kv_cache_bytes``).
+
+    Raises:
+        ValueError: ``nbytes`` not a positive integer, given with ``num_blocks``, or less than one block.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+        raise ValueError(f"kv_cache_bytes must be a positive integer, got {nbytes!r}")
+    if num_blocks is not None:
+        raise ValueError(f"give num_blocks={num_blocks} or kv_cache_bytes={nbytes}, not both")
+    per_block = kv_block_nbytes(model, block_size)
+    if nbytes < per_block:
+        raise ValueError(f"kv_cache_bytes={nbytes} holds no block: one block of {block_size} positions takes "
+                         f"{per_block} bytes")
+    return nbytes // per_block
+
+
 class Engine:
     """Continuous batching over a paged KV cache.
 
@@ -47,6 +71,8 @@ class Engine:
         block_size: positions per cache block.
         num_blocks: blocks in the cache (default: ``max_num_seqs`` full contexts); the pool grows as blocks are
             first used, up to this many.
+        kv_cache_bytes: the cache's memory instead of ``num_blocks``: as many blocks as fit in this many bytes
+            (``kv_block_nbytes``: keys and values of every layer, in the model's dtype).
         max_num_seqs: sequences in one step at most.
         max_num_batched_tokens: tokens in one step at most (prefill chunks are cut to fit).
         max_waiting: requests ``add_request`` queues at most (``QueueFullError`` beyond).
@@ -65,6 +91,7 @@ class Engine:
         self, model: Any, tokenizer: Any = None, *, block_size: int = 16, num_blocks: int | None = None,
         max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 1024,
         max_model_len: int | None = None, prefix_caching: bool = True, compile: bool = False,  # noqa: A002
+        kv_cache_bytes: int | None = None,
     ) -> None:
 
 
@@ -80,6 +107,8 @@ class Engine:
         for name, value in limits.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if kv_cache_bytes is not None:
+            num_blocks = blocks_in_memory(model, kv_cache_bytes, block_size, num_blocks)
         if num_blocks is None:
             num_blocks = max_num_seqs * -(-context // block_size)
         if context < 2:
@@ -206,9 +235,15 @@ class Engine:
         if spec.params.uses_history and seq.seen is None:
             seq.seen = torch.zeros(1, row.shape[-1], dtype=torch.bool)
             seq.seen[0, seq.tokens] = True
-        token = int(spec.params.next_tokens(row, seq.seen, seq.generator)[0])
+        if spec.params.uses_counts and seq.counts is None:
+            seq.counts = torch.zeros(1, row.shape[-1], dtype=torch.int32)
+            seq.counts[0].index_add_(0, torch.tensor(seq.output, dtype=torch.long),
+                                     torch.ones(len(seq.output), dtype=torch.int32))
+        token = int(spec.params.next_tokens(row, seq.seen, seq.generator, seq.counts)[0])
         if seq.seen is not None:
             seq.seen[0, token] = True
+        if seq.counts is not None:
+            seq.counts[0, token] += 1
         if spec.logprobs is not None:
             logprobs = row[0].float().log_softmax(-1)
             top = logprobs.topk(spec.logprobs) if spec.logprobs else None

@@ -10,8 +10,8 @@
 
 Fields: ``model``, ``messages`` / ``prompt``, ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0:
 greedy; default 1, sampling, as OpenAI), ``top_p``, ``top_k``, ``n``, ``stop``, ``seed``, ``logprobs`` /
-``top_logprobs``; ``presence_penalty`` / ``frequency_penalty`` other than 0 are refused (400 naming the field: the
-engine has no such penalty). Unknown fields are ignored, as OpenAI's server does. Errors have OpenAI's shape
+``top_logprobs``, ``presence_penalty`` / ``frequency_penalty`` (OpenAI's definition: over the tokens the request
+has generated, not the prompt). Unknown fields are ignored, as OpenAI's server does. Errors have OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (malformed JSON included) or a prompt longer
 than the context, 401 for a missing or wrong API key, 404 for an unknown model, 503 when the engine's waiting queue
 is full or the model is not loaded.

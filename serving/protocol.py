@@ -73,18 +73,16 @@ class EmbeddingRequest(BaseModel):
 
 
 def sampling_params(body: SamplingFields) -> SamplingParams:
-    """OpenAI's sampling fields as the zoo's ``SamplingParams`` (temperature 0 is greedy; default 1)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise APIError(400, f"{name}={getattr(body, name)} is not supported by this server; expected 0",
-                           param=name)
+    """OpenAI's sampling fields as the zoo's ``SamplingParams`` (temperature 0 is greedy; default 1; the presence
+    and frequency penalties apply to greedy decoding too)."""
     if body.top_k is not None and body.top_k != -1 and body.top_k < 1:
         raise APIError(400, f"top_k={body.top_k}: expected an integer >= 1 (or -1 for all)", param="top_k")
     temperature = 1.0 if body.temperature is None else body.temperature
+    penalties = {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty}
     if temperature == 0.0:
-        return SamplingParams()
+        return SamplingParams(**penalties)
     top_k = None if body.top_k in (None, -1) else body.top_k
-    return SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=body.top_p)
+    return SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=body.top_p, **penalties)
 
 
 def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -98,6 +98,7 @@ class Sequence:
     sent_text: int = 0
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     seen: torch.Tensor | None = None  # (1, V) bool, for the repetition penalty
+    counts: torch.Tensor | None = None  # (1, V) int32: each token's count in the output (presence/frequency)
     forked: bool = False  # the request's other samples exist
 
     def __post_init__(self) -> None:

@@ -255,10 +255,12 @@ def seq2seq_request(
         raise ValueError("src_ids is empty (S=0); give at least one source token")
     src_mask = model.check_mask(src_mask, (b, src_len), "src_mask")
     params = sampling_params(sampling, do_sample, temperature, top_k, top_p, repetition_penalty)
-    if num_beams > 1 and (params.do_sample or params.uses_history):
+    if num_beams > 1 and (params.do_sample or params.uses_history or params.uses_counts):
         raise ValueError(
-            f"do_sample and repetition_penalty work with num_beams=1 only, got num_beams={num_beams} "
-            f"with do_sample={params.do_sample}, repetition_penalty={params.repetition_penalty}"
+            f"do_sample and the repetition, presence and frequency penalties work with num_beams=1 only, got "
+            f"num_beams={num_beams} with do_sample={params.do_sample}, repetition_penalty="
+            f"{params.repetition_penalty}, presence_penalty={params.presence_penalty}, frequency_penalty="
+            f"{params.frequency_penalty}"
         )
     eos, pad = resolve_eos_pad(eos_token_id, pad_token_id, config)
     start = resolve_token(decoder_start_token_id, config.decoder_start_token_id, "decoder_start_token_id",

@@ -33,6 +33,15 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
     return torch.where(seen, penalised, logits)
 
 
+def apply_presence_frequency_penalty(logits: Tensor, counts: Tensor, presence: float, frequency: float) -> Tensor:
+    """OpenAI's presence and frequency penalties: ``logit[j] - count[j] · frequency - (count[j] > 0) · presence``,
+    where ``count[j]`` is how many times the row has generated token ``j`` so far.
+
+    Shapes: logits ``(B, V)``, counts ``(B, V)`` integer -> ``(B, V)``.
+    """
+    return logits - counts.to(logits.dtype) * frequency - (counts > 0).to(logits.dtype) * presence
+
+
 def top_k_filter(logits: Tensor, k: int) -> Tensor:
     """Keep the ``k`` largest logits of each row and set the rest to ``-inf`` (Fan et al. 2018).
 
@@ -74,10 +83,15 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1] kept when sampling (None or 1 for all).
         repetition_penalty: CTRL's penalty (> 0) on tokens already in the sequence, applied in greedy
             decoding as well; None or 1 disables it.
+        presence_penalty: OpenAI's presence penalty in [-2, 2]: subtracted once from the logit of every token
+            the request has already generated (the prompt does not count, as in the OpenAI API and vLLM).
+        frequency_penalty: OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit once per time
+            the request has generated it.
 
     Raises:
         ValueError: ``temperature <= 0`` with sampling, ``top_k < 1``, ``top_p`` outside (0, 1],
-            ``repetition_penalty <= 0``, or values of the wrong type.
+            ``repetition_penalty <= 0``, a presence or frequency penalty outside [-2, 2], or values of the wrong
+            type.
     """
 
     do_sample: bool = False
@@ -85,6 +99,8 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.do_sample, bool):
@@ -108,14 +124,28 @@ class SamplingParams:
             or self.repetition_penalty <= 0
         ):
             raise ValueError(f"repetition_penalty must be None or a number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
 
     @property
     def uses_history(self) -> bool:
         """Whether choosing a token needs to know which tokens the row already holds."""
         return self.repetition_penalty is not None and self.repetition_penalty != 1.0
 
+    @property
+    def uses_counts(self) -> bool:
+        """Whether choosing a token needs how often the row has generated each token (presence and frequency
+        penalties)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def next_tokens(
-        self, logits: Tensor, seen: Tensor | None = None, generator: torch.Generator | None = None
+        self,
+        logits: Tensor,
+        seen: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        counts: Tensor | None = None,
     ) -> Tensor:
         """Choose one token per row.
 
@@ -123,31 +153,34 @@ class SamplingParams:
             logits: next-token logits.
             seen: bool, True where a token already occurs in the row (needed if ``uses_history``).
             generator: the random generator for sampling (default: torch's global one).
+            counts: how many times the row has generated each token (needed if ``uses_counts``).
 
         Returns:
             Token ids, long.
 
-        Shapes: logits ``(B, V)``, seen ``(B, V)`` -> ``(B,)``.
+        Shapes: logits ``(B, V)``, seen ``(B, V)``, counts ``(B, V)`` -> ``(B,)``.
         """
         if not self.do_sample:
-            return self._penalised(logits, seen).argmax(dim=-1)
-        return torch.multinomial(self.probabilities(logits, seen), 1, generator=generator).squeeze(-1)
+            return self._penalised(logits, seen, counts).argmax(dim=-1)
+        return torch.multinomial(self.probabilities(logits, seen, counts), 1, generator=generator).squeeze(-1)
 
-    def probabilities(self, logits: Tensor, seen: Tensor | None = None) -> Tensor:
-        """The distribution sampling draws from: repetition penalty, temperature, top-k, top-p, then softmax.
+    def probabilities(self, logits: Tensor, seen: Tensor | None = None, counts: Tensor | None = None) -> Tensor:
+        """The distribution sampling draws from: repetition penalty, presence and frequency penalties,
+        temperature, top-k, top-p, then softmax (vLLM's order).
 
         Speculative decoding needs these probabilities themselves (for the rejection rule), not only a draw.
 
         Args:
             logits: next-token logits, any leading shape.
             seen: bool, True where a token already occurs in the row (needed if ``uses_history``).
+            counts: how many times the row has generated each token (needed if ``uses_counts``).
 
         Returns:
             float32 probabilities summing to 1 over the last dimension.
 
         Shapes: logits ``(..., V)`` -> ``(..., V)``.
         """
-        scores = self._penalised(logits, seen)
+        scores = self._penalised(logits, seen, counts)
         if self.temperature != 1.0:
             # Shift each row's maximum to 0 before dividing: raw logits over a tiny temperature overflow to inf
             # and the softmax to NaN, while shifted ones go to -inf except the maximum (sampling tends to greedy
@@ -161,12 +194,18 @@ class SamplingParams:
             scores = top_p_filter(scores, self.top_p)
         return scores.softmax(dim=-1)
 
-    def _penalised(self, logits: Tensor, seen: Tensor | None) -> Tensor:
+    def _penalised(self, logits: Tensor, seen: Tensor | None, counts: Tensor | None) -> Tensor:
         scores = logits.float()
         if self.uses_history:
             if seen is None:
                 raise ValueError("repetition_penalty needs the tokens already seen (seen=None given)")
             scores = apply_repetition_penalty(scores, seen, self.repetition_penalty)
+        if self.uses_counts:
+            if counts is None:
+                raise ValueError("presence_penalty and frequency_penalty need the generated tokens' counts "
+                                 "(counts=None given)")
+            scores = apply_presence_frequency_penalty(scores, counts, self.presence_penalty,
+                                                      self.frequency_penalty)
         return scores
 
 

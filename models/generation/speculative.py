@@ -126,6 +126,11 @@ def check_draft(target: Any, draft: Any, num_draft_tokens: Any, request: LMReque
         raise ValueError(
             f"speculative decoding does not support repetition_penalty={request.params.repetition_penalty}"
         )
+    if request.params.uses_counts:
+        raise ValueError(
+            f"speculative decoding does not support presence_penalty={request.params.presence_penalty} or "
+            f"frequency_penalty={request.params.frequency_penalty}"
+        )
     capacity = draft.positional.max_positions
     needed = request.prompt.shape[1] + request.max_new_tokens
     if capacity is not None and needed > capacity:

@@ -61,7 +61,8 @@ def token_loop(
     """Choose a token per row from ``logits``, yield it, feed it back through ``step`` for the next logits.
 
     Rows that have produced ``eos`` get ``pad`` from then on; the loop ends when every row has ended or after
-    ``max_new_tokens`` tokens. ``seen`` (``(B, V)`` bool, for the repetition penalty) is updated in place.
+    ``max_new_tokens`` tokens. ``seen`` (``(B, V)`` bool, for the repetition penalty) is updated in place; the
+    counts of the generated tokens (presence and frequency penalties) are kept here when ``params`` needs them.
 
     Raises:
         ValueError: the logits a live row chooses from hold a NaN (NaN weights or inputs): checked before the
@@ -75,6 +76,7 @@ def token_loop(
     # anyway (whether every row has ended), or at the end when there is none.
     check_every_step = logits.device.type in NAN_CHECK_EVERY_STEP
     pending = None
+    counts = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device) if params.uses_counts else None
     for i in range(max_new_tokens):
         live = None if finished is None else ~finished
         if i == 0 or check_every_step:
@@ -85,7 +87,7 @@ def token_loop(
         else:
             bad = nan_rows(logits, live)
             pending = bad if pending is None else pending | bad
-        tokens = params.next_tokens(logits, seen, generator)
+        tokens = params.next_tokens(logits, seen, generator, counts)
         done = False
         if finished is not None:
             tokens = tokens.masked_fill(finished, pad)
@@ -103,6 +105,8 @@ def token_loop(
             return
         if seen is not None:
             seen[rows, tokens] = True
+        if counts is not None:
+            counts[rows, tokens] += 1
         logits = step(tokens)
 
 
@@ -141,7 +145,8 @@ def make_room(caches: list[LayerCache], new: int, limit: int) -> None:
         return
     size = min(limit, max(kv.length + new, 2 * kv.max_len))
     for layer_cache in caches:
-        old, grown = layer_cache.self_attn, KVCache(size)
+        old = layer_cache.self_attn
+        grown = type(old)(size) if isinstance(old, KVCache) else KVCache(size)  # keeps the kind (latent)
         if old.k is not None:
             grown.update(old.k[:, :, : old.length], old.v[:, :, : old.length])
         layer_cache.self_attn = grown

@@ -83,6 +83,39 @@ def test_per_prompt_arguments_and_repetition_penalty(model: DecoderLM) -> None:
     assert outs[2].token_ids == alone(model, ps[2], 6, sampling=SAMPLING, generator=torch.Generator().manual_seed(4))
 
 
+def test_presence_and_frequency_penalties_count_each_samples_own_output(model: DecoderLM) -> None:
+    ps = prompts(9)[:3]
+    greedy = SamplingParams(presence_penalty=1.2, frequency_penalty=0.8)
+    sampled = SamplingParams(do_sample=True, temperature=0.9, frequency_penalty=2.0)
+    engine = Engine(model, block_size=4)
+    outs = engine.generate(ps, [greedy, sampled, None], max_tokens=[10, 8, 6], seed=[None, 5, None])
+    assert outs[0].token_ids == alone(model, ps[0], 10, sampling=greedy)
+    assert outs[0].token_ids != alone(model, ps[0], 10)  # the penalties change the answer
+    assert outs[1].token_ids == alone(model, ps[1], 8, sampling=sampled, generator=torch.Generator().manual_seed(5))
+    assert outs[2].token_ids == alone(model, ps[2], 6)
+    # n > 1: every sample counts its own tokens (a shared count would change the later samples' draws).
+    two = engine.generate(ps[1], sampled, max_tokens=8, n=2, seed=5)[0]
+    assert two.token_ids[0] == outs[1].token_ids
+    assert two.token_ids[1] == alone(model, ps[1], 8, sampling=sampled, generator=torch.Generator().manual_seed(6))
+
+
+def test_kv_cache_bytes_sizes_the_pool_by_the_bytes_its_blocks_take(model: DecoderLM) -> None:
+    c = model.config
+    # One block of 4 positions, counted by hand: keys and values, every layer, float32.
+    per_block = c.n_layers * 2 * c.n_kv_heads * 4 * c.d_head * 4
+    engine = Engine(model, block_size=4, kv_cache_bytes=10 * per_block + per_block // 2)
+    assert engine.allocator.n_blocks == 10
+    prompt = prompts(3)[1]
+    assert engine.generate(prompt, max_tokens=5)[0].token_ids == alone(model, prompt, 5)
+    assert engine.runner.block_nbytes() == per_block  # measured on the pools the engine allocated
+    with pytest.raises(ValueError, match=f"kv_cache_bytes={per_block - 1} holds no block"):
+        Engine(model, block_size=4, kv_cache_bytes=per_block - 1)
+    with pytest.raises(ValueError, match="not both"):
+        Engine(model, block_size=4, kv_cache_bytes=per_block, num_blocks=3)
+    with pytest.raises(ValueError, match="kv_cache_bytes must be a positive integer, got 1.5"):
+        Engine(model, block_size=4, kv_cache_bytes=1.5)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

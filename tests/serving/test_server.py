@@ -22,6 +22,7 @@ import torch
 import uvicorn
 
 from models import DecoderLM, EncoderLM
+from models.generation.sampling import SamplingParams
 from serving import cli
 from serving.openai_api import create_app
 from tokenization import Tokenizer, train_byte_level_bpe
@@ -114,6 +115,19 @@ def test_streaming_equals_the_whole_answer_and_ends_with_usage(setup, client) ->
     assert raw.text.endswith("data: [DONE]\n\n") and raw.headers["content-type"].startswith("text/event-stream")
 
 
+def test_presence_and_frequency_penalties_equal_generate_with_them(setup, client) -> None:
+    model, tok, _ = setup
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    params = SamplingParams(presence_penalty=1.5, frequency_penalty=1.0)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=12, eos_token_id=model.config.eos_token_id,
+                         sampling=params)
+    want = out[0, len(ids):].tolist()
+    answer = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, temperature=0, max_tokens=12,
+                                            presence_penalty=1.5, frequency_penalty=1.0)
+    assert answer.choices[0].message.content == tok.decode(want)
+    assert want != reference(model, tok, MESSAGES, 12)  # the penalties change this answer
+
+
 def test_completions_with_token_ids_logprobs_and_n(setup, client) -> None:
     model, tok, _ = setup
     prompt = tok.encode("the quick brown", add_special_tokens=False)
@@ -140,8 +154,10 @@ def test_completions_with_token_ids_logprobs_and_n(setup, client) -> None:
     (lambda c: c.chat.completions.create(model="nope", messages=MESSAGES), 404, "model"),
     (lambda c: c.chat.completions.create(model="tiny-chat", messages=MESSAGES, n=0), 400, "n"),
     (lambda c: c.chat.completions.create(model="tiny-chat", messages=MESSAGES, temperature=5), 400, "temperature"),
-    (lambda c: c.chat.completions.create(model="tiny-chat", messages=MESSAGES, presence_penalty=0.5), 400,
+    (lambda c: c.chat.completions.create(model="tiny-chat", messages=MESSAGES, presence_penalty=2.5), 400,
      "presence_penalty"),
+    (lambda c: c.chat.completions.create(model="tiny-chat", messages=MESSAGES, frequency_penalty=-3), 400,
+     "frequency_penalty"),
     (lambda c: c.completions.create(model="tiny-chat", prompt=[5] * 200, max_tokens=4), 400, "prompt"),
     (lambda c: c.completions.create(model="tiny-chat", prompt=[10**6], max_tokens=4), 400, "prompt"),
     (lambda c: c.completions.create(model="tiny-chat", prompt="hi", max_tokens=0), 400, "max_tokens"),
@@ -398,6 +414,21 @@ def test_zoo_generate_embed_and_help(setup, folder: Path, capsys) -> None:
         assert exit_.value.code == 0 and "usage: zoo " + command in capsys.readouterr().out
     with pytest.raises(SystemExit, match="has no embedding head"):
         cli.main(["embed", str(folder), "text"])
+
+
+@pytest.mark.parametrize(("text", "nbytes"), [("4096", 4096), ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30),
+                                              ("1.5G", 1_500_000_000), ("64kb", 64_000), ("3 gib", 3 * 2**30)])
+def test_kv_cache_memory_sizes_parse_to_bytes(text: str, nbytes: int) -> None:
+    args = cli.parser().parse_args(["serve", "m", "--kv-cache-memory", text])
+    assert args.kv_cache_memory == nbytes and args.kv_blocks is None
+
+
+@pytest.mark.parametrize("argv", [["--kv-cache-memory", "lots"], ["--kv-cache-memory", "0"],
+                                  ["--kv-cache-memory", "1GiB", "--kv-blocks", "8"]])
+def test_bad_kv_cache_memory_flags_exit_with_usage(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.parser().parse_args(["serve", "m", *argv])
+    assert exit_.value.code == 2 and "kv-cache-memory" in capsys.readouterr().err
 
 
 def test_a_failing_engine_step_fails_its_requests_with_500_and_the_server_keeps_serving(setup, monkeypatch) -> None:
