@@ -40,6 +40,8 @@ class MultiHeadAttention(nn.Module):
             ``qk_norm_eps``; parameters ``q_norm``/``k_norm`` of width ``d_head``.
         window: sliding-window attention: a query attends only to keys less than ``window`` positions away
             (Mistral, Gemma 2's local layers, ModernBERT's local layers); positions count real tokens.
+        sinks: attention sinks (gpt-oss): a learned logit per query head, parameter ``sinks`` ``(n_heads,)``, that
+            joins every softmax denominator as a key with no value, so a head may attend to (almost) nothing.
 
     Shapes: x ``(B, Lq, d_model)``, context ``(B, Lk, d_context)`` -> ``(B, Lq, d_model)``.
     """
@@ -61,6 +63,7 @@ class MultiHeadAttention(nn.Module):
         qk_norm: str | None = None,
         qk_norm_eps: float = 1e-6,
         window: int | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -99,6 +102,7 @@ class MultiHeadAttention(nn.Module):
         if qk_norm is not None:
             self.q_norm = build("norm", qk_norm, d_model=d_head, eps=qk_norm_eps)
             self.k_norm = build("norm", qk_norm, d_model=d_head, eps=qk_norm_eps)
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.set_backend(backend)
 
     def set_backend(self, name: str) -> None:
@@ -202,8 +206,10 @@ class MultiHeadAttention(nn.Module):
         if rotary is not None and context is None:
             q = rotary.rotate(q, positions)
         if isinstance(cache, PagedKVCache):  # packed rows: the cache gathers each row's keys (blocks/paged_cache.py)
-            if bias is not None or need_weights:
-                raise NotImplementedError("a paged cache supports neither attention biases (ALiBi) nor need_weights")
+            if bias is not None or need_weights or self.sinks is not None:
+                raise NotImplementedError(
+                    "a paged cache supports neither attention biases (ALiBi), attention sinks nor need_weights"
+                )
             out = cache.attend(q, self._backend, scale=self.scale, softcap=self.softcap, window=self.window)
             return self.o_proj(out.transpose(1, 2).flatten(2)), None  # (1, T, H*Dv)
         if self.window is not None:
@@ -213,12 +219,12 @@ class MultiHeadAttention(nn.Module):
         if need_weights:
             out, weights = get("attention_backend", "math")(
                 q, k, v, mask=mask, bias=bias, is_causal=is_causal, dropout_p=dropout_p, scale=self.scale,
-                softcap=self.softcap, return_weights=True,
+                softcap=self.softcap, sinks=self.sinks, return_weights=True,
             )
         else:
             out = self._backend(
                 q, k, v, mask=mask, bias=bias, is_causal=is_causal, dropout_p=dropout_p, scale=self.scale,
-                softcap=self.softcap,
+                softcap=self.softcap, **({} if self.sinks is None else {"sinks": self.sinks}),
             )
         b, _, lq, _ = out.shape
         out = out.transpose(1, 2).reshape(b, lq, self.n_heads * self.d_value)  # (B, Lq, H*Dv)

@@ -1,6 +1,6 @@
 """Attention backends: pure functions with one signature, registered under ``attention_backend``.
 
-``fn(q, k, v, *, mask=None, bias=None, is_causal=False, dropout_p=0.0, scale=None) -> Tensor``
+``fn(q, k, v, *, mask=None, bias=None, is_causal=False, dropout_p=0.0, scale=None, softcap=None, sinks=None)``
 """
 
 from .chunked import chunked_attention

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..registry import register
-from .common import check_inputs, check_softcap, default_scale, repeat_kv, soft_cap
+from .common import check_inputs, check_sinks, check_softcap, default_scale, repeat_kv, soft_cap
 
 DEFAULT_BLOCK_SIZE = 512
 
@@ -37,6 +37,7 @@ def chunked_attention(
     dropout_p: float = 0.0,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> Tensor:
     """Attention by an online softmax over key blocks of ``block_size``; same contract as ``math``.
@@ -48,6 +49,7 @@ def chunked_attention(
     """
     check_inputs(q, k, v, mask, bias)
     check_softcap(softcap)
+    check_sinks(sinks, q)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     b, h, lq, _ = q.shape
@@ -57,6 +59,9 @@ def chunked_attention(
     q = q * default_scale(q, scale)
     row_max = q.new_full((b, h, lq, 1), float("-inf"))
     denom = q.new_zeros((b, h, lq, 1))
+    if sinks is not None:  # the sink starts the online softmax: a first "key" with score sink and no value
+        row_max = sinks.to(q.dtype)[None, :, None, None].expand(b, h, lq, 1)
+        denom = q.new_ones((b, h, lq, 1))
     acc = q.new_zeros((b, h, lq, v.shape[-1]))
     query_pos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
     for start in range(0, lk, block_size):

@@ -46,6 +46,22 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Ten
         raise ValueError(f"mask must be bool (True = may attend), got dtype {mask.dtype}")
 
 
+def check_sinks(sinks: Tensor | None, q: Tensor) -> None:
+    """Raise ``ValueError`` unless ``sinks`` is None or a floating ``(H,)`` tensor: one logit per query head."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (q.shape[1],):
+        shape = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a floating tensor of shape (H,)=({q.shape[1]},), one logit per query head; "
+                         f"got {shape}")
+
+
+def sink_scale(lse: Tensor, sinks: Tensor) -> Tensor:
+    """``Z / (Z + exp(sink))`` from ``lse = log Z`` ``(B, H, Lq)``: the factor that turns an attention output
+    without sinks into the output with them, ``(B, H, Lq, 1)`` (``sigmoid(lse - sink)``, exact; 0 where ``Z = 0``)."""
+    return torch.sigmoid(lse.float() - sinks.float()[:, None])[..., None]
+
+
 def default_scale(q: Tensor, scale: float | None) -> float:
     """``1 / sqrt(d_k)`` (paper §3.2.1) unless ``scale`` is given."""
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

@@ -11,10 +11,10 @@ import warnings
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from ..registry import register
-from .common import allowed_keys, check_inputs, check_softcap, zero_empty_rows
+from .common import allowed_keys, check_inputs, check_sinks, check_softcap, sink_scale, zero_empty_rows
 
 
 @functools.cache
@@ -34,8 +34,12 @@ def flex_attention_backend(
     dropout_p: float = 0.0,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Flex attention with the zoo's mask/bias contract; same results as ``math``.
+
+    A ``score_mod`` cannot change the softmax's denominator, so attention sinks (``sinks``, ``(H,)``) rescale the
+    output afterwards with the kernel's log-sum-exp: ``out · Z / (Z + exp(sink)) = out · sigmoid(lse - sink)``.
 
     Shapes: q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)`` -> ``(B, H, Lq, Dv)``.
 
@@ -44,6 +48,7 @@ def flex_attention_backend(
     """
     check_inputs(q, k, v, mask, bias)
     check_softcap(softcap)
+    check_sinks(sinks, q)
     if dropout_p > 0:
         raise NotImplementedError(
             f"the flex backend has no attention dropout (dropout_p={dropout_p}); "
@@ -79,12 +84,17 @@ def flex_attention_backend(
     # Fresh views keep q, k and v distinct objects: with aliased inputs (q is k is v) torch 2.13's flex
     # recompiles and fails while formatting the guard of an earlier call's mask closure (a TypeError).
     k, v = k.view_as(k), v.view_as(v)
+    aux = None if sinks is None else AuxRequest(lse=True)
     if torch.compiler.is_compiling():  # already inside a compiled graph: flex is fused there
-        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-        return zero_empty_rows(out, has_key)
-    fn = _compiled_flex() if q.is_cuda else flex_attention
-    with warnings.catch_warnings():
-        # Eager (uncompiled) flex on CPU is intended here: compiling pays off only on GPU.
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                             return_aux=aux)
+    else:
+        fn = _compiled_flex() if q.is_cuda else flex_attention
+        with warnings.catch_warnings():
+            # Eager (uncompiled) flex on CPU is intended here: compiling pays off only on GPU.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out = fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=aux)
+    if aux is not None:
+        out, outputs = out
+        out = out * sink_scale(outputs.lse, sinks).to(out.dtype)
     return zero_empty_rows(out, has_key)
