@@ -7,6 +7,8 @@ Importing this package registers every component.
 from . import adapters, backends, ffn, heads, masks, moe, norm, patch_embedding, positional, quantized, sublayer  # noqa: F401  (registers components)
 from .attention import MultiHeadAttention
 from .kv_cache import KVCache, LayerCache, StaticKVCache, reorder_caches
+from .latent_attention import MultiHeadLatentAttention
+from .latent_cache import LatentKVCache
 from .layers import DecoderLayer, EncoderLayer, decoder_layer, encoder_layer
 from .masks import causal_mask, document_mask, padding_mask, prefix_lm_mask, sliding_window_mask
 from .paged_cache import BlockAllocator, PagedBatch, PagedKVCache, PagedLayerCache
@@ -17,8 +19,10 @@ __all__ = [
     "DecoderLayer",
     "EncoderLayer",
     "KVCache",
+    "LatentKVCache",
     "LayerCache",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "PagedBatch",
     "PagedKVCache",
     "PagedLayerCache",

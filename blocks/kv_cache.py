@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .registry import register
+from .registry import get, register
 
 
 @register("kv_cache", "contiguous")
@@ -80,10 +80,11 @@ class StaticKVCache:
 
 
 class LayerCache:
-    """The caches of one decoder layer: self-attention and (for encoder-decoders) cross-attention."""
+    """The caches of one decoder layer: self-attention (a registered ``kv_cache`` kind, ``"contiguous"`` by default;
+    ``"latent"`` for latent attention) and (for encoder-decoders) cross-attention."""
 
-    def __init__(self, max_len: int, cross: bool = False) -> None:
-        self.self_attn = KVCache(max_len)
+    def __init__(self, max_len: int, cross: bool = False, kind: str = "contiguous") -> None:
+        self.self_attn = get("kv_cache", kind)(max_len)
         self.cross_attn = StaticKVCache() if cross else None
 
     def reorder(self, index: Tensor) -> None:

@@ -65,7 +65,7 @@ class ZooModel(AdapterMixin, QuantizeMixin, nn.Module):
         """Switch every attention module to the registered backend ``name`` (a runtime choice)."""
         blocks.get("attention_backend", name)  # validates the name before anything changes
         for module in self.modules():
-            if isinstance(module, blocks.MultiHeadAttention):
+            if isinstance(module, (blocks.MultiHeadAttention, blocks.MultiHeadLatentAttention)):
                 module.set_backend(name)
         self.config = self.config.replace(attention_backend=name)
 

@@ -7,6 +7,7 @@ The model classes (``models.decoder_lm``, ``encoder_lm``, ``seq2seq``, ``vit``) 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -122,9 +123,16 @@ def positions_from_mask(mask: Tensor | None, past: int, length: int, device: tor
     return keys[:, past:], keys
 
 
-def new_caches(n_layers: int, max_len: int, cross: bool = False) -> list[LayerCache]:
-    """One empty ``LayerCache`` per decoder layer, preallocating ``max_len`` positions."""
-    return [LayerCache(max_len, cross=cross) for _ in range(n_layers)]
+def new_caches(layers: int | Sequence[nn.Module], max_len: int, cross: bool = False) -> list[LayerCache]:
+    """One empty ``LayerCache`` per decoder layer, preallocating ``max_len`` positions.
+
+    ``layers``: the model's layers (each self-attention's ``cache_kind`` picks its registered ``kv_cache`` kind:
+    latent attention caches latents) or their number (contiguous per-head caches).
+    """
+    if isinstance(layers, int):
+        return [LayerCache(max_len, cross=cross) for _ in range(layers)]
+    return [LayerCache(max_len, cross=cross, kind=getattr(layer.self_attn, "cache_kind", "contiguous"))
+            for layer in layers]
 
 
 def cached_length(cache: list[LayerCache] | None) -> int:

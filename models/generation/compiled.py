@@ -255,7 +255,7 @@ def compiled_steps(model: Any, request: LMRequest, steady: bool = True) -> Itera
     needed, capacity = length + request.max_new_tokens, model.positional.max_positions
     steps.refuse_longrope_switch(model, length, needed, "generate(compile=True)")
     bucket = first_bucket(needed, length, capacity)
-    prefill = stack.new_caches(len(model.layers), length)
+    prefill = stack.new_caches(model.layers, length)
     logits = model(prompt, attention_mask=prompt_mask, cache=prefill, logits_to_keep=1).logits[:, -1]
     filled = length
     run = compile_step(next_token_logits, model, prompt.device)

@@ -159,7 +159,7 @@ class DecoderLMGenerationMixin:
         # Positions ever cached: the prompt and the generated tokens (the last one is not fed back, but a spare
         # position costs little and keeps the size the plain prompt + max_new_tokens).
         limit = length + request.max_new_tokens
-        cache = stack.new_caches(len(self.layers), min(limit, length + steps.CACHE_CHUNK))
+        cache = stack.new_caches(self.layers, min(limit, length + steps.CACHE_CHUNK))
         mask_buffer = None
         if mask is not None:
             # The mask of every step is a prefix of one buffer: generated tokens are always real.
@@ -187,7 +187,7 @@ class DecoderLMGenerationMixin:
             if history is not None:
                 history[:, filled - 1] = tokens
                 if filled == switch + 1:
-                    cache = stack.new_caches(len(self.layers), min(limit, filled + steps.CACHE_CHUNK))
+                    cache = stack.new_caches(self.layers, min(limit, filled + steps.CACHE_CHUNK))
                     return self(history[:, :filled], attention_mask=step_mask, cache=cache,
                                 logits_to_keep=1).logits[:, -1]
             return self(tokens[:, None], attention_mask=step_mask, cache=cache).logits[:, -1]
