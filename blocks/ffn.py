@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -105,3 +106,31 @@ class GeGLUTanhFFN(GatedFeedForward):
 
     def activation(self, x: Tensor) -> Tensor:
         return F.gelu(x, approximate="tanh")
+
+
+@register("ffn", "clamped_swiglu")
+class ClampedSwiGLUFFN(GatedFeedForward):
+    """gpt-oss's expert: ``down((clamp(up, ±limit) + 1) · g · sigmoid(alpha · g))`` with ``g = min(gate, limit)``.
+
+    The clamps bound the activations; ``alpha`` makes ``g · sigmoid(alpha · g)`` a GELU-like curve (``1.702`` is the
+    sigmoid approximation of GELU), and the ``+ 1`` passes the gated value through where ``up`` is 0.
+
+    Args:
+        limit: clamp bound (gpt-oss ``swiglu_limit``).
+        alpha: sigmoid slope (gpt-oss ``swiglu_alpha``).
+
+    Raises:
+        ValueError: ``limit`` or ``alpha`` not a finite number > 0.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, bias: bool = False, limit: float = 7.0,
+                 alpha: float = 1.702) -> None:
+        super().__init__(d_model, d_ff, dropout, bias)
+        if not 0 < limit < float("inf") or not 0 < alpha < float("inf"):
+            raise ValueError(f"limit and alpha must be finite numbers > 0, got limit={limit!r}, alpha={alpha!r}")
+        self.limit, self.alpha = float(limit), float(alpha)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(self.dropout((up + 1) * (gate * torch.sigmoid(gate * self.alpha))))

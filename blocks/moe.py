@@ -31,8 +31,9 @@ from .registry import build, names, register
 #: Routers the MoE block knows: ``softmax`` = softmax over all experts, keep the top k (optionally renormalised);
 #: ``softmax_group`` = DeepSeek-V2's ``group_limited_greedy`` (softmax, top k among the ``topk_group`` groups with the
 #: largest expert probability); ``sigmoid_group`` = DeepSeek-V3's (sigmoid scores plus a correction bias choose,
-#: groups ranked by the sum of their two best biased scores, weights from the unbiased scores).
-ROUTERS = ("softmax", "softmax_group", "sigmoid_group")
+#: groups ranked by the sum of their two best biased scores, weights from the unbiased scores); ``topk_softmax`` = keep
+#: the top k logits, softmax over them (gpt-oss).
+ROUTERS = ("softmax", "softmax_group", "sigmoid_group", "topk_softmax")
 
 
 @register("ffn", "moe")
@@ -43,10 +44,11 @@ class MixtureOfExperts(nn.Module):
         d_model: model width.
         d_ff: width of each routed expert.
         dropout: dropout inside each expert.
-        bias: biases on the experts' linears (the router has none).
+        bias: biases on the experts' linears.
         n_experts: number of routed experts.
         top_k: experts per token (``1 <= top_k <= n_experts``).
-        router: ``"softmax"``: probabilities over all experts, the ``top_k`` largest kept.
+        router: ``"softmax"``: probabilities over all experts, the ``top_k`` largest kept; ``"topk_softmax"``: the
+            ``top_k`` largest logits kept and a softmax over them (gpt-oss; ``renormalize`` changes nothing).
         renormalize: divide the kept probabilities by their sum (Mixtral; Qwen3-MoE ``norm_topk_prob``); without it
             they are used as they are (OLMoE, Qwen2-MoE).
         expert: registered FFN name of each expert (and of the shared expert).
@@ -57,6 +59,7 @@ class MixtureOfExperts(nn.Module):
         n_group: expert groups of the grouped routers (``n_experts`` must divide into them).
         topk_group: groups a token's experts may come from (grouped routers; ``<= n_group``).
         routed_scaling_factor: multiplies the kept weights (DeepSeek), after any renormalisation.
+        router_bias: a bias on the router's linear (gpt-oss).
 
     ``n_experts=0`` (with ``top_k=0``) leaves only the shared expert: a dense FFN in MoE clothes, for DeepSeek's first
     ``first_k_dense_replace`` layers (a per-layer option). ``sigmoid_group`` keeps the correction bias as the
@@ -88,6 +91,7 @@ class MixtureOfExperts(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
+        router_bias: bool = False,
     ) -> None:
         super().__init__()
         if d_model < 1 or d_ff < 1:
@@ -103,8 +107,8 @@ class MixtureOfExperts(nn.Module):
         if router not in ROUTERS:
             raise ValueError(f"unknown router {router!r}; expected one of {list(ROUTERS)}")
         check_groups(n_experts, top_k, n_group, topk_group)
-        if router == "softmax" and (n_group, topk_group) != (1, 1):
-            raise ValueError(f"router='softmax' does not group experts, got n_group={n_group}, "
+        if router in ("softmax", "topk_softmax") and (n_group, topk_group) != (1, 1):
+            raise ValueError(f"router={router!r} does not group experts, got n_group={n_group}, "
                              f"topk_group={topk_group}; use 'softmax_group' or 'sigmoid_group'")
         if not 0.0 < routed_scaling_factor < math.inf:
             raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}")
@@ -123,7 +127,7 @@ class MixtureOfExperts(nn.Module):
         self.shared_gate = bool(shared_gate)
         self.router_name, self.n_group, self.topk_group = router, n_group, topk_group
         self.routed_scaling_factor = float(routed_scaling_factor)
-        self.router = nn.Linear(d_model, n_experts + self.shared_gate, bias=False) if n_experts else None
+        self.router = nn.Linear(d_model, n_experts + self.shared_gate, bias=bool(router_bias)) if n_experts else None
         if router == "sigmoid_group" and n_experts:
             self.register_buffer("e_score_correction_bias", torch.zeros(n_experts))
         self.experts = nn.ModuleList(
@@ -142,6 +146,9 @@ class MixtureOfExperts(nn.Module):
         """
         if self.router_name == "sigmoid_group":
             return self._route_sigmoid_group(logits)
+        if self.router_name == "topk_softmax":  # gpt-oss: the softmax sees the kept logits only
+            kept, experts = logits.topk(self.top_k, dim=-1)
+            return F.softmax(kept, dim=-1, dtype=torch.float32).to(logits.dtype), experts
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         if self.router_name == "softmax_group":  # DeepSeek-V2: a group's score is its best expert's probability
             groups = probs.view(-1, self.n_group, self.n_experts // self.n_group).amax(dim=-1)  # (N, G)

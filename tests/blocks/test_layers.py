@@ -54,6 +54,9 @@ def ffn_formula(name: str, ffn: nn.Module, x: Tensor) -> Tensor:
     }
     if name == "moe":  # routed experts: the per-token brute force of tests/blocks/test_moe.py
         return moe_reference(ffn, x)
+    if name == "clamped_swiglu":  # gpt-oss: (clamp(x V, ±7) + 1) · g σ(1.702 g) with g = min(x W, 7), then W2
+        g = lin(ffn.gate_proj, x).clamp(max=7.0)
+        return lin(ffn.down_proj, (lin(ffn.up_proj, x).clamp(-7.0, 7.0) + 1) * g * torch.sigmoid(1.702 * g))
     if name not in activations:
         pytest.fail(f"ffn {name!r} is registered but test_layers.py has no formula for it")
     act = activations[name]
