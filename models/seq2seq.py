@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 import blocks
+from blocks.heads import build_head, check_head_options
 from blocks.kv_cache import LayerCache
 
 from .checkpoints.adapter_files import AdapterFilesMixin
@@ -15,7 +17,7 @@ from .checkpoints.architectures import register_architecture
 from .checkpoints.persistence import PersistenceMixin
 from .core.base import ZooModel
 from .core.config import TransformerConfig
-from .core.outputs import Seq2SeqOutput
+from .core.outputs import Seq2SeqOutput, Seq2SeqQuestionAnsweringOutput
 from .core.stack import (
     build_layers,
     build_norm,
@@ -30,6 +32,11 @@ from .core.stack import (
     positions_from_mask,
 )
 from .generation import Seq2SeqGenerationMixin
+from .generation.requests import check_token_head
+
+#: the heads a ``Seq2SeqTransformer`` can take: the LM head, and the task heads BART and T5 have (both read the
+#: decoder's states: classification at the source's last EOS token, QA at every position).
+SEQ2SEQ_HEADS = ("lm", "sequence_classification", "question_answering")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +51,9 @@ class Seq2SeqConfig(TransformerConfig):
         embedding_norm: a norm after embeddings + positions (BART's ``layernorm_embedding``).
         output_bias: a bias on the output projection (Marian/BART ``final_logits_bias``).
         decoder_start_token_id: first decoder input (default ``bos_token_id``).
+        head: ``"lm"`` or a task head of ``SEQ2SEQ_HEADS`` (options in ``options["head"]``): BART's and T5's
+            ``ForSequenceClassification`` (pooling ``"last"``: the decoder state at the source's last EOS token)
+            and ``ForQuestionAnswering`` (start/end logits over the decoder positions).
 
     ``layer_options`` has one entry per encoder layer, then one per decoder layer.
     """
@@ -55,9 +65,23 @@ class Seq2SeqConfig(TransformerConfig):
     embedding_norm: bool = False
     output_bias: bool = False
     decoder_start_token_id: int | None = None
+    head: str = "lm"
+
+    option_blocks: ClassVar[dict[str, tuple[str, str]]] = {
+        **TransformerConfig.option_blocks, "head": ("head", "head"),
+    }
+    #: the heads a ``Seq2SeqTransformer`` can take.
+    heads: ClassVar[tuple[str, ...]] = SEQ2SEQ_HEADS
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        head_options = check_head_options(self.head, self.options.get("head", {}), self.heads, "Seq2SeqTransformer")
+        if "head" in self.options:
+            object.__setattr__(self, "options", {**self.options, "head": head_options})
+        pooling = head_options.get("pooling", "last")
+        if self.head == "sequence_classification" and pooling != "last":
+            raise ValueError(f"a Seq2SeqTransformer classifies from the decoder state at the source's last EOS "
+                             f"token (pooling 'last'), got pooling {pooling!r}")
         for name in ("n_encoder_layers", "n_decoder_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -118,9 +142,16 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, AdapterFilesM
         self.decoder_layers = build_layers(c, "decoder", decoder_indices, cross_attention=True)
         self.encoder_final_norm = final_norm(c)
         self.decoder_final_norm = final_norm(c)
-        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=c.output_bias)
+        if c.head == "lm":
+            self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=c.output_bias)
+        else:
+            options = {"pooling": "last", **c.block_options("head")} if c.head == "sequence_classification" \
+                else c.block_options("head")
+            # BART's and T5's classification heads have a dense bias whatever the model's (T5 has no other biases).
+            self.head = build_head(c.head, options, d_model=c.d_model, make_norm=lambda: build_norm(c), bias=True,
+                                   dropout=c.dropout)
         self.reset_parameters()
-        if c.tie_embeddings:
+        if c.tie_embeddings and c.head == "lm":
             self.lm_head.weight = self.tgt_embed.weight
 
     def reset_parameters(self) -> None:
@@ -237,13 +268,14 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, AdapterFilesM
         Returns:
             Logits ``(B, L, vocab_size)``.
         """
+        check_token_head(self, "decode")
         x = self._decode(memory, tgt_ids, src_mask, tgt_mask, cache, False, False)[0]
         return head_logits(self.config, self.lm_head, x)
 
     def forward(
         self,
         src_ids: Tensor,
-        tgt_ids: Tensor,
+        tgt_ids: Tensor | None = None,
         src_mask: Tensor | None = None,
         tgt_mask: Tensor | None = None,
         labels: Tensor | None = None,
@@ -257,24 +289,45 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, AdapterFilesM
             src_ids: ``(B, S)`` source ids; ``src_mask`` ``(B, S)`` bool, True = real token.
             tgt_ids: ``(B, L)`` decoder inputs (targets shifted right); ``tgt_mask`` ``(B, L)``.
             labels: ``(B, L)`` the token each position must predict (aligned with ``tgt_ids``, no
-                shift inside); -100 is ignored.
+                shift inside); -100 is ignored. With a task head, as the head takes them (``(B,)`` classes or
+                ``(B, num_labels)`` targets; ``(B, 2)`` start/end positions; see ``blocks.heads``).
+
+        With a task head ``tgt_ids`` may be left out: it is then ``src_ids`` shifted right behind
+        ``decoder_start_token_id``, as BART and T5 build it. ``sequence_classification`` reads the decoder state at
+        the last ``eos_token_id`` of each source row; ``question_answering`` scores every decoder position.
 
         Returns:
-            ``Seq2SeqOutput`` with ``logits (B, L, vocab_size)`` and ``loss`` when labels are given.
+            ``Seq2SeqOutput`` with ``logits (B, L, vocab_size)`` (a task head's: ``(B, num_labels)`` or
+            ``(B, L, 2)``, with ``start_logits``/``end_logits``) and ``loss`` when labels are given.
 
         Raises:
             ValueError: ids outside the vocabulary, masks or labels of the wrong shape, sequences
-                longer than ``max_len`` with learned positions.
+                longer than ``max_len`` with learned positions; no ``tgt_ids`` for the LM head; a source row
+                without ``eos_token_id`` for the classification head.
         """
-        if labels is not None and tuple(labels.shape) != tuple(tgt_ids.shape):
+        task = self.config.head != "lm"
+        if tgt_ids is None:
+            if not task:
+                raise ValueError("tgt_ids is None: the 'lm' head needs the decoder inputs (targets shifted right)")
+            tgt_ids = self.shift_right(src_ids)
+        if labels is not None and not task and tuple(labels.shape) != tuple(tgt_ids.shape):
             raise ValueError(f"labels must have shape {tuple(tgt_ids.shape)} like tgt_ids, got {tuple(labels.shape)}")
+        eos = self.eos_mask(src_ids, tgt_ids) if self.config.head == "sequence_classification" else None
         memory, enc_hidden, enc_attn = self._encode(src_ids, src_mask, output_hidden_states, output_attentions)
         x, dec_hidden, self_attn, cross_attn = self._decode(
             memory, tgt_ids, src_mask, tgt_mask, None, output_hidden_states, output_attentions
         )
-        logits = head_logits(self.config, self.lm_head, x)  # (B, L, vocab_size)
-        loss = None if labels is None else lm_loss(logits, labels)
-        return Seq2SeqOutput(
+        extra: dict[str, Any] = {}
+        if task:
+            logits = self.head(x, eos if eos is not None else tgt_mask)  # (B, num_labels) or (B, L, 2)
+            loss = None if labels is None else self.head.loss(logits, labels)
+            if self.config.head == "question_answering":
+                extra = dict(start_logits=logits[..., 0].contiguous(), end_logits=logits[..., 1].contiguous())
+        else:
+            logits = head_logits(self.config, self.lm_head, x)  # (B, L, vocab_size)
+            loss = None if labels is None else lm_loss(logits, labels)
+        return (Seq2SeqQuestionAnsweringOutput if extra else Seq2SeqOutput)(
+            **extra,
             logits=logits,
             loss=loss,
             hidden_states=tuple(dec_hidden) if output_hidden_states else None,
@@ -284,3 +337,39 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, AdapterFilesM
             encoder_attentions=tuple(enc_attn) if output_attentions else None,
             cross_attentions=tuple(cross_attn) if output_attentions else None,
         )
+
+    # ------------------------------------------------------------------ task heads
+    def shift_right(self, src_ids: Tensor) -> Tensor:
+        """The decoder inputs BART and T5 build from the source when none are given: ``decoder_start_token_id``
+        then ``src_ids[:, :-1]``.
+
+        Raises:
+            ValueError: the config has no ``decoder_start_token_id``.
+        """
+        start = self.config.decoder_start_token_id
+        if start is None:
+            raise ValueError("tgt_ids is None and the config has no decoder_start_token_id to shift the source behind")
+        self.check_ids(src_ids, "src_ids")
+        shifted = torch.full_like(src_ids, start)  # (B, S)
+        shifted[:, 1:] = src_ids[:, :-1]
+        return shifted
+
+    def eos_mask(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
+        """Where the source holds ``eos_token_id`` ``(B, S)`` bool: the classification head pools the decoder
+        state at each row's last one (BART's and T5's ``ForSequenceClassification``).
+
+        Raises:
+            ValueError: no ``eos_token_id``, decoder inputs of another length than the source, or a row without EOS.
+        """
+        eos = self.config.eos_token_id
+        if eos is None:
+            raise ValueError("sequence classification pools at the source's last EOS token, but eos_token_id is None")
+        if tuple(tgt_ids.shape) != tuple(src_ids.shape):
+            raise ValueError(f"tgt_ids must have the shape of src_ids {tuple(src_ids.shape)} for sequence "
+                             f"classification (the state at the source's EOS is read), got {tuple(tgt_ids.shape)}")
+        mask = src_ids == eos  # (B, S)
+        if not torch.compiler.is_compiling() and not bool(mask.any(-1).all()):
+            rows = (~mask.any(-1)).nonzero().flatten().tolist()
+            raise ValueError(f"src_ids rows {rows} contain no eos_token_id={eos}; sequence classification reads the "
+                             "decoder state at each row's last EOS token")
+        return mask

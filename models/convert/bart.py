@@ -27,6 +27,7 @@ from .seq2seq_common import (
     export_fields,
     export_layers,
 )
+from .tasks import TaskClass, TaskLayout, dropout_field, register_tasks
 
 # BartConfig's defaults in transformers 5 (fields a config.json may leave out).
 DEFAULTS: dict[str, Any] = {
@@ -113,3 +114,22 @@ def export_bart(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
         out[f"model.{stack}.layernorm_embedding.bias"] = zoo[f"{stack}_embed_norm.bias"]
     out.update(export_layers(zoo, c))
     return config, out
+
+
+def seq2seq_task_classes(stem: str, prefix: str, qa_prefix: str) -> tuple[TaskClass, ...]:
+    """BART's and T5's task classes: ``classification_head`` (dropout, dense + tanh, dropout, ``out_proj``: the
+    ``roberta`` pre-classifier) on the decoder state at the source's last EOS, and ``qa_outputs`` on every decoder
+    state."""
+    return (
+        TaskClass(f"{stem}ForSequenceClassification", "sequence_classification", prefix,
+                  {"classification_head.dense": "dense", "classification_head.out_proj": "classifier"},
+                  lambda cfg: {"pre_classifier": "roberta", "pooling": "last",
+                               "classifier_dropout": float(cfg.get("classifier_dropout") or 0.0)},
+                  dropout_field("classifier_dropout"),
+                  requires={"pre_classifier": "roberta", "pooling": "last", "classifier_bias": True}),
+        TaskClass(f"{stem}ForQuestionAnswering", "question_answering", qa_prefix, {"qa_outputs": "classifier"},
+                  requires={"pre_classifier": "none", "classifier_bias": True}),
+    )
+
+
+register_tasks(TaskLayout("bart", "model.", seq2seq_task_classes("Bart", "model.", "model.")))

@@ -35,11 +35,13 @@ import torch
 from torch import Tensor, nn
 
 from ..seq2seq import Seq2SeqConfig, Seq2SeqTransformer
+from .bart import seq2seq_task_classes
 from .export import register_exporter, require, tensors
 from .hf_checkpoint import ACTIVATIONS, CheckpointReader, HFConfig, zoo_config
 from .llama import GATED_FFNS
 from .name_maps import NameMap, zoo_keys
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, register_tasks
 
 # T5Config's defaults in transformers 5 (fields a config.json may leave out). ``n_positions`` is not a T5Config
 # field but old T5 config.json files carry it (512): it becomes the zoo's nominal ``max_len`` (relative positions
@@ -267,6 +269,11 @@ def export_t5(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
         "decoder_start_token_id": c.decoder_start_token_id,
     }
     return config, out
+
+
+# T5ForSequenceClassification stores the model under "transformer.", T5ForQuestionAnswering at the top level
+# (T5ForTokenClassification holds only the encoder: no Seq2SeqTransformer).
+register_tasks(TaskLayout("t5", "", seq2seq_task_classes("T5", "transformer.", "")))
 
 
 # A tiny T5 1.0 for tests (ReLU, tied and rescaled head, d_head * n_heads != d_model) and Flan-T5-small's shape.

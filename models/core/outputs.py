@@ -54,3 +54,12 @@ class Seq2SeqOutput(ModelOutput):
     encoder_hidden_states: tuple[Tensor, ...] | None = None
     encoder_attentions: tuple[Tensor, ...] | None = None
     cross_attentions: tuple[Tensor, ...] | None = None
+
+
+@dataclass
+class Seq2SeqQuestionAnsweringOutput(Seq2SeqOutput):
+    """``Seq2SeqOutput`` of a ``question_answering`` head: ``logits (B, L, 2)`` over the decoder positions and their
+    halves ``start_logits`` / ``end_logits`` ``(B, L)``."""
+
+    start_logits: Tensor | None = None
+    end_logits: Tensor | None = None
