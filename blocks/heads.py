@@ -1,7 +1,8 @@
 """Task heads: what a model computes from its final hidden states (registered kind ``head``).
 
 A task is a head: the language-model heads (``lm``: a projection to the vocabulary; ``mlm``: BERT's transform then
-the projection), ``sequence_classification``, ``token_classification``, ``question_answering`` and ``embedding``.
+the projection), ``sequence_classification``, ``token_classification``, ``question_answering``, ``embedding`` and
+ViT's ``image_classification``.
 A model config names its head (``head="sequence_classification"``) and gives the head's options under
 ``options["head"]`` (``num_labels``, ``id2label``, ``problem_type``, ``pooling`` ...), validated like every block
 option. The model supplies the shape (``HEAD_SUPPLIED``).
@@ -28,6 +29,8 @@ HEAD_SUPPLIED = ("d_model", "vocab_size", "make_norm", "bias", "dropout")
 #: heads that predict tokens (their logits cover the vocabulary); every other head is a task head.
 LM_HEADS = ("lm", "mlm")
 POOLINGS = ("cls", "mean", "max", "last", "mean_sqrt_len")
+#: poolings of the image classifier: the class token, or the mean of the patch tokens.
+IMAGE_POOLINGS = ("cls", "mean")
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 #: the layers between the pooled state and the classifier, as each family has them.
 PRE_CLASSIFIERS = ("none", "bert", "roberta", "distilbert", "modernbert")
@@ -318,6 +321,32 @@ class QuestionAnsweringHead(ClassifierHead):
         start = nn.functional.cross_entropy(logits[..., 0].float(), positions[:, 0], ignore_index=length)
         end = nn.functional.cross_entropy(logits[..., 1].float(), positions[:, 1], ignore_index=length)
         return (start + end) / 2
+
+
+@register("head", "image_classification")
+class ImageClassificationHead(nn.Linear):
+    """ViT's classifier (``ViTForImageClassification``): a linear layer on the pooled image tokens, the class
+    token (``pooling="cls"``) or the mean of the patch tokens (``"mean"``, the class token left out).
+
+    ``forward`` is the linear layer on pooled states (``pool`` pools); the loss is the cross entropy of single-label
+    classes with -100 ignored.
+
+    Shapes: ``pool``: ``(B, 1 + N, d_model)`` -> ``(B, d_model)``; ``forward``: ``(B, d_model)`` -> ``(B, num_labels)``.
+    """
+
+    def __init__(self, d_model: int, bias: bool = True, *, num_labels: int = 2, pooling: str = "cls") -> None:
+        check_labels_map(num_labels, None, None)
+        check_choice("pooling", pooling, IMAGE_POOLINGS)
+        super().__init__(d_model, num_labels, bias=bias)
+        self.num_labels, self.pooling = num_labels, pooling
+
+    def pool(self, x: Tensor) -> Tensor:
+        return x[:, 0] if self.pooling == "cls" else x[:, 1:].mean(dim=1)
+
+    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """Mean cross entropy over the images not labelled -100 (0, with zero gradient, when all are)."""
+        total = nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+        return total / (labels != -100).sum().clamp(min=1)
 
 
 @register("head", "embedding")

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 import blocks
+from blocks.heads import IMAGE_POOLINGS, build_head
 from blocks.patch_embedding import PatchEmbedding
 from blocks.positional import LearnedPositionalEmbedding
 
@@ -26,10 +27,10 @@ from .core.outputs import ModelOutput
 from .core.stack import (
     final_norm,
     layer_kwargs,
-    lm_loss,
 )
 
-POOLINGS = ("cls", "mean")
+POOLINGS = IMAGE_POOLINGS
+VIT_HEADS = ("image_classification",)
 #: Positional encodings that make sense on a patch grid: learned absolute embeddings (interpolated to other
 #: grids) or none at all. 1-d schemes (sinusoidal over the flattened grid, rotary, ALiBi) are rejected.
 VIT_POSITIONALS = ("learned", "none")
@@ -43,7 +44,8 @@ class VisionTransformerConfig(ConfigBase):
     defaults to ``n_heads``, ``d_head`` to ``d_model // n_heads`` and ``d_value`` to ``d_head`` (filled in at
     construction, so ``to_dict`` shows the effective values).
     ``pooling`` is ``"cls"`` (the class token's final state, as in ViT) or ``"mean"`` (the mean of the
-    patch tokens). ``positional`` is ``"learned"`` or ``"none"``.
+    patch tokens). ``positional`` is ``"learned"`` or ``"none"``. ``head`` names the registered head
+    (``"image_classification"``, the only one); ``num_labels`` and ``pooling`` are its options.
 
     Raises:
         ValueError: a bad value; the message quotes it.
@@ -72,8 +74,14 @@ class VisionTransformerConfig(ConfigBase):
     pooling: str = "cls"
     positional: str = "learned"
     bias: bool = True
+    head: str = "image_classification"
+
+    #: the heads a ``VisionTransformer`` can take.
+    heads: ClassVar[tuple[str, ...]] = VIT_HEADS
 
     def __post_init__(self) -> None:
+        if self.head not in self.heads:
+            raise ValueError(f"head {self.head!r} does not fit a VisionTransformer; expected one of {list(self.heads)}")
         for name in ("image_size", "patch_size", "num_channels", "d_model", "n_layers", "n_heads", "d_ff",
                      "num_labels"):
             check_positive_int(self, name)
@@ -180,7 +188,9 @@ class VisionTransformer(PersistenceMixin, AdapterFilesMixin, ZooModel):
         )
         # Eq. 4: the final LayerNorm.
         self.final_norm = final_norm(c)
-        self.classifier = nn.Linear(c.d_model, c.num_labels, bias=c.bias)
+        # The registered head (``image_classification``: a linear layer), under ViT's name for it.
+        self.classifier = build_head(c.head, {"num_labels": c.num_labels, "pooling": c.pooling}, d_model=c.d_model,
+                                     bias=c.bias)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -271,7 +281,7 @@ class VisionTransformer(PersistenceMixin, AdapterFilesMixin, ZooModel):
 
         Shapes: ``(B, 1 + N, d_model)`` -> ``(B, d_model)``.
         """
-        return x[:, 0] if self.config.pooling == "cls" else x[:, 1:].mean(dim=1)
+        return self.classifier.pool(x)
 
     def forward(
         self,
@@ -309,7 +319,7 @@ class VisionTransformer(PersistenceMixin, AdapterFilesMixin, ZooModel):
         logits = self.classifier(self.pool(x))  # (B, num_labels)
         return ModelOutput(
             logits=logits,
-            loss=None if labels is None else lm_loss(logits, labels),
+            loss=None if labels is None else self.classifier.loss(logits, labels),
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
             attentions=tuple(attentions) if output_attentions else None,
         )

@@ -64,8 +64,11 @@ def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[di
     """
     check_exportable(model, "export to transformers", allow_merged=True)
     check_unquantized(model, "export to transformers")
-    head = getattr(getattr(model, "config", None), "head", None)
-    if isinstance(head, str) and head not in LM_HEADS:  # a task head: models.convert.tasks.export_task
+    config = getattr(model, "config", None)
+    head = getattr(config, "head", None)
+    # A task head of a model class that also has a language-model head (models.convert.tasks.export_task); a class
+    # with only task heads (ViT's image classifier) is its family's own export.
+    if isinstance(head, str) and head not in LM_HEADS and any(h in LM_HEADS for h in getattr(config, "heads", ())):
         return _unshared(blocks.get(TASK_EXPORT_KIND, "export")(model, model_type))
     if model_type is not None:
         exporter = blocks.get(EXPORTER_KIND, model_type)
