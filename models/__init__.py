@@ -13,6 +13,8 @@ from .auto import from_pretrained
 from .convert import (  # noqa: F401  (each family registers its converter, exporter and presets)
     bart,
     bert,
+    deepseek_v2,
+    deepseek_v3,
     distilbert,
     gemma2,
     gemma3,
@@ -23,6 +25,7 @@ from .convert import (  # noqa: F401  (each family registers its converter, expo
     mistral,
     mixtral,
     modernbert,
+    olmoe,
     phi3,
     qwen2,
     qwen2_moe,
