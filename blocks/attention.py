@@ -38,6 +38,8 @@ class MultiHeadAttention(nn.Module):
         softcap: attention-logit soft-capping ``softcap · tanh(score / softcap)`` (Gemma 2).
         qk_norm: a registered norm applied to each head of q and k before rotary (Qwen3, OLMo 2), with
             ``qk_norm_eps``; parameters ``q_norm``/``k_norm`` of width ``d_head``.
+        qk_norm_scope: ``"head"`` (default: each head normalised alone) or ``"projection"``: the norms span the whole
+            q and k projections (``n_heads · d_head`` and ``n_kv_heads · d_head`` wide; OLMoE, OLMo 2).
         window: sliding-window attention: a query attends only to keys less than ``window`` positions away
             (Mistral, Gemma 2's local layers, ModernBERT's local layers); positions count real tokens.
         sinks: attention sinks (gpt-oss): a learned logit per query head, parameter ``sinks`` ``(n_heads,)``, that
@@ -64,6 +66,7 @@ class MultiHeadAttention(nn.Module):
         qk_norm_eps: float = 1e-6,
         window: int | None = None,
         sinks: bool = False,
+        qk_norm_scope: str = "head",
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -89,6 +92,8 @@ class MultiHeadAttention(nn.Module):
         check_softcap(softcap)
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be None or a positive integer, got {window!r}")
+        if qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"qk_norm_scope must be 'head' or 'projection', got {qk_norm_scope!r}")
         d_context = d_model if d_context is None else d_context
         self.n_heads, self.n_kv_heads, self.d_head, self.d_value = n_heads, n_kv_heads, d_head, d_value
         self.dropout = dropout
@@ -99,9 +104,11 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_context, n_kv_heads * d_value, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * d_value, d_model, bias=bias)
         self.q_norm = self.k_norm = None
+        self.qk_norm_scope = qk_norm_scope
         if qk_norm is not None:
-            self.q_norm = build("norm", qk_norm, d_model=d_head, eps=qk_norm_eps)
-            self.k_norm = build("norm", qk_norm, d_model=d_head, eps=qk_norm_eps)
+            whole = qk_norm_scope == "projection"
+            self.q_norm = build("norm", qk_norm, d_model=d_head * (n_heads if whole else 1), eps=qk_norm_eps)
+            self.k_norm = build("norm", qk_norm, d_model=d_head * (n_kv_heads if whole else 1), eps=qk_norm_eps)
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.set_backend(backend)
 
@@ -140,6 +147,14 @@ class MultiHeadAttention(nn.Module):
         bias = None if projections[0].bias is None else torch.cat([proj.bias for proj in projections])
         sizes = [proj.out_features for proj in projections]
         return F.linear(x, weight, bias).split(sizes, dim=-1)
+
+    def _normed(self, norm: nn.Module | None, x: Tensor, n_heads: int) -> Tensor:
+        """Split a q or k projection into heads with its norm (before the rotation): per head (Qwen3) or over the
+        whole projection (OLMoE)."""
+        if norm is not None and self.qk_norm_scope == "projection":
+            x = norm(x)
+        x = self._split(x, n_heads)
+        return norm(x) if norm is not None and self.qk_norm_scope == "head" else x
 
     def _split(self, x: Tensor, n_heads: int) -> Tensor:
         b, length, width = x.shape
@@ -180,9 +195,7 @@ class MultiHeadAttention(nn.Module):
             ``(out, weights)``: out ``(B, Lq, d_model)``; weights ``(B, H, Lq, Lk)`` or None.
         """
         if isinstance(cache, StaticKVCache) and cache.filled:
-            q = self._split(self.q_proj(x), self.n_heads)  # (B, H, Lq, Dk)
-            if self.q_norm is not None:
-                q = self.q_norm(q)
+            q = self._normed(self.q_norm, self.q_proj(x), self.n_heads)  # (B, H, Lq, Dk)
             k, v = cache.k, cache.v
         else:
             if context is None:  # self-attention: one fused matmul for q, k and v
@@ -190,11 +203,9 @@ class MultiHeadAttention(nn.Module):
             else:
                 q = self.q_proj(x)
                 k, v = self._project(context, (self.k_proj, self.v_proj))
-            q = self._split(q, self.n_heads)  # (B, H, Lq, Dk)
-            k = self._split(k, self.n_kv_heads)  # (B, Hkv, Lk, Dk)
+            q = self._normed(self.q_norm, q, self.n_heads)  # (B, H, Lq, Dk)
+            k = self._normed(self.k_norm, k, self.n_kv_heads)  # (B, Hkv, Lk, Dk)
             v = self._split(v, self.n_kv_heads)  # (B, Hkv, Lk, Dv)
-            if self.q_norm is not None:  # per-head norms (Qwen3), before the rotation
-                q, k = self.q_norm(q), self.k_norm(k)
             if rotary is not None and context is None:
                 if positions is None:
                     raise ValueError("rotary attention needs the query positions")
