@@ -27,7 +27,7 @@ from sklearn.metrics import accuracy_score, f1_score
 
 from models import EncoderLM, EncoderLMConfig
 from tokenization.trainers import train_bpe
-from training import TokenLoss, Trainer, TrainerConfig
+from training import Trainer, TrainerConfig
 from training.collators import pad_rows
 
 PACKAGES = ("asyncio", "email", "multiprocessing", "unittest", "xml", "importlib", "tkinter", "urllib", "http")
@@ -94,8 +94,7 @@ def main() -> None:
         TrainerConfig(max_steps=args.steps, batch_size=args.batch_size, device="cpu", progress=False),
         [{"text": t, "label": label} for t, label in train],
         functools.partial(collate, tokenizer, args.max_len),
-        loss_fn=TokenLoss(),  # one label per sequence: cross entropy over the batch (not the MLM loss)
-    )
+    )  # the default loss of a task head: its problem type's (here single-label cross entropy), not the MLM loss
     trainer.train()
     model.eval()
     guesses = model.classify([t for t, _ in test])

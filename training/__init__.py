@@ -1,7 +1,8 @@
 """Training utilities: collators, losses, schedules, the Trainer, multi-process helpers and built-in data.
 
 - ``MLMCollator``, ``CausalLMCollator``, ``Seq2SeqCollator``: examples -> the batch dict a model takes.
-- ``label_smoothed_cross_entropy``, ``TokenLoss``: the paper's label smoothing; per-token loss sums.
+- ``label_smoothed_cross_entropy``, ``TokenLoss``: the paper's label smoothing; per-token loss sums; ``TaskLoss``: the
+  loss of a task head (by problem type), the Trainer's default for such models.
 - ``NoamLR``, ``noam_rate``, ``paper_adam``, ``WarmupCosineLR``: optimiser and schedules.
 - ``Trainer``, ``TrainerConfig``: accumulation, clipping, evaluation, progress bar, checkpoints, exact resume,
   DDP, FSDP2, tensor parallelism and both on a 2-D mesh (``training.parallel``); sharded checkpoints that
@@ -15,7 +16,14 @@
 from .collators import CausalLMCollator, MLMCollator, Seq2SeqCollator, pack_documents, packed_examples, pad_rows
 from .data import load_corpus, split_corpus, stdlib_docstrings
 from .distributed import DistributedContext, cleanup, init_distributed, is_main_process
-from .losses import LabelSmoothedCrossEntropy, MaskedTokenLoss, TokenLoss, default_loss, label_smoothed_cross_entropy
+from .losses import (
+    LabelSmoothedCrossEntropy,
+    MaskedTokenLoss,
+    TaskLoss,
+    TokenLoss,
+    default_loss,
+    label_smoothed_cross_entropy,
+)
 from .parallel import PARALLEL_MODES, apply_parallelism, clip_grad_norm, consolidated_state_dict
 from .sampler import ResumableBatchSampler
 from .schedules import NoamLR, WarmupCosineLR, decay_groups, noam_rate, paper_adam, warmup_cosine_rate
@@ -35,6 +43,7 @@ __all__ = [
     "ResumableBatchSampler",
     "Seq2SeqCollator",
     "SyntheticTask",
+    "TaskLoss",
     "TokenLoss",
     "Trainer",
     "TrainerConfig",

@@ -1,5 +1,6 @@
-"""Losses: label-smoothed cross-entropy (§5.4 of *Attention Is All You Need*, ε_ls = 0.1) and the token-level
-loss objects the Trainer uses to weight every target token equally across micro-batches and processes.
+"""Losses: label-smoothed cross-entropy (§5.4 of *Attention Is All You Need*, ε_ls = 0.1), the token-level
+loss objects the Trainer uses to weight every target token equally across micro-batches and processes, and
+``TaskLoss`` for models with a task head (the head's loss by problem type).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from models import DecoderLM, EncoderLM
+from models.tasks import TASK_HEADS
 
 from .distributed import unwrap_model
 
@@ -171,18 +173,72 @@ class MaskedTokenLoss(TokenLoss):
         )
 
 
-def default_loss(model: nn.Module) -> TokenLoss:
-    """The Trainer's default loss for ``model``: plain token cross-entropy, shifted for ``DecoderLM`` (its
-    labels are the inputs themselves), on the labelled positions only for ``EncoderLM``, aligned for
-    everything else.
+class TaskLoss:
+    """The Trainer's loss for a model with a task head: the head's own loss, chosen by problem type as
+    ``transformers`` chooses it (MSE for regression, cross entropy for single-label classes, BCE with logits for
+    multi-label targets; token classification ignores -100; QA is the mean of the start and end cross entropies).
+
+    ``count`` is what the loss averages over, so that the Trainer's step (the summed losses divided by the step's
+    count) is that mean across micro-batches and processes: the labelled examples or tokens for integer class
+    labels (-100 not counted), the rows for float targets (regression, multi-label) and for QA positions.
+
+    Args:
+        head: the model's task head (``config.head``), one of ``models.tasks.TASK_HEADS`` but ``embedding``.
+        label_key: the batch entry that holds the labels; every other entry goes to the model.
+
+    Raises:
+        ValueError: a head without a loss.
+    """
+
+    def __init__(self, head: str, *, label_key: str = "labels") -> None:
+        heads = [h for h in TASK_HEADS if h != "embedding"]
+        if head not in heads:
+            raise ValueError(f"TaskLoss needs a task head with a loss, one of {heads}; got {head!r}")
+        self.head, self.label_key = head, label_key
+
+    def _labels(self, batch: Mapping[str, Any]) -> Tensor:
+        if self.label_key not in batch:
+            raise ValueError(f"batch has no {self.label_key!r} entry (keys: {sorted(batch)})")
+        return batch[self.label_key]
+
+    def count(self, batch: Mapping[str, Any]) -> int:
+        """The number of labelled units in ``batch`` (see the class docstring)."""
+        labels = self._labels(batch)
+        if self.head == "question_answering" or labels.dtype.is_floating_point:
+            return int(labels.shape[0])
+        return int((labels != IGNORE_INDEX).sum())
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> Tensor:
+        """The head's mean loss on ``batch`` times ``count(batch)`` (a scalar with gradient)."""
+        labels = self._labels(batch)
+        out = model(**{k: v for k, v in batch.items() if k != self.label_key}, labels=labels)
+        n = self.count(batch)
+        if n == 0:  # every label ignored: no loss, and no NaN from an empty mean
+            return out.logits.sum() * 0.0
+        return out.loss * n
+
+
+def default_loss(model: nn.Module) -> TokenLoss | TaskLoss:
+    """The Trainer's default loss for ``model``: the head's loss for a task head (``TaskLoss``), else plain
+    token cross-entropy, shifted for ``DecoderLM`` (its labels are the inputs themselves), on the labelled
+    positions only for ``EncoderLM``, aligned for everything else.
 
     Args:
         model: a zoo model, possibly inside a DDP wrapper.
 
     Returns:
+        ``TaskLoss(head)`` for a model whose ``config.head`` is a task head of ``models.tasks.TASK_HEADS``,
         ``MaskedTokenLoss()`` for an ``EncoderLM``, else ``TokenLoss(shift=<is a DecoderLM>)``.
+
+    Raises:
+        ValueError: the ``embedding`` head, which has no loss (pass a ``loss_fn``).
     """
     inner = unwrap_model(model)
+    head = getattr(getattr(inner, "config", None), "head", None)
+    if head == "embedding":
+        raise ValueError("the 'embedding' head has no loss of its own; pass the Trainer a loss_fn")
+    if head in TASK_HEADS:
+        return TaskLoss(head)
     if isinstance(inner, EncoderLM):
         return MaskedTokenLoss()
     return TokenLoss(shift=isinstance(inner, DecoderLM))
