@@ -20,6 +20,7 @@ from .convert import (  # noqa: F401  (each family registers its converter, expo
     gemma3,
     gpt2,
     gpt_neox,
+    gpt_oss,
     llama,
     marian,
     mistral,
