@@ -136,7 +136,8 @@ def warm_compiled(engine: Engine, requests: list[Request]) -> None:
 
 
 def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespace, compile: bool = False) -> Result:  # noqa: A002
-    engine = Engine(model, block_size=16, max_num_seqs=64, max_num_batched_tokens=512, compile=compile)
+    engine = Engine(model, block_size=16, max_num_seqs=getattr(args, "max_batch", 64), max_num_batched_tokens=512,
+                    compile=compile)
     if compile:
         started = time.perf_counter()
         warm_compiled(engine, requests)

@@ -37,10 +37,10 @@ import torch
 from benchmarks.engine import SHAPES, Request, Result, percentile, run_engine, run_sequential, workload
 from models import DecoderLM
 
-ENGINE_LIMITS = dict(block_size=16, max_num_seqs=64, max_num_batched_tokens=512)
+ENGINE_LIMITS = dict(block_size=16, max_num_batched_tokens=512)
 
 
-def serve(folder: str, port: int, threads: int) -> None:
+def serve(folder: str, port: int, threads: int, max_batch: int) -> None:
     """The child process: load the saved model and serve it (until terminated)."""
     import uvicorn
 
@@ -48,7 +48,8 @@ def serve(folder: str, port: int, threads: int) -> None:
 
     torch.set_num_threads(threads)
     model = DecoderLM.from_pretrained(folder).eval()
-    uvicorn.run(create_app(model, None, model_name="bench", **ENGINE_LIMITS), host="127.0.0.1", port=port,
+    app = create_app(model, None, model_name="bench", max_num_seqs=max_batch, **ENGINE_LIMITS)
+    uvicorn.run(app, host="127.0.0.1", port=port,
                 log_level="warning")
 
 
@@ -58,7 +59,8 @@ def run_server(model: DecoderLM, requests: list[Request], args: argparse.Namespa
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        child = multiprocessing.get_context("spawn").Process(target=serve, args=(folder, port, args.threads))
+        child = multiprocessing.get_context("spawn").Process(target=serve,
+                                                             args=(folder, port, args.threads, args.max_batch))
         child.start()
         url = f"http://127.0.0.1:{port}"
         try:
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(8, 256))
     parser.add_argument("--output-len", type=int, nargs=2, default=(8, 128))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-batch", type=int, default=16,
+                        help="sequences the engine runs at once, in-process and in the server (the rest wait)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
@@ -144,8 +148,8 @@ def main(argv: list[str] | None = None) -> None:
                run_sequential(model, requests, args)]
     server, engine = results[0], results[1]
     print(f"\n#### {args.model}: {len(requests)} requests at {args.rate:g}/s, prompts {args.prompt_len[0]}-"
-          f"{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}; peak "
-          f"{server.extra['peak_in_flight']} requests in flight at the server\n")
+          f"{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}; at most {args.max_batch} "
+          f"running at once, peak {server.extra['peak_in_flight']} requests in flight at the server\n")
     print("| system | output tokens/s | vs engine in-process | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | same tokens |")
     print("|---|---|---|---|---|---|")
     for r in results:

@@ -17,6 +17,19 @@ from typing import Any
 from .engine import Engine, QueueFullError
 from .requests import RequestDelta
 
+_NOTHING = object()
+
+
+def _joinable(first: RequestDelta, then: Any) -> bool:
+    return isinstance(then, RequestDelta) and then.index == first.index and first.finish_reason is None
+
+
+def _join(first: RequestDelta, then: RequestDelta) -> RequestDelta:
+    logprobs = None if first.logprobs is None and then.logprobs is None else \
+        [*(first.logprobs or []), *(then.logprobs or [])]
+    return RequestDelta(first.request_id, first.index, first.token_ids + then.token_ids, first.text + then.text,
+                        then.finish_reason, logprobs)
+
 
 class EngineStepError(RuntimeError):
     """An engine step raised while this request was in the engine: the request was aborted."""
@@ -74,10 +87,23 @@ class AsyncEngine:
         queue = self._queues.get(request_id)
         if queue is None:
             raise ValueError(f"unknown request id {request_id!r}")
+        held: Any = _NOTHING  # an item taken from the queue that did not join the delta before it
         try:
-            while (delta := await queue.get()) is not None:
+            while True:
+                delta = await queue.get() if held is _NOTHING else held
+                held = _NOTHING
+                if delta is None:
+                    return
                 if isinstance(delta, EngineStepError):
                     raise delta
+                # Deltas of the same sample that queued up while the reader was busy go out as one (fewer events
+                # for a slow reader; the tokens, text and log-probabilities are the same, joined).
+                while not queue.empty():
+                    following = queue.get_nowait()
+                    if not _joinable(delta, following):
+                        held = following
+                        break
+                    delta = _join(delta, following)
                 yield delta
         finally:
             self._queues.pop(request_id, None)

@@ -214,17 +214,35 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
         async def deltas() -> AsyncIterator[tuple[int, Any]]:
             """(choice index, delta) of every request, interleaved as they come."""
-            queue: asyncio.Queue = asyncio.Queue()
+            def observed(request_id: str) -> AsyncIterator[Any]:
+                """The request's deltas, each counted in the metrics (time to first token, inter-token latency)."""
+                clock = {"started": time.perf_counter()}
+                clock["last"] = clock["started"]
 
-            async def pump(prompt_index: int, request_id: str) -> None:
-                started = last = time.perf_counter()
-                try:
+                async def each() -> AsyncIterator[Any]:
                     async for delta in state["engine"].stream(request_id):
                         now = time.perf_counter()
                         if delta.token_ids:
-                            metrics.observe_tokens(len(delta.token_ids), now - started, now - last,
-                                                   first=last == started)
-                            last = now
+                            metrics.observe_tokens(len(delta.token_ids), now - clock["started"], now - clock["last"],
+                                                   first=clock["last"] == clock["started"])
+                            clock["last"] = now
+                        yield delta
+
+                return each()
+
+            if len(streams) == 1:  # one prompt: its deltas directly, without a task and a queue per token
+                try:
+                    async for delta in observed(streams[0][1]):
+                        yield delta.index, delta
+                finally:
+                    state["engine"].abort(streams[0][1])  # no-op when finished; a dropped client's blocks are freed
+                return
+
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(prompt_index: int, request_id: str) -> None:
+                try:
+                    async for delta in observed(request_id):
                         await queue.put((prompt_index * body.n + delta.index, delta))
                 except EngineStepError as err:
                     await queue.put(err)

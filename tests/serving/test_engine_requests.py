@@ -222,3 +222,22 @@ def test_async_api_streams_deltas_and_aborts(model: DecoderLM, reference: tuple[
     assert got_first[-1].finish_reason in ("stop", "length") and all(d.finish_reason is None for d in got_first[:-1])
     assert got_second[-1].finish_reason == "abort" and len(got_second) < 40
     assert sorted(d.index for d in got_third if d.finish_reason is not None) == [0, 1]
+
+
+def test_a_slow_reader_gets_the_queued_deltas_of_a_sample_joined(model: DecoderLM,
+                                                                 reference: tuple[list[int], list[int]]) -> None:
+    prompt, want = reference
+
+    async def main() -> list:
+        front = AsyncEngine(Engine(model, block_size=4))
+        request = await front.add_request(prompt, max_tokens=24, logprobs=1)
+        while front.engine.has_unfinished() or front._ops:  # the reader is away until every token is computed
+            await asyncio.sleep(0.01)
+        got = [d async for d in front.stream(request)]
+        await front.close()
+        return got
+
+    got = asyncio.run(main())
+    assert len(got) == 1  # 24 steps' deltas, one event
+    assert got[0].token_ids == want and got[0].finish_reason in ("stop", "length")
+    assert [e.token_id for e in got[0].logprobs] == want
