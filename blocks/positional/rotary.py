@@ -66,7 +66,7 @@ def rotate_half(x: Tensor) -> Tensor:
 
 def rotate_pairs(x: Tensor) -> Tensor:
     """``(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)``: the interleaved (GPT-J) layout of ``rotate_half``."""
-    pairs = x.unflatten(-1, (-1, 2))
+    pairs = x.reshape(*x.shape[:-1], -1, 2)  # (not unflatten: dynamo breaks its graph on Tensor.unflatten)
     return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
 
 
