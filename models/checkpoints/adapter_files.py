@@ -23,6 +23,7 @@ from .hub import check_push_arguments, naming_the_repo, push_folder
 from .locate import Location, locate
 from .peft_lora import ADAPTER_CONFIG_NAME, peft_files, zoo_adapters
 from .peft_names import name_map
+from .peft_saved import load_saved_head, split_saved_head, with_saved_head
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -94,7 +95,9 @@ class AdapterFilesMixin:
         Module names are those of the ``transformers`` model the zoo model exports to (``models.convert``), so
         ``peft.PeftModel.from_pretrained(transformers_model, folder)`` reproduces this model's logits; a LoRA on
         layers that ``transformers`` fuses (GPT-2's ``c_attn`` holds q, k and v) is written as one LoRA on the
-        fused module. A model no ``transformers`` family represents keeps its zoo module names.
+        fused module. A model no ``transformers`` family represents keeps its zoo module names. A task head with
+        trainable parameters (trained beside the LoRA) is saved whole as ``modules_to_save``
+        (``models.checkpoints.peft_saved``).
 
         Args:
             save_directory: the folder (created if needed; other files in it are left alone).
@@ -115,6 +118,7 @@ class AdapterFilesMixin:
         if not isinstance(save_directory, (str, os.PathLike)):
             raise TypeError(f"save_directory must be a folder path, got {type(save_directory).__name__}")
         config, tensors = peft_files(self, self.adapter_to_save(name), base_model, model_type)
+        config, tensors = with_saved_head(self, config, tensors, model_type)
         target = Path(save_directory).expanduser()
         write_folder(target, lambda folder: _write(folder, config, tensors, self, reference=str(save_directory)),
                      what="an adapter")
@@ -137,7 +141,8 @@ class AdapterFilesMixin:
         base model (``BertModel``) or a task model (``BertForMaskedLM``) both load. A LoRA on a fused
         ``transformers`` module becomes LoRAs on the zoo's layers with one shared ``A`` (tied, so training goes on
         as in ``peft``) and the matching slices of ``B``; when ``B`` is block-diagonal over the parts (as
-        ``save_adapter`` writes separate LoRAs), each part gets back its own smaller LoRA.
+        ``save_adapter`` writes separate LoRAs), each part gets back its own smaller LoRA. A task head saved with the
+        adapter (``modules_to_save``) replaces the weights of ``model.head``, which is then trainable.
 
         Args:
             path_or_repo_id: a folder with ``adapter_config.json`` and ``adapter_model.safetensors`` (or
@@ -153,7 +158,8 @@ class AdapterFilesMixin:
 
         Raises:
             ValueError: a used or invalid name; a config that is not LoRA or uses what the zoo does not implement
-                (DoRA, trained biases, ``modules_to_save``, embedding LoRA, ``target_modules="all-linear"``); a config
+                (DoRA, trained biases, ``modules_to_save`` other than the task head, embedding LoRA,
+                ``target_modules="all-linear"``); a config
                 field of the wrong type or range or an invalid pattern (the field is named); tensors that are not 2-d,
                 floating point and finite, or whose rank is not the config's; modules this model does not have (an
                 adapter for another architecture) or tensors of other shapes; a fused module whose LoRA cannot be
@@ -176,8 +182,10 @@ class AdapterFilesMixin:
                 tensors = read_pickle(weights_path)
             else:
                 tensors = read_safetensors(weights_path)
+        config, tensors, saved_head = split_saved_head(self, config, tensors, location.source, model_type)
         adapters = zoo_adapters(self, config, tensors, location.source, model_type)
         self.install_adapter(name, adapters)
+        load_saved_head(self, saved_head)
         return sorted(adapters)
 
     def push_adapter_to_hub(
@@ -215,6 +223,7 @@ class AdapterFilesMixin:
         """
         check_push_arguments(repo_id, private, revision)
         config, tensors = peft_files(self, self.adapter_to_save(name), base_model, model_type)  # before any request
+        config, tensors = with_saved_head(self, config, tensors, model_type)
         return push_folder(
             repo_id, lambda folder: _write(folder, config, tensors, self, reference=repo_id),
             commit_message=commit_message or "Upload LoRA adapter with transformer-zoo", private=private,

@@ -214,7 +214,12 @@ def export_base(model: nn.Module, model_type: str | None = None) -> tuple[dict[s
     raise NotExportable(f"no transformers family represents this {type(model).__name__} ({'; '.join(reasons)})")
 
 
-def _export_as(name: str, model: nn.Module, lm: nn.Module, own: Mapping[str, Tensor]) -> tuple[dict, dict]:
+def task_class(name: str, model: nn.Module) -> tuple[TaskLayout, TaskClass]:
+    """The layout of family ``name`` and its task class that represents ``model``'s head and options.
+
+    Raises:
+        NotExportable: the family has no task classes, or none for this head and its options.
+    """
     c = model.config
     require(TASK_KIND in blocks.kinds() and name in blocks.names(TASK_KIND), "no task classes registered")
     layout: TaskLayout = blocks.get(TASK_KIND, name)
@@ -225,7 +230,23 @@ def _export_as(name: str, model: nn.Module, lm: nn.Module, own: Mapping[str, Ten
         fits(head_options.get(k, getattr(model.head, k, default_option(c.head, k))), v) for k, v in t.requires.items()
     )]
     require(bool(fitting), f"its {c.head} classes need options {[dict(t.requires) for t in tasks]}")
-    task = fitting[0]
+    return layout, fitting[0]
+
+
+def head_modules(model: nn.Module, model_type: str) -> dict[str, str]:
+    """``transformers`` module -> zoo module of ``model.head`` (``{"bert.pooler.dense": "dense", "classifier":
+    "classifier"}``) in the task class that family ``model_type`` writes the model as.
+
+    Raises:
+        NotExportable: the family has no task class for this head and its options.
+    """
+    return dict(task_class(model_type, model)[1].names)
+
+
+def _export_as(name: str, model: nn.Module, lm: nn.Module, own: Mapping[str, Tensor]) -> tuple[dict, dict]:
+    c = model.config
+    layout, task = task_class(name, model)
+    head_options = c.block_options("head")
     hf_config, lm_state = blocks.get(EXPORTER_KIND, name)(lm)
     state = {
         task.prefix + k[len(layout.base_prefix):]: v for k, v in lm_state.items()
