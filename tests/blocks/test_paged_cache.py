@@ -3,13 +3,17 @@ forward pass over it, checked against the plain forward pass of each sequence al
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import blocks
-from blocks.paged_cache import BlockAllocator, PagedBatch, PagedLayerCache
+from blocks import paged_cache
+from blocks.paged_cache import GROUP_COST, BlockAllocator, PagedBatch, PagedLayerCache, split_by_length
 from models import DecoderLM
 
 
@@ -132,3 +136,51 @@ def test_paged_cache_needs_its_batch() -> None:
         cache.update(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
     with pytest.raises(NotImplementedError, match="not reordered"):
         PagedLayerCache(4, 2).reorder(torch.tensor([0]))
+
+
+def _split_cost(groups: list[list[int]], block_size: int, group_cost: int) -> int:
+    return sum(len(g) * -(-max(g) // block_size) * block_size + group_cost for g in groups)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=9), block_size=st.sampled_from([1, 4, 16]),
+       max_groups=st.integers(1, 4))
+def test_decode_rows_split_by_length_at_the_least_cost(lengths: list[int], block_size: int, max_groups: int) -> None:
+    members = [(i, 1, n, [0]) for i, n in enumerate(lengths)]
+    groups = split_by_length(members, block_size, max_groups)
+    assert sorted(m for g in groups for m in g) == sorted(members) and 1 <= len(groups) <= max_groups
+    got = _split_cost([[m[2] for m in g] for g in groups], block_size, GROUP_COST)
+    # Brute force: every way to cut the sorted lengths into at most max_groups consecutive runs.
+    ordered = sorted(lengths)
+    best = min(
+        _split_cost([ordered[a:b] for a, b in zip((0, *cuts), (*cuts, len(ordered)), strict=True)], block_size,
+                    GROUP_COST)
+        for k in range(min(max_groups, len(ordered)))
+        for cuts in itertools.combinations(range(1, len(ordered)), k)
+    )
+    assert got == best
+
+
+def test_decode_rows_in_several_groups_match_each_sequence_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paged_cache, "GROUP_COST", 0)  # every length its own group
+    torch.manual_seed(0)
+    model = DecoderLM.from_preset("mistral-tiny", dropout=0.0).eval()  # GQA and a window of 8
+    bs = 4
+    seqs = [torch.randint(3, 1000, (n,)).tolist() for n in (30, 3, 17, 9)]
+    caches = [PagedLayerCache(64, bs) for _ in model.layers]
+    alloc = BlockAllocator(64, bs)
+    tables = [[alloc.allocate() for _ in range(-(-len(s) // bs))] for s in seqs]
+    with torch.no_grad():
+        prefill = PagedBatch([(len(s) - 1, len(s) - 1, t) for s, t in zip(seqs, tables, strict=True)], bs)
+        for cache in caches:
+            cache.self_attn.batch = prefill
+        model(torch.tensor([[x for s in seqs for x in s[:-1]]]), positions=prefill.positions[None], cache=caches,
+              logits_to_keep=prefill.last)
+        decode = PagedBatch([(1, len(s), t) for s, t in zip(seqs, tables, strict=True)], bs)
+        assert len(decode.groups) == 4
+        for cache in caches:
+            cache.self_attn.batch = decode
+        got = model(torch.tensor([[s[-1] for s in seqs]]), positions=decode.positions[None], cache=caches,
+                    logits_to_keep=decode.last).logits[0]
+        want = torch.stack([model(torch.tensor([s])).logits[0, -1] for s in seqs])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
