@@ -79,16 +79,25 @@ def mla_scale(cfg: HFConfig, d_head: int) -> float | None:
     return d_head ** -0.5 * mscale * mscale
 
 
+def dense_layers(cfg: HFConfig, n_layers: int) -> int:
+    """``first_k_dense_replace`` (None: 0), checked to be an integer in ``[0, num_hidden_layers]``."""
+    dense = cfg["first_k_dense_replace"] or 0
+    if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= n_layers:
+        raise cfg.unsupported("first_k_dense_replace", "the number of dense first layers",
+                              f"an integer in [0, num_hidden_layers={n_layers}]")
+    return dense
+
+
 def deepseek_fields(cfg: HFConfig, router: Mapping[str, Any], interleaved: bool) -> dict[str, Any]:
     """The ``DecoderLMConfig`` fields of a DeepSeek checkpoint; ``router``: the family's router options.
 
     Raises:
-        ValueError: an activation without a gated zoo FFN, MLP biases, key/value head groups, a kv rank larger than
-            the width, a RoPE type the zoo lacks, or more experts per token than experts (the field named).
+        ValueError: an activation without a gated zoo FFN, MLP biases, a kv rank larger than the width, a RoPE type
+            the zoo lacks, or more experts per token than experts (the field named).
     """
+    # num_key_value_heads is not read: latent attention has no key/value head groups (transformers' config
+    # defaults it to 128 whatever the heads).
     d_model, n_heads = cfg.positive_int("hidden_size"), cfg.positive_int("num_attention_heads")
-    if cfg["num_key_value_heads"] not in (None, n_heads):
-        raise cfg.unsupported("num_key_value_heads", "key/value head groups", f"num_key_value_heads={n_heads}")
     if cfg["hidden_act"] not in GATED_FFNS:
         raise cfg.unsupported("hidden_act", "the gated FFN's activation", "the activations " + ", ".join(GATED_FFNS))
     cfg.require("mlp_bias", [False], "biases on the MLPs")
@@ -110,8 +119,8 @@ def deepseek_fields(cfg: HFConfig, router: Mapping[str, Any], interleaved: bool)
     coef = float(cfg["router_aux_loss_coef"]) if cfg["output_router_logits"] else 0.0
     ffn = {"n_experts": n_experts, "top_k": top_k, "expert": GATED_FFNS[cfg["hidden_act"]],
            "d_shared": int(shared) * d_ff, "aux_loss_coef": coef, **router}
-    dense = cfg["first_k_dense_replace"] or 0
     n_layers = cfg.positive_int("num_hidden_layers")
+    dense = dense_layers(cfg, n_layers)
     dense_options = {"ffn": {"n_experts": 0, "top_k": 0, "d_shared": cfg.positive_int("intermediate_size")}}
     positional = {**cfg.rope_options(10000.0), "fraction": rotary_fraction(d_rope, d_head)}
     return dict(
@@ -133,7 +142,7 @@ def convert_deepseek_like(model_type: str, hf_config: Mapping[str, Any], state_d
     """Convert a DeepSeek checkpoint (per-expert or fused expert tensors) with the family's ``fields``."""
     cfg = HFConfig(model_type, hf_config, defaults, aliases={"n_routed_experts": "num_experts"})
     config = zoo_config(model_type, DecoderLMConfig, **fields(cfg))
-    dense = cfg["first_k_dense_replace"] or 0
+    dense = dense_layers(cfg, config.n_layers)
     state: dict[str, Tensor] = {}
     for key, tensor in unfuse_experts(state_dict, "mlp", PLAIN_EXPERT).items():
         match = _DENSE.fullmatch(key)
