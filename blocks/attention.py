@@ -217,11 +217,10 @@ class MultiHeadAttention(nn.Module):
         if rotary is not None and context is None:
             q = rotary.rotate(q, positions)
         if isinstance(cache, PagedKVCache):  # packed rows: the cache gathers each row's keys (blocks/paged_cache.py)
-            if bias is not None or need_weights or self.sinks is not None:
-                raise NotImplementedError(
-                    "a paged cache supports neither attention biases (ALiBi), attention sinks nor need_weights"
-                )
-            out = cache.attend(q, self._backend, scale=self.scale, softcap=self.softcap, window=self.window)
+            if bias is not None or need_weights:
+                raise NotImplementedError("a paged cache supports neither attention biases (ALiBi) nor need_weights")
+            out = cache.attend(q, self._backend, scale=self.scale, softcap=self.softcap, window=self.window,
+                               sinks=self.sinks)
             return self.o_proj(out.transpose(1, 2).flatten(2)), None  # (1, T, H*Dv)
         if self.window is not None:
             mask = self._window_mask(mask, positions, key_positions)

@@ -335,12 +335,14 @@ class PagedKVCache:
 
     def attend(
         self, q: Tensor, backend: Callable[..., Tensor], *, scale: float | None = None,
-        softcap: float | None = None, window: int | None = None,
+        softcap: float | None = None, window: int | None = None, sinks: Tensor | None = None,
     ) -> Tensor:
         """Attention of the packed queries ``(1, H, T, D)`` over each row's cached keys, through ``backend``.
 
         Each query at position ``p`` sees its row's keys at positions ``<= p`` (and ``> p - window`` with a
-        sliding window). Returns ``(1, H, T, Dv)``.
+        sliding window). ``sinks`` ``(H,)`` (gpt-oss): the layout below puts a key/value head's query heads along
+        the query axis, so the per-head sink logit becomes one more key per group, a zero key and value whose
+        additive bias is each query row's sink. Returns ``(1, H, T, Dv)``.
         """
         batch = self._current()
         n_heads, n_kv = q.shape[1], self.k.shape[0]
@@ -352,7 +354,10 @@ class PagedKVCache:
             qg = q[0][:, group.q_index].view(n_kv, rep, g, lq, -1).transpose(1, 2).reshape(n_kv * g, 1, rep * lq, -1)
             k, v = self._gather(self.k, group), self._gather(self.v, group)  # (Hkv·G, 1, K, D)
             mask = group.mask(window, self.block_size, n_kv, rep)  # (Hkv·G, 1, rep·Lq, K)
-            og = backend(qg, k, v, mask=mask, scale=scale, softcap=softcap)  # (Hkv·G, 1, rep·Lq, Dv)
+            bias = None
+            if sinks is not None:
+                k, v, mask, bias = _with_sink_key(k, v, mask, sinks, g, lq)
+            og = backend(qg, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)  # (Hkv·G, 1, rep·Lq, Dv)
             og = og.view(n_kv, g, rep, lq, -1).transpose(1, 2).reshape(n_heads, g, lq, -1)  # (H, G, Lq, Dv)
             out[:, group.flat] = og.flatten(1, 2) if group.dense else og[:, group.valid]
         return out[None]
@@ -369,6 +374,19 @@ class PagedKVCache:
         if self.batch is None:
             raise ValueError("a paged cache needs its PagedBatch (cache.batch) set before a forward pass")
         return self.batch
+
+
+def _with_sink_key(k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor, g: int, lq: int
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Keys, values and mask of one group of ``PagedKVCache.attend`` plus a sink key (zero key and value, always
+    allowed), and the additive bias: 0 on the real keys, the query head's sink logit on the sink key."""
+    n_kv = sinks.shape[0] // (mask.shape[2] // lq)
+    k = torch.cat([k, k.new_zeros((k.shape[0], 1, 1, k.shape[3]))], dim=2)
+    v = torch.cat([v, v.new_zeros((v.shape[0], 1, 1, v.shape[3]))], dim=2)
+    rows = mask.shape[2]  # rep·Lq, head-major: row r·Lq + t is query head kv·rep + r
+    sink = sinks.to(k.dtype).view(n_kv, 1, -1, 1).expand(n_kv, g, -1, lq).reshape(n_kv * g, 1, rows, 1)
+    bias = torch.cat([sink.new_zeros((*sink.shape[:3], mask.shape[3])), sink], dim=-1)
+    return k, v, torch.cat([mask, mask.new_ones((*mask.shape[:3], 1))], dim=-1), bias
 
 
 class PagedLayerCache:
