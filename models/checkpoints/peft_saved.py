@@ -110,8 +110,9 @@ def split_saved_head(
     rest = {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items() if k not in lora}
     if head not in TASK_TYPES:
         raise ValueError(
-            f"{where} saves the modules {saved} (a task head) but this {type(model).__name__} has the {head!r} head; "
-            "load the base model with the task head, e.g. from_pretrained(path, head='sequence_classification')"
+            f"{where} sets modules_to_save={saved!r}, which transformer-zoo does not implement for this "
+            f"{type(model).__name__} with the {head!r} head: saved modules load into a task head (load the base "
+            "model with one, e.g. from_pretrained(path, head='sequence_classification'))"
         )
     expected = head_state(model)
     families = [model_type] if model_type is not None else list(name_maps(model))
