@@ -53,7 +53,8 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, ParallelSt
 
     Raises:
         ValueError: ``tp_size`` is not a positive integer, the model has no attention or feed-forward block,
-            or a block's query heads, key/value heads (GQA) or hidden units are not divisible by ``tp_size``.
+            or a block's query heads, key/value heads (GQA) or hidden units are not divisible by ``tp_size``, or
+            an attention has sinks or q/k norms over the whole projection (not sharded yet).
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
@@ -61,6 +62,13 @@ def tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, ParallelSt
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         if is_attention(module):
+            whole = [what for what, present in (
+                ("sinks", getattr(module, "sinks", None) is not None),
+                ("qk_norm_scope='projection'", getattr(module, "qk_norm_scope", "head") == "projection"),
+            ) if present]
+            if whole:
+                raise ValueError(f"{name or type(module).__name__} has {whole[0]} (a tensor over all heads at once, "
+                                 "not sharded by the tensor-parallel plan); it cannot be split across processes yet")
             for heads in ("n_heads", "n_kv_heads"):
                 if getattr(module, heads) % tp_size:
                     raise ValueError(

@@ -128,3 +128,11 @@ def test_task_classes_convert_with_their_head(task: str, tmp_path: Path) -> None
     assert zoo.config.ffn == "moe" and zoo.config.head != "lm"
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(zoo(ids).logits, hf(input_ids=ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("preset", "what"), [("gpt_oss-tiny", "sinks"), ("olmoe-tiny", "qk_norm_scope='projection'")])
+def test_tensor_parallel_plans_refuse_whole_head_tensors_by_name(preset: str, what: str) -> None:
+    from blocks.parallel import tensor_parallel_plan
+
+    with pytest.raises(ValueError, match=f"layers.0.self_attn has {what}"):
+        tensor_parallel_plan(models.DecoderLM.from_preset(preset), 2)
