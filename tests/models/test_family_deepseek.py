@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,15 @@ from models.convert.export import NotExportable
 from tests.models.family_harness import assert_logits_close, build_hf, check_decoder_family, left_padded
 
 VOCAB = 251  # odd, prime
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models: one intra-op thread is faster, and immune to a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 # Non-default sizes: 9 experts in 3 groups, top-3, a dense first layer wider than the experts, d_value != d_nope.
 BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, moe_intermediate_size=20, num_hidden_layers=3,
             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, n_routed_experts=9,
@@ -48,7 +58,7 @@ def test_deepseek_v2_lite_layout_with_yarn(tmp_path: Path) -> None:
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
     hf = build_hf("DeepseekV2Config", "DeepseekV2ForCausalLM", **BASE, num_attention_heads=4, num_key_value_heads=4,
                   q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5, rope_parameters=rope)
-    zoo = check_decoder_family(hf, tmp_path, VOCAB, backends=("math",))
+    zoo = check_decoder_family(hf, tmp_path, VOCAB)
     attention = zoo.layers[0].self_attn
     assert attention.q_lora_rank is None and hasattr(attention, "q_proj")
     assert math.isclose(attention.scale, 16 ** -0.5 * (0.1 * 0.707 * math.log(4.0) + 1) ** 2)

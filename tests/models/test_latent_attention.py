@@ -7,6 +7,8 @@ compiled decoding, and the cache's own arithmetic ``(kv_lora_rank + d_rope) · e
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -15,6 +17,15 @@ from models import DecoderLM
 from models.core.stack import new_caches
 
 MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "d_rope": 8}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models: one intra-op thread is faster, and immune to a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def mla_model(q_lora_rank: int | None = 16, n_layers: int = 2) -> DecoderLM:
@@ -128,3 +139,24 @@ def test_a_rotary_encoding_of_another_width_is_refused(model: DecoderLM) -> None
         attention(x, rotary=rotary, positions=torch.arange(3)[None])
     with pytest.raises(ValueError, match="rotary"):
         attention(x)
+
+
+@torch.no_grad()
+def test_speculative_decoding_and_int8_weights_decode_deepseek_models() -> None:
+    torch.manual_seed(0)
+    target = DecoderLM.from_preset("deepseek_v3-tiny", vocab_size=97).eval()
+    draft = DecoderLM.from_preset("deepseek_v2-tiny", vocab_size=97).eval()
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(4))
+    greedy = target.generate(ids, max_new_tokens=8, eos_token_id=None)
+    assert torch.equal(target.generate(ids, max_new_tokens=8, eos_token_id=None, draft_model=draft), greedy)
+    target.quantize("int8")  # kv_b_proj becomes an Int8Linear: the cached latents are expanded through it
+    cache = new_caches(target.layers, 8)
+    steps = [target(ids[:, :5], cache=cache).logits, target(ids[:, 5:], cache=cache).logits]
+    torch.testing.assert_close(torch.cat(steps, 1), target(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_the_serving_engine_names_what_latent_attention_lacks(model: DecoderLM) -> None:
+    from serving.engine import Engine
+
+    with pytest.raises(NotImplementedError, match="latent attention cannot decode with a PagedKVCache"):
+        Engine(model).generate([[5, 6, 7]], max_tokens=2)
