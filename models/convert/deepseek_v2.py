@@ -116,9 +116,9 @@ def deepseek_fields(cfg: HFConfig, router: Mapping[str, Any], interleaved: bool)
     scale = mla_scale(cfg, d_head)
     if scale is not None:
         attention["scale"] = scale
-    coef = float(cfg["router_aux_loss_coef"]) if cfg["output_router_logits"] else 0.0
+    # transformers' DeepSeek models add no router loss to theirs, whatever output_router_logits says.
     ffn = {"n_experts": n_experts, "top_k": top_k, "expert": GATED_FFNS[cfg["hidden_act"]],
-           "d_shared": int(shared) * d_ff, "aux_loss_coef": coef, **router}
+           "d_shared": int(shared) * d_ff, "aux_loss_coef": 0.0, **router}
     n_layers = cfg.positive_int("num_hidden_layers")
     dense = dense_layers(cfg, n_layers)
     dense_options = {"ffn": {"n_experts": 0, "top_k": 0, "d_shared": cfg.positive_int("intermediate_size")}}
@@ -184,8 +184,10 @@ def export_deepseek_like(model: nn.Module, model_type: str, architecture: str,
     require(set(attention) <= {"kv_lora_rank", "q_lora_rank", "d_rope", "bias", "scale"},
             f"attention options {sorted(attention)}")
     require(set(rotary) <= {"base", "scaling", "fraction"}, f"rotary options {sorted(rotary)}")
-    require(not ffn.get("z_loss_coef") and ffn.get("expert", "swiglu") in GATED_ACTIVATIONS and ffn.get("d_shared"),
-            "a router z-loss, a non-gated expert or no shared expert")
+    require(not ffn.get("z_loss_coef") and not ffn.get("aux_loss_coef"),
+            "a router loss (transformers' DeepSeek models add none to theirs)")
+    require(ffn.get("expert", "swiglu") in GATED_ACTIVATIONS and ffn.get("d_shared"),
+            "a non-gated expert or no shared expert")
     dense = 0
     for i, entry in enumerate(c.layer_options):
         if entry.get("ffn", {}).get("n_experts") == 0 and dense == i:
@@ -214,9 +216,7 @@ def export_deepseek_like(model: nn.Module, model_type: str, architecture: str,
         "kv_lora_rank": attention.get("kv_lora_rank", 512), "q_lora_rank": attention.get("q_lora_rank"),
         "qk_rope_head_dim": d_rope, "qk_nope_head_dim": c.d_head - d_rope, "v_head_dim": c.d_value,
         "n_routed_experts": n_experts, "n_shared_experts": d_shared // c.d_ff,
-        "num_experts_per_tok": ffn.get("top_k", 2), "output_router_logits": bool(ffn.get("aux_loss_coef")),
-        "router_aux_loss_coef": ffn.get("aux_loss_coef") or DEFAULTS["router_aux_loss_coef"],
-        "routed_scaling_factor": ffn.get("routed_scaling_factor", 1.0),
+        "num_experts_per_tok": ffn.get("top_k", 2), "routed_scaling_factor": ffn.get("routed_scaling_factor", 1.0),
     }
     config.update(extra(c, ffn))
     state = tensors(model)

@@ -119,3 +119,18 @@ def test_a_v3_router_does_not_export_as_v2() -> None:
     model = models.DecoderLM.from_preset("deepseek_v3-tiny")
     with pytest.raises(NotExportable, match="router='sigmoid_group'"):
         to_transformers(model, "deepseek_v2")
+
+
+@torch.no_grad()
+def test_the_loss_equals_transformers_which_adds_no_router_loss() -> None:
+    hf = deepseek_v3(output_router_logits=True, router_aux_loss_coef=0.05)
+    converted = from_transformers(hf.config.to_dict(), hf.state_dict())
+    assert converted.config.options["ffn"]["aux_loss_coef"] == 0.0
+    zoo = models.DecoderLM(converted.config).eval()
+    zoo.load_state_dict(converted.state_dict)
+    ids, _ = left_padded(VOCAB, 12)
+    torch.testing.assert_close(zoo(ids, labels=ids).loss, hf(input_ids=ids, labels=ids).loss, atol=1e-5, rtol=0)
+    with pytest.raises(NotExportable, match="router loss"):
+        to_transformers(models.DecoderLM(converted.config.replace(options={
+            **converted.config.options, "ffn": {**converted.config.options["ffn"], "aux_loss_coef": 0.01}})),
+            "deepseek_v3")
