@@ -136,3 +136,26 @@ def test_tensor_parallel_plans_refuse_whole_head_tensors_by_name(preset: str, wh
 
     with pytest.raises(ValueError, match=f"layers.0.self_attn has {what}"):
         tensor_parallel_plan(models.DecoderLM.from_preset(preset), 2)
+
+
+@torch.no_grad()
+def test_speculative_decoding_and_lora_on_the_expert_linears() -> None:
+    torch.manual_seed(0)
+    model = models.DecoderLM.from_preset("gpt_oss-tiny", vocab_size=64).eval()
+    for layer in model.layers:
+        layer.self_attn.sinks.normal_(0, 2)
+    draft = models.DecoderLM(model.config).eval()
+    draft.load_state_dict(model.state_dict())
+    prompt = torch.randint(3, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    greedy = dict(max_new_tokens=8, eos_token_id=None)
+    plain = model.generate(prompt, **greedy)
+    assert torch.equal(model.generate(prompt, draft_model=draft, num_draft_tokens=3, **greedy), plain)
+    targets = model.add_adapter(kind="lora", r=2, alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"])
+    assert "layers.1.ffn.experts.4.down_proj" in targets
+    base = model(prompt).logits
+    for name, p in model.named_parameters():
+        if "lora" in name:
+            p.normal_(0, 0.1)
+    adapted = model(prompt).logits
+    assert not torch.allclose(adapted, base, atol=1e-4)
+    torch.testing.assert_close(model.merge_and_unload()(prompt).logits, adapted, atol=1e-5, rtol=0)
