@@ -31,6 +31,7 @@ from .llama import GATED_ACTIVATIONS, GATED_FFNS, NAMES
 from .mixtral import PLAIN_EXPERT, unfuse_experts
 from .name_maps import NameMap, read_mapped, write_mapped
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # DeepseekV2Config's defaults in transformers 5.
 DEFAULTS: dict[str, Any] = {
@@ -302,3 +303,6 @@ DecoderLM.register_preset("deepseek-v2-lite", dict(
         "ffn": {"n_experts": 64, "top_k": 6, "router": "softmax", "renormalize": False, "d_shared": 2816}},
     layer_options=({"ffn": {"n_experts": 0, "top_k": 0, "d_shared": 10944}}, *({},) * 26),
 ))
+
+# The task classes: transformers has DeepseekV2ForSequenceClassification only (score on the last real token).
+register_tasks(TaskLayout("deepseek_v2", "model.", decoder_classes("model.", None, stem="DeepseekV2")[:1]))

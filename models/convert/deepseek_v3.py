@@ -18,6 +18,7 @@ from .deepseek_v2 import convert_deepseek_like, deepseek_fields, export_deepseek
 from .export import register_exporter, require
 from .hf_checkpoint import HFConfig
 from .registry import Converted, register_converter
+from .tasks import TaskLayout, decoder_classes, register_tasks
 
 # DeepseekV3Config's defaults in transformers 5.
 DEFAULTS: dict[str, Any] = {
@@ -89,3 +90,6 @@ DecoderLM.register_preset("deepseek-v3", dict(
                 "renormalize": True, "routed_scaling_factor": 2.5, "d_shared": 2048}},
     layer_options=(*({"ffn": {"n_experts": 0, "top_k": 0, "d_shared": 18432}},) * 3, *({},) * 58),
 ))
+
+# The task classes: score on the last real token and a token classifier (no question answering in transformers).
+register_tasks(TaskLayout("deepseek_v3", "model.", decoder_classes("model.", None, stem="DeepseekV3")))

@@ -134,3 +134,18 @@ def test_the_loss_equals_transformers_which_adds_no_router_loss() -> None:
         to_transformers(models.DecoderLM(converted.config.replace(options={
             **converted.config.options, "ffn": {**converted.config.options["ffn"], "aux_loss_coef": 0.01}})),
             "deepseek_v3")
+
+
+@pytest.mark.parametrize(("config_class", "task"), [
+    ("DeepseekV2Config", "DeepseekV2ForSequenceClassification"),
+    ("DeepseekV3Config", "DeepseekV3ForTokenClassification"),
+])
+@torch.no_grad()
+def test_task_classes_convert_with_their_head(config_class: str, task: str, tmp_path: Path) -> None:
+    hf = build_hf(config_class, task, **BASE, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                  num_labels=3)
+    hf.save_pretrained(tmp_path / "hf")
+    zoo = models.from_pretrained(tmp_path / "hf").eval()
+    assert zoo.config.attention == "mla" and zoo.config.head != "lm"
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(zoo(ids).logits, hf(input_ids=ids).logits, atol=1e-4, rtol=0)
