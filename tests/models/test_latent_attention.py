@@ -160,3 +160,15 @@ def test_the_serving_engine_names_what_latent_attention_lacks(model: DecoderLM) 
 
     with pytest.raises(NotImplementedError, match="latent attention cannot decode with a PagedKVCache"):
         Engine(model).generate([[5, 6, 7]], max_tokens=2)
+
+
+@torch.no_grad()
+def test_attention_weights_of_a_cached_step_equal_the_full_forwards_last_row(model: DecoderLM) -> None:
+    ids = torch.randint(0, 101, (2, 6), generator=torch.Generator().manual_seed(5))
+    full = model(ids, output_attentions=True).attentions
+    cache = new_caches(model.layers, 8)
+    model(ids[:, :5], cache=cache)
+    step = model(ids[:, 5:], cache=cache, output_attentions=True).attentions
+    for expected, actual in zip(full, step, strict=True):
+        assert actual.shape == (2, 3, 1, 6)
+        torch.testing.assert_close(actual[:, :, 0], expected[:, :, -1], atol=1e-5, rtol=0)
