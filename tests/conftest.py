@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,6 +28,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 def _seed() -> None:
     """Every test starts from the same torch RNG state."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a module of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    faster for them, and immune to a busy machine where a second thread's kernels wait to be scheduled."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -19,6 +19,8 @@ from blocks.attention import MultiHeadAttention
 from blocks.kv_cache import KVCache
 from tests.blocks.test_backends import BACKENDS, allowed_keys, attention_cases, backend_settings, call
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see tests/conftest.py
+
 
 def brute_force(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, bias: Tensor | None, scale: float | None,
                 sinks: Tensor) -> Tensor:

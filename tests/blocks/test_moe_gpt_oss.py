@@ -10,6 +10,8 @@ import transformers
 import blocks
 from blocks.moe import MixtureOfExperts
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see tests/conftest.py
+
 D_MODEL, D_FF, N_EXPERTS, TOP_K = 24, 20, 5, 3
 
 

@@ -12,6 +12,8 @@ import models
 from models.convert import from_transformers, to_transformers
 from tests.models.family_harness import build_hf, check_decoder_family, left_padded
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see tests/conftest.py
+
 VOCAB = 251  # odd, prime
 # 5 experts, top-2, GQA, head_dim != hidden / heads, a window (7) shorter than the sequences, 3 layers
 # (sliding, full, sliding), YaRN at a non-default factor.

@@ -11,6 +11,8 @@ import models
 from models.convert import from_transformers, to_transformers
 from tests.models.family_harness import build_hf, check_decoder_family, left_padded
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see tests/conftest.py
+
 VOCAB = 251  # odd, prime
 # 7 experts (odd, not divisible by top_k), top-3, GQA (OLMoE's k norm spans n_kv_heads · d_head).
 BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=20, num_hidden_layers=2, num_attention_heads=6,

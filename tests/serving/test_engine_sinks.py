@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from models import DecoderLM
 from serving import Engine
 
 from .test_engine import MAX_TOKENS, alone, prompts, run_staggered
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see tests/conftest.py
 
 
 def test_greedy_continuous_batch_with_sinks_and_windows_matches_generate_alone() -> None:
