@@ -108,6 +108,17 @@ class BlockAllocator:
                 else:
                     heapq.heappush(self._plain, block)
 
+    def forget(self, block: int) -> None:
+        """Drop a free block from the prefix cache (its contents must not be found again: a request whose logits
+        were NaN wrote it)."""
+        if self.refs[block] != 0:
+            raise ValueError(f"block {block} is in use; only a free block can be forgotten")
+        key = self._hash_of.pop(block, None)
+        if key is not None:
+            del self._by_hash[key]
+            del self._lru[block]
+            heapq.heappush(self._plain, block)
+
     def lookup(self, key: bytes) -> int | None:
         """Take a reference to the committed block of ``key``, or return None on a miss."""
         block = self._by_hash.get(key)
@@ -170,7 +181,7 @@ class _Group:
     q_index: Tensor  # (G, Lq) long, the packed index of each query (0 where padded)
     valid: Tensor  # (G, Lq) bool
     flat: Tensor  # (n_valid,) long, q_index[valid]
-    tables: Tensor  # (G, nb) long block ids (0 where padded: read but masked)
+    tables: Tensor  # (G, nb) long block ids (padded with the row's first block: read but masked)
     q_pos: Tensor  # (G, Lq) long positions of the queries
     masks: dict[tuple[int | None, int, int], Tensor]  # (window, Hkv, rep) -> mask
     dense: bool = False  # every query is real (no padding): no boolean indexing (static shapes when compiled)
@@ -264,6 +275,9 @@ class PagedBatch:
             valid[g, :n_query] = True
             used = -(-n_context // self.block_size)
             tables[g, :used] = torch.as_tensor(list(table[:used]), dtype=torch.long)
+            # Padding reads the row's own first block (masked), never another request's: keys masked out still
+            # enter the products, so a NaN in another request's block would reach this row (0 · NaN = NaN).
+            tables[g, used:] = table[0]
         q_index, valid = q_index.to(device), valid.to(device)
         dense = bool(valid.all())
         flat = q_index.flatten() if dense else q_index[valid]

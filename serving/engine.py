@@ -17,6 +17,7 @@ from torch import Tensor
 from blocks.paged_cache import BlockAllocator
 from models import DecoderLM
 from models.generation.requests import check_token_head
+from models.generation.sampling import has_nan, nan_rows
 from models.generation.steps import refuse_longrope_switch
 
 from .requests import (
@@ -205,15 +206,38 @@ class Engine:
             [(n, seq.num_computed + n, seq.block_table) for seq, n in scheduled],
         )
         deltas = []
+        bad = set(nan_rows(logits).nonzero().flatten().tolist()) if has_nan(logits) else set()
         for row, (seq, n) in enumerate(scheduled):
             self.scheduler.computed(seq, n)
             if seq.num_computed < len(seq.tokens):
                 continue  # a prefill chunk: nothing to choose yet
+            if row in bad:  # nothing to choose from: the request ends with "error"
+                deltas += self._fail(seq.request_id)
+                continue
             samples = [seq]
             if seq.spec.n > 1 and not seq.forked:
                 samples += self._fork(seq)
             for sample in samples:
                 deltas.append(self._choose(sample, logits[row]))
+        return deltas
+
+    def _fail(self, request_id: str) -> list[RequestDelta]:
+        """End every unfinished sample of a request whose next-token logits are NaN (NaN weights, or values that
+        overflowed): ``finish_reason="error"``, blocks released, the other requests of the batch unaffected."""
+        deltas = []
+        seqs = self.requests[request_id]
+        blocks = {b for seq in seqs for b in seq.block_table}
+        for i in range(seqs[0].spec.n):
+            seq = next((s for s in seqs if s.index == i), None)
+            if seq is None or seq.finish_reason is None:
+                if seq is not None:
+                    seq.finish_reason = "error"
+                    self.scheduler.finish(seq)
+                deltas.append(RequestDelta(request_id, i, [], "", "error"))  # also for samples not forked yet
+        freed = [b for b in blocks if self.allocator.refs[b] == 0]  # blocks another request holds stay as they are
+        for block in freed:
+            self.allocator.forget(block)
+        self.runner.scrub(freed)
         return deltas
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
@@ -326,4 +350,9 @@ class Engine:
         while pending:
             self.step()
             pending = {r for r in pending if any(s.finish_reason is None for s in self.requests[r])}
-        return [self.pop_output(r) for r in ids]
+        failed = [i for i, r in enumerate(ids) if any(s.finish_reason == "error" for s in self.requests[r])]
+        outputs = [self.pop_output(r) for r in ids]
+        if failed:
+            raise ValueError(f"the next-token logits of prompt(s) {failed} are NaN; expected finite logits to choose "
+                             "tokens from (the model's weights or inputs hold NaN or inf values)")
+        return outputs

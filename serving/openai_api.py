@@ -221,6 +221,9 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
                 async def each() -> AsyncIterator[Any]:
                     async for delta in state["engine"].stream(request_id):
+                        if delta.finish_reason == "error":
+                            raise EngineStepError("the model's next-token logits are NaN: no token to choose from "
+                                                  "(the weights or the computation overflowed)")
                         now = time.perf_counter()
                         if delta.token_ids:
                             metrics.observe_tokens(len(delta.token_ids), now - clock["started"], now - clock["last"],

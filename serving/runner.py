@@ -94,6 +94,17 @@ class PagedRunner:
             self.caches.append(cache)
         self.step = BucketedStep()
 
+    @torch.inference_mode()
+    def scrub(self, blocks: Sequence[int]) -> None:
+        """Zero ``blocks`` in every layer's pools (what a failed request wrote must not be read again: a masked
+        slot of a reused block still enters the attention products)."""
+        index = torch.as_tensor(list(blocks), dtype=torch.long)
+        for cache in self.caches:
+            pools = (cache.self_attn.k, cache.self_attn.v)
+            for pool in pools:
+                if pool is not None:
+                    pool.index_fill_(1, index[index < pool.shape[1]], 0.0)
+
     @property
     def nbytes(self) -> int:
         """Bytes the key/value pools hold now."""

@@ -241,3 +241,34 @@ def test_a_slow_reader_gets_the_queued_deltas_of_a_sample_joined(model: DecoderL
     assert len(got) == 1  # 24 steps' deltas, one event
     assert got[0].token_ids == want and got[0].finish_reason in ("stop", "length")
     assert [e.token_id for e in got[0].logprobs] == want
+
+
+def test_nan_logits_end_only_their_request_with_error_and_leave_no_trace(model: DecoderLM) -> None:
+    poisoned = tiny_model("llama-tiny")
+    with torch.no_grad():
+        poisoned.embed_tokens.weight[7] = float("nan")  # any prompt holding token 7 has NaN logits
+    ps = prompts(11)
+    bad = [7, *ps[0][:20]]  # 21 tokens: five full blocks of 4, committed to the prefix cache
+    clean = [ps[1], ps[2], ps[3]]
+    want = [alone(poisoned, p, 12) for p in clean]
+    assert all(7 not in w for w in want)
+    engine = Engine(poisoned, block_size=4)
+    ids = [engine.add_request(p, max_tokens=12) for p in (bad, clean[0], clean[1])]  # bad holds block 0
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert [d.finish_reason for d in deltas if d.request_id == ids[0]] == ["error"]
+    outs = [engine.pop_output(r) for r in ids]
+    assert outs[0].finish_reason == "error" and outs[0].token_ids == []
+    assert outs[1].token_ids == want[0] and outs[2].token_ids == want[1]  # the batch's other rows are unaffected
+    # Its blocks were zeroed and dropped from the prefix cache: a new request reusing them is unaffected, and the
+    # same prompt again is computed again (no hit on what the failed request wrote).
+    alloc = engine.allocator
+    assert alloc.num_free == alloc.n_blocks and alloc.refs == [0] * alloc.n_blocks
+    assert engine.generate(clean[2], max_tokens=12)[0].token_ids == want[2]
+    with pytest.raises(ValueError, match=r"logits of prompt\(s\) \[1\] are NaN"):
+        engine.generate([clean[0], bad], max_tokens=4)
+    alone_engine = Engine(poisoned, block_size=4)
+    with pytest.raises(ValueError, match=r"logits of prompt\(s\) \[0\] are NaN"):
+        alone_engine.generate([bad], max_tokens=4)
+    assert alone_engine.allocator.num_cached == 0  # nothing it wrote can be hit

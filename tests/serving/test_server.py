@@ -5,6 +5,7 @@ the whole answer, errors have OpenAI's shape and status, metrics count what was 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import signal
 import socket
@@ -414,6 +415,33 @@ def test_zoo_generate_embed_and_help(setup, folder: Path, capsys) -> None:
         assert exit_.value.code == 0 and "usage: zoo " + command in capsys.readouterr().out
     with pytest.raises(SystemExit, match="has no embedding head"):
         cli.main(["embed", str(folder), "text"])
+
+
+def test_nan_logits_fail_their_request_with_500_and_the_server_keeps_serving(setup) -> None:
+    model, tok, _ = setup
+    want = model.generate(torch.tensor([[5, 9]]), max_new_tokens=4, eos_token_id=None)[0].tolist()
+    bad = next(i for i in range(3, 300) if i not in want)  # a token the clean request never sees
+    poisoned = DecoderLM(dataclasses.replace(model.config, tie_embeddings=False)).eval()  # NaN in one input row
+    with torch.no_grad():
+        poisoned.load_state_dict({**model.state_dict(), "lm_head.weight": model.embed_tokens.weight.clone()})
+        poisoned.embed_tokens.weight[bad] = float("nan")
+    served = Served(create_app(poisoned, tok, model_name="tiny-chat"))
+    try:
+        url = served.url + "/v1/completions"
+        failed = httpx.post(url, json={"model": "tiny-chat", "prompt": [5, bad, 9], "max_tokens": 4}, timeout=30)
+        assert failed.status_code == 500 and "NaN" in failed.json()["error"]["message"]
+        with httpx.stream("POST", url, timeout=30, json={"model": "tiny-chat", "prompt": [bad], "max_tokens": 4,
+                                                        "stream": True}) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert "NaN" in lines[-2] and lines[-1] == "data: [DONE]"
+        fine = httpx.post(url, json={"model": "tiny-chat", "prompt": [5, 9], "max_tokens": 4, "temperature": 0},
+                          timeout=30)
+        assert fine.status_code == 200, fine.text
+        assert fine.json()["choices"][0]["text"] == tok.decode(want[2:])
+        engine = served.server.config.app.state.engine.engine
+        assert engine.allocator.num_free == engine.allocator.n_blocks
+    finally:
+        served.stop()
 
 
 @pytest.mark.parametrize(("text", "nbytes"), [("4096", 4096), ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30),
