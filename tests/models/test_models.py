@@ -213,7 +213,8 @@ def test_backends_agree_in_every_model(family, data, seed):
             model.set_attention_backend(backend)
             assert model.config.attention_backend == backend
             assert all(m.backend == backend for m in model.modules() if isinstance(m, blocks.MultiHeadAttention))
-            close(model(*args).logits, reference)
+            # Configs without a norm (norm="identity") reach logits of tens to hundreds: rounding scales with them.
+            close(model(*args).logits, reference, atol=1e-5 * float(reference.abs().max().clamp_min(1.0)))
 
 
 def test_set_attention_backend_rejects_unknown_name_and_changes_nothing():
