@@ -316,6 +316,8 @@ def test_name_map_places_every_linear_weight_where_the_exporter_writes_it(model_
     # Qwen2-MoE's router holds the shared-expert gate as its last row, exported as two tensors (mlp.gate,
     # mlp.shared_expert_gate): a weight with no single home has no placement, and adapting it raises.
     split = {n for n in linears if model_type == "qwen2_moe" and n.endswith("ffn.router")}
+    # gpt-oss exports its experts as 3-D tensors (mlp.experts.gate_up_proj (E, H, 2I), interleaved): no 2-D home.
+    split |= {n for n in linears if model_type == "gpt_oss" and ".ffn.experts." in n}
     assert set(placements) == set(linears) - tied - split and placements
     for zoo, p in placements.items():
         weight = state[p.module + ".weight"]
