@@ -38,7 +38,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Ten
             continue
         # Each dimension 1 or equal to full's, counted from the right (torch.broadcast_shapes goes through its
         # Python reference implementation: ~40 µs a call, per layer and step).
-        broadcasts = t.dim() <= 4 and all(s in (1, f) for s, f in zip(reversed(t.shape), reversed(full)))
+        broadcasts = t.dim() <= 4 and all(s in (1, f) for s, f in zip(reversed(t.shape), reversed(full), strict=False))
         if not broadcasts:
             raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to (B, H, Lq, Lk)={full}")
     if mask is not None and mask.dtype != torch.bool:
