@@ -282,12 +282,12 @@ def export_deepseek_v2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tens
 _V2_TINY_FFN = {"n_experts": 6, "top_k": 2, "router": "softmax_group", "n_group": 3, "topk_group": 2,
                 "renormalize": False, "routed_scaling_factor": 1.5, "d_shared": 48}
 DecoderLM.register_preset("deepseek_v2-tiny", dict(
-    vocab_size=1000, d_model=64, n_heads=4, d_head=24, d_value=16, d_ff=24, n_layers=3, max_len=256, dropout=0.0,
+    vocab_size=1000, d_model=64, n_heads=4, d_head=24, d_value=16, d_ff=24, n_layers=2, max_len=256, dropout=0.0,
     positional="rotary_interleaved", ffn="moe", attention="mla", norm="rmsnorm", norm_eps=1e-6,
     sublayer="pre_norm", bias=False, tie_embeddings=False, pad_token_id=None, bos_token_id=1, eos_token_id=2,
     options={"positional": {"base": 10000.0, "fraction": rotary_fraction(8, 24)},
              "attention": {"kv_lora_rank": 32, "q_lora_rank": None, "d_rope": 8}, "ffn": _V2_TINY_FFN},
-    layer_options=({"ffn": {"n_experts": 0, "top_k": 0, "d_shared": 96}}, {}, {}),
+    layer_options=({"ffn": {"n_experts": 0, "top_k": 0, "d_shared": 96}}, {}),
 ))
 # DeepSeek-V2-Lite (15.7B total, 2.4B active): no query compression, 64 experts, one dense first layer.
 DecoderLM.register_preset("deepseek-v2-lite", dict(

@@ -67,14 +67,14 @@ def export_deepseek_v3(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tens
 
 
 DecoderLM.register_preset("deepseek_v3-tiny", dict(
-    vocab_size=1000, d_model=64, n_heads=4, d_head=20, d_value=12, d_ff=16, n_layers=3, max_len=256, dropout=0.0,
+    vocab_size=1000, d_model=64, n_heads=4, d_head=20, d_value=12, d_ff=16, n_layers=2, max_len=256, dropout=0.0,
     positional="rotary_interleaved", ffn="moe", attention="mla", norm="rmsnorm", norm_eps=1e-6,
     sublayer="pre_norm", bias=False, tie_embeddings=False, pad_token_id=None, bos_token_id=0, eos_token_id=1,
     options={"positional": {"base": 10000.0, "fraction": rotary_fraction(8, 20)},
              "attention": {"kv_lora_rank": 24, "q_lora_rank": 40, "d_rope": 8},
              "ffn": {"n_experts": 8, "top_k": 3, "router": "sigmoid_group", "n_group": 4, "topk_group": 2,
                      "renormalize": True, "routed_scaling_factor": 2.5, "d_shared": 16}},
-    layer_options=({"ffn": {"n_experts": 0, "top_k": 0, "d_shared": 80}}, {}, {}),
+    layer_options=({"ffn": {"n_experts": 0, "top_k": 0, "d_shared": 80}}, {}),
 ))
 # DeepSeek-V3 (671B total, 37B active; DeepSeek-R1 has the same shape).
 DecoderLM.register_preset("deepseek-v3", dict(
