@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,7 @@ from tests.models.family_harness import assert_logits_close, build_hf, check_dec
 
 VOCAB = 251  # odd, prime
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is faster, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see tests/conftest.py
 # Non-default sizes: 9 experts in 3 groups, top-3, a dense first layer wider than the experts, d_value != d_nope.
 BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, moe_intermediate_size=20, num_hidden_layers=3,
             max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, n_routed_experts=9,

@@ -7,8 +7,6 @@ compiled decoding, and the cache's own arithmetic ``(kv_lora_rank + d_rope) · e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -18,14 +16,7 @@ from models.core.stack import new_caches
 
 MLA = {"kv_lora_rank": 24, "q_lora_rank": 16, "d_rope": 8}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is faster, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see tests/conftest.py
 
 
 def mla_model(q_lora_rank: int | None = 16, n_layers: int = 2) -> DecoderLM:
