@@ -27,6 +27,7 @@ from .core.stack import (
     embedding_scale,
     final_norm,
     head_logits,
+    layer_call,
     layer_positionals,
     lm_loss,
     positional_per_layer,
@@ -238,7 +239,7 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, Persist
         hidden_states, attentions = [x], []
         for i, layer in enumerate(self.layers):
             rotary, bias = per_layer[i]
-            x, weights, _ = layer(
+            x, weights, _ = layer_call(layer)(
                 x, mask=mask, bias=bias, rotary=rotary, positions=positions, key_positions=key_positions,
                 cache=None if cache is None else cache[i], need_weights=output_attentions,
             )

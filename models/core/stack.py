@@ -6,8 +6,10 @@ The model classes (``models.decoder_lm``, ``encoder_lm``, ``seq2seq``, ``vit``) 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +57,43 @@ def build_layers(config: Any, builder: str, indices: range, **extra: Any) -> nn.
             **config.block_options("layer", i), **extra,
         ))
     return nn.ModuleList(layers)
+
+
+#: Whether ``layer_call`` runs layers as nested compile regions (set by ``repeated_layer_regions``).
+_REGIONS = [False]
+
+
+@contextlib.contextmanager
+def repeated_layer_regions(enabled: bool = True) -> Iterator[None]:
+    """While ``torch.compile`` traces inside this context, ``layer_call`` runs every layer as one
+    ``torch.compiler.nested_compile_region``: dynamo traces each distinct layer structure once, inductor compiles it
+    once, and every other layer of that structure reuses the code with its own weights (a 30-layer step compiles
+    about as fast as a one-layer step). The weights must be graph inputs: inductor's ``freezing`` (weights as
+    constants) cannot share a region between layers."""
+    before = _REGIONS[0]
+    _REGIONS[0] = enabled
+    try:
+        yield
+    finally:
+        _REGIONS[0] = before
+
+
+@torch.compiler.nested_compile_region
+def _layer_region(layer: nn.Module, x: Tensor, **kwargs: Any) -> Any:
+    return layer(x, **kwargs)
+
+
+def _regional_layer(layer: nn.Module, x: Tensor, *, positions: Tensor | None = None, **kwargs: Any) -> Any:
+    # A region's inputs may not alias each other: the query positions are a view of the key positions.
+    return _layer_region(layer, x, positions=None if positions is None else positions.clone(), **kwargs)
+
+
+def layer_call(layer: nn.Module) -> Callable[..., Any]:
+    """``layer``, or inside ``repeated_layer_regions`` while ``torch.compile`` traces, the same call as a nested
+    compile region shared by every layer of its structure."""
+    if _REGIONS[0] and torch.compiler.is_compiling():
+        return functools.partial(_regional_layer, layer)
+    return layer
 
 
 def build_positional(config: Any, causal: bool, layer: int | None = None) -> PositionalEncoding:

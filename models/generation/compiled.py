@@ -131,17 +131,20 @@ class CompiledStep:
         self.compiled = torch.compile(own, dynamic=False, backend=BACKEND, mode=mode)
         # Off CUDA, the graph's debug size asserts go too (~150 per step for a model whose weights are inputs).
         self.options = FROZEN_OPTIONS if frozen else {} if device.type == "cuda" else {"size_asserts": False}
+        # Weights that are graph inputs let every layer of a structure share one compiled region.
+        self.regional = not frozen
 
     def __call__(self, *args: Any, skip_guards: bool = False) -> Any:
         if skip_guards:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return self.compiled(*args)
         # Inductor reads its settings when it compiles, which only a guarded call can do.
-        with torch._inductor.config.patch(self.options):
+        with torch._inductor.config.patch(self.options), stack.repeated_layer_regions(self.regional):
             return self.compiled(*args)
 
 
-def compile_step(fn: Callable[..., Any], model: nn.Module, device: torch.device) -> CompiledStep:
+def compile_step(fn: Callable[..., Any], model: nn.Module, device: torch.device, rows: int | None = None
+                 ) -> CompiledStep:
     """``fn`` compiled for decoding ``model`` on ``device``: static shapes, weights read fast.
 
     - 1-row ``F.linear`` calls (batch-1 decoding) take the fused reduction of ``blocks.small_matmul``.
@@ -153,11 +156,17 @@ def compile_step(fn: Callable[..., Any], model: nn.Module, device: torch.device)
       reductions, and on CUDA the graph runs under CUDA graphs (``mode="reduce-overhead"``), so outputs are
       overwritten by the next call: clone what is kept.
 
-    One ``CompiledStep`` per ``(model, fn, device kind, BACKEND)``; dynamo keeps one graph per shape under it.
+    - A step of one row (``rows=1``: batch-1 decoding, a single draft) is never frozen: its products all take the
+      reductions, which read weights that are graph inputs as fast as constants. Unfrozen graphs compile each
+      distinct decoder-layer structure once and reuse it for every layer (``models.core.stack.layer_call``), so
+      the first call of a 30-layer model costs about what a one-layer model's does.
+
+    One ``CompiledStep`` per ``(model, fn, device kind, BACKEND, frozen)``; dynamo keeps one graph per shape under
+    it.
     """
-    key = (fn, device.type, BACKEND)
+    frozen = freezes_weights(model, device) and rows != 1
+    key = (fn, device.type, BACKEND, frozen)
     per_model = _COMPILED.setdefault(model, {})
-    frozen = freezes_weights(model, device)
     state = weights_state(model) if frozen else None
     if key not in per_model or per_model[key][0] != state:
         per_model[key] = (state, CompiledStep(fn, frozen, device))
@@ -258,7 +267,7 @@ def compiled_steps(model: Any, request: LMRequest, steady: bool = True) -> Itera
     prefill = stack.new_caches(model.layers, length)
     logits = model(prompt, attention_mask=prompt_mask, cache=prefill, logits_to_keep=1).logits[:, -1]
     filled = length
-    run = compile_step(next_token_logits, model, prompt.device)
+    run = compile_step(next_token_logits, model, prompt.device, b)
     guarded = True  # the next call checks dynamo's guards (the first step, and the first in a new bucket)
 
     def step(tokens: Tensor) -> Tensor:

@@ -219,3 +219,43 @@ def test_huge_max_new_tokens_compiles_over_the_first_bucket_only(graph_backend: 
     assert out.tolist() == [[7, 8, 9, eos]]
     # The prompt and CACHE_CHUNK = 256 new tokens, rounded up to a power of two: 512 slots.
     assert steps.CACHE_CHUNK == 256 and bucket_sizes == [512] * 2  # one per layer
+
+
+# ================================================================================= one compiled region for every layer
+def test_layers_share_one_compiled_region(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Unfrozen steps trace each decoder-layer structure once (a nested compile region) and call it for every layer
+    # with that layer's weights: 5 calls of one subgraph, and the logits of every step equal eager's.
+    graphs = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(compiled, "BACKEND", recording_backend)
+    torch._dynamo.reset()
+    model = spread(decoder(positional="rotary", n_layers=5, n_kv_heads=2))
+    prompt = torch.randint(4, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    request = lm_request(model, prompt, None, 8, False, 1.0, None, None, None, None, None, None, None, True)
+    with torch.inference_mode():
+        got = [(s.tokens.clone(), s.logits.clone()) for s in compiled.compiled_steps(model, request)]
+    ids = prompt
+    with torch.no_grad():
+        for tokens, logits in got:
+            torch.testing.assert_close(logits, model(ids).logits[:, -1], atol=1e-4, rtol=1e-4)
+            ids = torch.cat([ids, tokens[:, None]], dim=1)
+    assert torch.equal(ids, model.generate(prompt, max_new_tokens=8, eos_token_id=None))
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 5 and len({n.args[0].target for n in calls}) == 1
+    torch._dynamo.reset()
+
+
+def test_one_row_steps_are_not_frozen_and_share_regions() -> None:
+    # A batch-1 step takes the reductions (which read weights that are graph inputs as fast as constants), so it is
+    # not frozen and compiles one region per layer structure; several rows keep the frozen, packed GEMMs.
+    model, cpu = decoder(), torch.device("cpu")
+    one = compiled.compile_step(compiled.next_token_logits, model, cpu, 1)
+    several = compiled.compile_step(compiled.next_token_logits, model, cpu, 4)
+    assert one.regional and not one.options.get("freezing")
+    assert not several.regional and several.options["freezing"]
+    assert compiled.compile_step(compiled.next_token_logits, model, cpu, 1) is one
