@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from blocks.moe import MixtureOfExperts
 from blocks.quantized import dequantize_linears, quantize_linears, quantized_modules
 
 
@@ -21,7 +22,9 @@ class QuantizeMixin:
 
         Meant for inference (decoding reads each weight once per token, so a quarter of the bytes is read);
         the quantized layers hold buffers, not trainable parameters. A head tied to the embedding gets its own
-        int8 copy; the embedding stays float.
+        int8 copy; the embedding stays float. Mixture-of-experts routers stay float, as llama.cpp keeps
+        ``ffn_gate_inp``: they are a sliver of the weights, and int8 rounding of their logits changes which
+        experts a token goes to.
 
         Args:
             scheme: a name of ``blocks.names("quantization")`` (``"int8"``).
@@ -32,7 +35,10 @@ class QuantizeMixin:
         Raises:
             ValueError: unknown ``scheme``.
         """
-        return quantize_linears(self, scheme)
+        routers = {f"{name}.router" for name, module in self.named_modules() if isinstance(module, MixtureOfExperts)}
+        linears = [name for name, module in self.named_modules(remove_duplicate=False)
+                   if type(module) is nn.Linear and name not in routers]
+        return quantize_linears(self, scheme, linears)
 
     def dequantize(self) -> nn.Module:
         """Replace every quantized layer by a float ``nn.Linear`` holding ``scale · q``, in place.

@@ -44,17 +44,25 @@ def test_speculative_decoding_gives_plain_greedy(model: DecoderLM) -> None:
     assert torch.equal(model.generate(PROMPT[:1], draft_model=draft, num_draft_tokens=3, **GREEDY), plain)
 
 
-def test_int8_quantizes_every_expert_linear_and_keeps_the_logits_close() -> None:
+def test_int8_quantizes_every_expert_linear_keeps_routers_float_and_the_logits_close(tmp_path) -> None:
     model = mixtral()
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    n_routers = len(model.layers)
+    router = model.layers[0].ffn.router.weight.detach().clone()
     with torch.no_grad():
         before = model(ids).logits
         after = model.quantize("int8")(ids).logits
-    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == n_linear
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == n_linear - n_routers
     assert isinstance(model.layers[0].ffn.experts[4].down_proj, Int8Linear)
-    assert isinstance(model.layers[0].ffn.router, Int8Linear)
+    assert all(type(layer.ffn.router) is nn.Linear for layer in model.layers)  # routing stays in float
+    assert torch.equal(model.layers[0].ffn.router.weight, router)  # the router's weights are the float ones
     assert 0 < (after - before).norm() / before.norm() <= 0.05
+    model.save_pretrained(tmp_path)
+    loaded = DecoderLM.from_pretrained(tmp_path)
+    assert type(loaded.layers[0].ffn.router) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, after)
 
 
 def test_lora_targets_the_expert_linears_trains_and_merges() -> None:
@@ -86,3 +94,15 @@ def test_the_trainers_token_loss_includes_the_router_loss() -> None:
     expected = model(ids, labels=ids).loss
     torch.testing.assert_close(loss_fn(model, batch) / loss_fn.count(batch), expected, atol=1e-5, rtol=0)
     assert model(ids).aux_loss > 0
+
+
+@pytest.mark.parametrize("preset", ["gpt_oss-tiny", "qwen3_moe-tiny"])
+def test_int8_keeps_other_moe_families_close(preset: str) -> None:
+    # int8 works on the other MoE layouts too (gpt-oss: biased router, clamped experts; Qwen3-MoE: 8 of many experts).
+    torch.manual_seed(0)
+    model = DecoderLM.from_preset(preset, dropout=0.0).eval()
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        after = model.quantize("int8")(ids).logits
+    assert 0 < (after - before).norm() / before.norm() <= 0.05
