@@ -291,9 +291,10 @@ def tiny_of(model_type: str) -> nn.Module | None:
     """A tiny model of the family: from the table above, else the ``<family>-tiny`` preset a converter registers."""
     if model_type in EXPORTABLE:
         return EXPORTABLE[model_type]()
+    preset = {"gemma3_text": "gemma3-tiny"}.get(model_type, f"{model_type}-tiny")
     for cls in (DecoderLM, EncoderLM, Seq2SeqTransformer, VisionTransformer):
-        if f"{model_type}-tiny" in cls.presets:
-            return cls.from_preset(f"{model_type}-tiny").eval()
+        if preset in cls.presets:
+            return cls.from_preset(preset).eval()
     return None
 
 
