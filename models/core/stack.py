@@ -59,28 +59,32 @@ def build_layers(config: Any, builder: str, indices: range, **extra: Any) -> nn.
     return nn.ModuleList(layers)
 
 
-#: Whether ``layer_call`` runs layers as nested compile regions (set by ``repeated_layer_regions``).
-_REGIONS = [False]
+#: ``[on, mode]``: whether ``layer_call`` runs layers as nested compile regions, and the context each region enters
+#: (set by ``repeated_layer_regions``).
+_REGIONS: list[Any] = [False, contextlib.nullcontext]
 
 
 @contextlib.contextmanager
-def repeated_layer_regions(enabled: bool = True) -> Iterator[None]:
+def repeated_layer_regions(enabled: bool = True, mode: Callable[[], Any] = contextlib.nullcontext) -> Iterator[None]:
     """While ``torch.compile`` traces inside this context, ``layer_call`` runs every layer as one
     ``torch.compiler.nested_compile_region``: dynamo traces each distinct layer structure once, inductor compiles it
     once, and every other layer of that structure reuses the code with its own weights (a 30-layer step compiles
     about as fast as a one-layer step). The weights must be graph inputs: inductor's ``freezing`` (weights as
-    constants) cannot share a region between layers."""
-    before = _REGIONS[0]
-    _REGIONS[0] = enabled
+    constants) cannot share a region between layers. A region is traced apart from its caller, so a
+    ``TorchFunctionMode`` active around the call does not reach inside: ``mode()`` makes the context every region
+    runs in (e.g. ``blocks.small_matmul.SmallRowsLinear``)."""
+    before = list(_REGIONS)
+    _REGIONS[:] = [enabled, mode]
     try:
         yield
     finally:
-        _REGIONS[0] = before
+        _REGIONS[:] = before
 
 
 @torch.compiler.nested_compile_region
 def _layer_region(layer: nn.Module, x: Tensor, **kwargs: Any) -> Any:
-    return layer(x, **kwargs)
+    with _REGIONS[1]():
+        return layer(x, **kwargs)
 
 
 def _regional_layer(layer: nn.Module, x: Tensor, *, positions: Tensor | None = None, **kwargs: Any) -> Any:

@@ -122,6 +122,8 @@ class CompiledStep:
             with SmallRowsLinear(max_rows):
                 return fn(*args, **kwargs)
 
+        self.mode = lambda: SmallRowsLinear(max_rows)  # inside the layers' compile regions too
+
         # A code object of its own: dynamo keeps compiled graphs per code object, so this model's graphs (which
         # hold its frozen weights) are never offered to another model, or to this model after its weights change,
         # and they are freed with this object.
@@ -139,7 +141,7 @@ class CompiledStep:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return self.compiled(*args)
         # Inductor reads its settings when it compiles, which only a guarded call can do.
-        with torch._inductor.config.patch(self.options), stack.repeated_layer_regions(self.regional):
+        with torch._inductor.config.patch(self.options), stack.repeated_layer_regions(self.regional, self.mode):
             return self.compiled(*args)
 
 

@@ -247,6 +247,10 @@ def test_layers_share_one_compiled_region(monkeypatch: pytest.MonkeyPatch) -> No
     (gm,) = graphs
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
     assert len(calls) == 5 and len({n.args[0].target for n in calls}) == 1
+    # The region runs under the step's SmallRowsLinear too: its one-row products are reductions, not F.linear.
+    region = getattr(gm, calls[0].args[0].target)
+    targets = {n.target for n in region.graph.nodes if n.op in ("call_function", "call_method")}
+    assert torch._C._nn.linear not in targets and torch.nn.functional.linear not in targets and "sum" in targets
     torch._dynamo.reset()
 
 
