@@ -9,8 +9,8 @@ The point of MLA is its cache: per token it holds the latent and the rotary key 
 per layer instead of ``2 · n_heads · d_head`` (``blocks.latent_cache``). With a cache, the up-projections are
 absorbed (§2.1.2): each head's query is taken into latent space (``q_nope · W_uk``), attention runs over the cached
 latents as one shared key/value head, and ``W_uv`` is applied to the result — the cached latents are never expanded
-into per-head keys and values. Without a cache (training, a whole sequence) keys and values are expanded, which costs
-fewer operations over many queries.
+into per-head keys and values. Without a cache (training, a whole sequence), or with many new queries at once (a long
+prefill; see ``absorbs``), keys and values are expanded, which costs fewer operations over many queries.
 
 Weight names follow ``transformers``' DeepSeek checkpoints: ``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``.
@@ -170,14 +170,25 @@ class MultiHeadLatentAttention(nn.Module):
             out, weights = self._expanded(q_nope, q_rope, latent, k_rope, mask, is_causal, dropout_p, need_weights)
         else:
             latent, k_rope = cache.update(latent, k_rope)  # (B, 1, Lk, r), (B, 1, Lk, d_rope)
-            if type(self.kv_b_proj) is nn.Linear:
+            if type(self.kv_b_proj) is nn.Linear and self.absorbs(length):
                 out, weights = self._absorbed(q_nope, q_rope, latent, k_rope, mask, is_causal, dropout_p,
                                               need_weights)
-            else:  # an adapted or quantized kv_b_proj: expand the cached latents through it
+            else:  # many new queries (a prefill), or an adapted or quantized kv_b_proj: expand the cached latents
                 out, weights = self._expanded(q_nope, q_rope, latent, k_rope, mask, is_causal, dropout_p,
                                               need_weights)
         out = out.transpose(1, 2).reshape(b, length, self.n_heads * self.d_value)  # (B, L, H*Dv)
         return self.o_proj(out), weights
+
+    def absorbs(self, n_queries: int) -> bool:
+        """Whether attending from ``n_queries`` new queries to cached latents absorbs the up-projections.
+
+        Per head, query and key, absorbed scores cost ``2·r + d_rope`` multiply-adds (``r = kv_lora_rank``) against
+        ``d_head + d_value`` expanded; expanding costs ``r · (d_nope + d_value)`` per head and key once. So absorb
+        while ``n_queries · (2r − d_nope − d_value) < r · (d_nope + d_value)``: decoding steps (a few queries) absorb,
+        a long prefill expands (DeepSeek-V2-Lite's shapes: up to 170 queries).
+        """
+        r, spent = self.kv_lora_rank, self.d_nope + self.d_value
+        return n_queries * (2 * r - spent) < r * spent
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
                 need_weights: bool) -> tuple[Tensor, Tensor | None]:

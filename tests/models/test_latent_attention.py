@@ -163,3 +163,19 @@ def test_attention_weights_of_a_cached_step_equal_the_full_forwards_last_row(mod
     for expected, actual in zip(full, step, strict=True):
         assert actual.shape == (2, 3, 1, 6)
         torch.testing.assert_close(actual[:, :, 0], expected[:, :, -1], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_a_long_prefill_expands_the_latents_and_decoding_steps_absorb(model: DecoderLM) -> None:
+    attention = model.layers[0].self_attn  # r = 24, d_nope = d_value = 12: absorbing pays below 24 queries
+    assert attention.absorbs(23) and not attention.absorbs(24)
+    ids = torch.randint(0, 101, (1, 31), generator=torch.Generator().manual_seed(6))
+    calls = []
+    hook = attention.kv_b_proj.register_forward_hook(lambda *_: calls.append(1))
+    cache = new_caches(model.layers, 32)
+    steps = [model(ids[:, :30], cache=cache).logits]
+    prefill_calls = len(calls)
+    steps.append(model(ids[:, 30:], cache=cache).logits)
+    hook.remove()
+    assert (prefill_calls, len(calls)) == (1, 1)
+    torch.testing.assert_close(torch.cat(steps, 1), model(ids).logits, atol=1e-4, rtol=0)
