@@ -4,12 +4,13 @@
 ``python -m benchmarks.mla`` builds a ``transformers`` ``DeepseekV2ForCausalLM`` with DeepSeek-V2-Lite's attention
 (width 2048, 16 heads, ``kv_lora_rank`` 512, rotary 64 + 128 other query/key dims, values 128, no query
 compression) and a reduced body (``--layers`` layers, the first dense, 8 routed experts top-2 + 2 shared, vocabulary
-16000), converts it (``models.convert.from_transformers``), checks the greedy tokens are equal, then times greedy
-``generate`` of ``--new`` tokens after a ``--prompt``-token prompt (batch 1, fp32, CPU), competitors interleaved,
-medians of ``--repeats``, process CPU time (one thread by default). ms/token = (time of ``--new`` tokens − time of
-1 token) / (``--new`` − 1): decoding steps only, the prefill cancels out.
+16000), converts it (``models.convert.from_transformers``), and decodes ``--new`` greedy tokens after a
+``--prompt``-token prompt (batch 1, fp32, CPU) with each model's own cache: the zoo with ``new_caches`` (latent
+caches, absorbed steps), ``transformers`` with its ``DynamicCache``. ms/token times the decoding steps alone
+(process CPU time, one thread by default; the prefill is not timed), competitors interleaved, medians of
+``--repeats``; the greedy tokens of both are checked equal.
 
-Cache bytes per token (all layers, one sequence) are read from the caches themselves after generation: the zoo's
+Cache bytes per token (all layers, one sequence) are read from the caches themselves after decoding: the zoo's
 ``LatentKVCache`` s and ``transformers``' ``DynamicCache``. Also printed: what a per-head key/value cache of the same
 model would hold (``n_heads · (d_head + d_value)`` numbers per layer), the cache MLA is designed to replace.
 """
@@ -35,12 +36,17 @@ SHAPE = dict(vocab_size=16000, hidden_size=2048, intermediate_size=5632, moe_int
              eos_token_id=1)
 
 
-def timed(run: Callable[[], object]) -> float:
-    """Process CPU seconds of ``run()``: with one thread the work done, time spent descheduled on a shared machine
-    left out (wall time moved by a third between runs there)."""
-    start = time.process_time()
-    run()
-    return time.process_time() - start
+def decode(step: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor, new: int) -> tuple[float, list[int]]:
+    """Greedy decoding of ``new`` tokens from ``logits`` with ``step`` (token -> next logits): process CPU seconds per
+    step (one thread: the work done, time descheduled on a shared machine left out) and the tokens."""
+    tokens, spent = [], 0.0
+    for _ in range(new):
+        token = logits.argmax(-1, keepdim=True)  # (1, 1)
+        tokens.append(int(token))
+        start = time.process_time()
+        logits = step(token)
+        spent += time.process_time() - start
+    return spent / new, tokens
 
 
 def main() -> None:
@@ -61,33 +67,36 @@ def main() -> None:
     zoo.load_state_dict(converted.state_dict)
     prompt = torch.randint(2, SHAPE["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(1))
 
-    def hf_generate(n: int) -> object:
-        with torch.inference_mode():
-            return hf.generate(input_ids=prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               pad_token_id=0, eos_token_id=None, return_dict_in_generate=True)
-
-    def zoo_generate(n: int) -> torch.Tensor:
-        return zoo.generate(prompt, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
-
-    hf_out = hf_generate(args.new)
-    zoo_tokens = zoo_generate(args.new)
-    same = torch.equal(hf_out.sequences, zoo_tokens)
-    length = hf_out.sequences.shape[1] - 1  # the last token is chosen, never fed back
-    hf_cache = hf_out.past_key_values
-    hf_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in hf_cache.layers) / length
-    caches = new_caches(zoo.layers, length)
-    with torch.inference_mode():
-        zoo(zoo_tokens[:, :length], cache=caches)
-    zoo_bytes = sum(c.self_attn.bytes_per_token() for c in caches)
     c = zoo.config
     per_head = c.n_layers * c.n_heads * (c.d_head + c.d_value) * 4
 
-    runs = {"zoo": zoo_generate, "transformers": hf_generate}
+    @torch.inference_mode()
+    def run_zoo() -> tuple[float, list[int], float]:
+        caches = new_caches(zoo.layers, args.prompt + args.new)
+        logits = zoo(prompt, cache=caches, logits_to_keep=1).logits[:, -1]
+        seconds, tokens = decode(lambda t: zoo(t, cache=caches).logits[:, -1], logits, args.new)
+        return seconds, tokens, sum(cache.self_attn.bytes_per_token() for cache in caches)
+
+    @torch.inference_mode()
+    def run_hf() -> tuple[float, list[int], float]:
+        out = hf(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        past = out.past_key_values
+
+        def step(token: torch.Tensor) -> torch.Tensor:
+            return hf(input_ids=token, past_key_values=past, use_cache=True).logits[:, -1]
+
+        seconds, tokens = decode(step, out.logits[:, -1], args.new)
+        length = past.get_seq_length()
+        return seconds, tokens, sum(layer.keys.nbytes + layer.values.nbytes for layer in past.layers) / length
+
+    runs = {"zoo": run_zoo, "transformers": run_hf}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):
-        for name, run in runs.items():
-            long, short = timed(lambda run=run: run(args.new)), timed(lambda run=run: run(1))
-            times[name].append((long - short) / (args.new - 1))
+        results = {name: run() for name, run in runs.items()}
+        for name, (seconds, _, _) in results.items():
+            times[name].append(seconds)
+    same = results["zoo"][1] == results["transformers"][1]
+    zoo_bytes, hf_bytes = results["zoo"][2], results["transformers"][2]
     ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
           f"fp32, batch 1, {args.layers} layers, prompt {args.prompt}, {args.new} new tokens, median of "
