@@ -3,6 +3,7 @@
     python -m benchmarks.compare                 # every row, default shapes (about 10-15 minutes on 2 cores)
     python -m benchmarks.compare --rows 1 5      # some rows
     python -m benchmarks.compare --quick         # tiny shapes: checks that the script runs
+    python -m benchmarks.compare --rows 7        # SmolLM2-135M / Qwen3-0.6B shapes vs the floor (benchmarks.thin)
 
 Everything is fp32 with dropout 0 and ``torch.manual_seed`` fixed; warm-up runs are excluded and the
 competitors are interleaved (A B A B ...) so that drift hits all of them alike. Times are medians. Peak
@@ -475,7 +476,7 @@ def memory_probe(spec: dict) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="*", default=[1, 2, 3, 4, 5, 6], help="which rows to run")
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 2, 3, 4, 5, 6, 7], help="which rows to run")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, to check the script runs")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
@@ -519,6 +520,11 @@ def main(argv: list[str] | None = None) -> None:
         print(row_backends(s, memory).render(), "\n", flush=True)
     if 6 in args.rows:
         print(row_int8_decoding(s, read).render(), "\n", flush=True)
+    if 7 in args.rows:
+        # Deep, thin decoders (benchmarks.thin, which imports this module): its own process, its own figures.
+        thin = [sys.executable, "-m", "benchmarks.thin", *(["--quick"] if args.quick else [])]
+        out = subprocess.run(thin, capture_output=True, text=True, check=True).stdout
+        print(out[out.index("### 7."):].rstrip(), "\n", flush=True)
 
 
 if __name__ == "__main__":

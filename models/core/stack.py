@@ -81,7 +81,9 @@ def repeated_layer_regions(enabled: bool = True, mode: Callable[[], Any] = conte
         _REGIONS[:] = before
 
 
-@torch.compiler.nested_compile_region
+# Up to one region per layer: a stack whose layers all differ (per-layer options) compiles as it would without regions
+# instead of raising at torch's default limit of 8 structures.
+@torch.compiler.nested_compile_region(max_reuse_entries=1024)
 def _layer_region(layer: nn.Module, x: Tensor, **kwargs: Any) -> Any:
     with _REGIONS[1]():
         return layer(x, **kwargs)
