@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.quick:
         _quick_backend()
-        args.reps, args.new_tokens, args.batches = 1, 2, [1, 2]
+        args.reps, args.new_tokens, args.batches = 1, 2, [1]
         args.probe_batches = []
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="zoo-thin-inductor-")
