@@ -135,7 +135,8 @@ def warm_compiled(engine: Engine, requests: list[Request]) -> None:
         rows *= 2
 
 
-def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespace, compile: bool = False) -> Result:  # noqa: A002
+def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespace, compile: bool = False,  # noqa: A002
+               logprobs: int | None = None) -> Result:
     engine = Engine(model, block_size=16, max_num_seqs=getattr(args, "max_batch", 64), max_num_batched_tokens=512,
                     compile=compile)
     if compile:
@@ -151,7 +152,7 @@ def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespa
             now = time.perf_counter() - start
             while nxt < len(requests) and requests[nxt].arrival <= now:
                 r = requests[nxt]
-                index[engine.add_request(r.prompt, max_tokens=r.max_tokens)] = nxt
+                index[engine.add_request(r.prompt, max_tokens=r.max_tokens, logprobs=logprobs)] = nxt
                 nxt += 1
             if not engine.has_unfinished():
                 wait_until(start, requests[nxt].arrival)

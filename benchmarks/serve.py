@@ -11,7 +11,10 @@ no EOS: every request produces exactly its length). Systems:
   client's event loop does not share a GIL with the server), on 127.0.0.1; one ``openai.AsyncOpenAI`` client sends
   each request at its arrival time as a streamed ``/v1/completions`` call with token-id prompts, ``temperature=0``
   and ``logprobs=0`` (the chunks then carry the token ids: the model has no tokenizer);
-- **engine in-process**: ``benchmarks.engine.run_engine`` (the same engine limits, stepped in this process);
+- **engine in-process**: ``benchmarks.engine.run_engine`` (the same engine limits, stepped in this process, with
+  ``logprobs=0`` as the server's requests have);
+- **AsyncEngine in-process**: the same requests as asyncio streams over ``serving.AsyncEngine`` (the server's engine
+  front, without HTTP);
 - **sequential**: ``benchmarks.engine.run_sequential`` (``stream(compile=True)`` one request after another).
 
 Reported: output tokens/s, TTFT and ITL p50/p99 of each, the server's throughput against the in-process engine
@@ -36,6 +39,7 @@ import torch
 
 from benchmarks.engine import SHAPES, Request, Result, percentile, run_engine, run_sequential, workload
 from models import DecoderLM
+from serving import AsyncEngine, Engine
 
 ENGINE_LIMITS = dict(block_size=16, max_num_batched_tokens=512)
 
@@ -120,6 +124,33 @@ async def _drive(url: str, requests: list[Request]) -> Result:
     )
 
 
+def run_async_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespace) -> Result:
+    """The same requests as asyncio streams over ``AsyncEngine`` in this process: the server without HTTP."""
+
+    async def drive() -> Result:
+        front = AsyncEngine(Engine(model, max_num_seqs=args.max_batch, **ENGINE_LIMITS))
+        warm = await front.add_request(requests[0].prompt, max_tokens=4)
+        _ = [d async for d in front.stream(warm)]
+        started = time.perf_counter()
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+        stamps: dict[int, list[float]] = {i: [] for i in range(len(requests))}
+
+        async def one(i: int, r: Request) -> None:
+            await asyncio.sleep(max(0.0, started + r.arrival - time.perf_counter()))
+            request_id = await front.add_request(r.prompt, max_tokens=r.max_tokens, logprobs=0)
+            async for delta in front.stream(request_id):
+                tokens[i] += delta.token_ids
+                stamps[i] += [time.perf_counter() - started] * len(delta.token_ids)
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+        await front.close()
+        return Result("AsyncEngine in-process (no HTTP)", max(s[-1] for s in stamps.values()) - requests[0].arrival,
+                      tokens, ttft=[stamps[i][0] - r.arrival for i, r in enumerate(requests)],
+                      itl=[b - a for s in stamps.values() for a, b in zip(s, s[1:], strict=False)])
+
+    return asyncio.run(drive())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo", choices=sorted(SHAPES))
@@ -144,9 +175,11 @@ def main(argv: list[str] | None = None) -> None:
          "pad_token_id": None})).eval()
     requests = workload(args, model.config.vocab_size)
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} thread(s) per process, torch {torch.__version__}")
-    results = [run_server(model, requests, args), run_engine(model, requests, args),
+    # The engine in-process computes what the server sends: the chosen token's log-probability (logprobs=0).
+    results = [run_server(model, requests, args), run_async_engine(model, requests, args),
+               run_engine(model, requests, args, logprobs=0),
                run_sequential(model, requests, args)]
-    server, engine = results[0], results[1]
+    server, engine = results[0], results[2]
     print(f"\n#### {args.model}: {len(requests)} requests at {args.rate:g}/s, prompts {args.prompt_len[0]}-"
           f"{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}; at most {args.max_batch} "
           f"running at once, peak {server.extra['peak_in_flight']} requests in flight at the server\n")
