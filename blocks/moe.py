@@ -205,7 +205,11 @@ class MixtureOfExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
         tokens = order // self.top_k  # (N·k,) the token of each sorted pair
         groups = h[tokens].split(counts)  # one (n_e, d_model) block per expert
-        outs = [self._expert(e, group) for e, group in enumerate(groups) if counts[e]]
+        # With gradients, an expert no token chose still runs (on no rows): its weights get zero gradients instead
+        # of none, so data-parallel ranks whose tokens chose different experts reduce the same gradients (FSDP2's
+        # reduce-scatter covers every parameter of a group or fails on mismatched sizes).
+        every = torch.is_grad_enabled()
+        outs = [self._expert(e, group) for e, group in enumerate(groups) if counts[e] or every]
         y = torch.cat(outs) * weights.reshape(-1)[order, None]  # (N·k, d_model)
         return h.new_zeros(h.shape).index_add_(0, tokens, y.to(h.dtype))
 

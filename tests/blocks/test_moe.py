@@ -69,8 +69,10 @@ def test_gradients_reach_the_chosen_experts_and_the_router() -> None:
     x = torch.randn(1, 1, 8)
     moe(x).sum().backward()
     chosen = moe.router(x[0, 0]).topk(2).indices.tolist()
-    touched = [e for e, expert in enumerate(moe.experts) if expert.up_proj.weight.grad is not None]
+    touched = [e for e, expert in enumerate(moe.experts) if expert.up_proj.weight.grad.abs().sum() > 0]
     assert sorted(touched) == sorted(chosen)
+    # The others get zero gradients, not none: data-parallel ranks reduce the same set (FSDP2 needs it).
+    assert all(expert.up_proj.weight.grad is not None for expert in moe.experts)
     assert moe.router.weight.grad.abs().sum() > 0
 
 

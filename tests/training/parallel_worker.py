@@ -25,15 +25,21 @@ CONFIG = dict(vocab_size=40, d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, n_lay
               positional="rotary", ffn="swiglu", norm="rmsnorm")
 
 
-def build(out: Path, parallel: str = "ddp", processes: int = 1, tp_size: int | None = None) -> Trainer:
+#: A mixture-of-experts model (3 experts, top 2, load-balancing loss in the training loss).
+MOE_CONFIG = {**CONFIG, "ffn": "moe", "options": {"ffn": {"n_experts": 3, "top_k": 2, "aux_loss_coef": 0.05}}}
+
+
+def build(out: Path, parallel: str = "ddp", processes: int = 1, tp_size: int | None = None, moe: bool = False,
+          grad_accum_steps: int = 1) -> Trainer:
     """The same model, data and AdamW in every process; each data-parallel replica reads its slice."""
     torch.manual_seed(0)
-    model = DecoderLM.from_preset("tiny", **CONFIG)
+    model = DecoderLM.from_preset("tiny", **(MOE_CONFIG if moe else CONFIG))
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(3, 14, (32,), generator=g).tolist()
     data = [[2] + torch.randint(5, 40, (k,), generator=g).tolist() + [3] for k in lengths]
     dp = {"tp": 1, "fsdp+tp": processes // (tp_size or 1)}.get(parallel, processes)
-    config = TrainerConfig(max_steps=4, batch_size=GLOBAL_BATCH // dp, max_grad_norm=0.5, progress=False,
+    config = TrainerConfig(max_steps=4, batch_size=GLOBAL_BATCH // dp // grad_accum_steps,
+                           grad_accum_steps=grad_accum_steps, max_grad_norm=0.5, progress=False,
                            device="cpu", checkpoint_dir=str(out), parallel=parallel, tp_size=tp_size)
     return Trainer(model, functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), config, data,
                    CausalLMCollator(pad_token_id=0), scheduler=lambda opt: WarmupCosineLR(opt, warmup=2, total=4))
@@ -88,6 +94,14 @@ def main(scenario: str, out: Path) -> None:
         results["bit_exact_from_one"] = all(torch.equal(loaded[k], v) for k, v in saved.items())
         resumed.train()
         results["resumed_losses"] = [r["loss"] for r in resumed.history]
+    elif scenario == "moe":
+        trainer = build(out / "moe", "fsdp", processes=2, moe=True)
+        trainer.train()
+        results["losses"] = [r["loss"] for r in trainer.history]
+        final = consolidated_state_dict(trainer.model)  # a collective: every process takes part
+        if context.is_main:
+            safetensors.torch.save_file({k: v.contiguous() for k, v in final.items() if k != "lm_head.weight"},
+                                        str(out / "moe_final.safetensors"))
     elif scenario == "four":
         trainer = build(out / "four", "fsdp+tp", processes=4, tp_size=2)
         trainer.train(until=3)

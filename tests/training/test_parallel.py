@@ -74,6 +74,21 @@ def test_fsdp_tp_and_checkpoints_across_one_and_two_processes(tmp_path) -> None:
 
 
 @gloo
+def test_fsdp_shards_a_mixture_of_experts_model_like_one_process(tmp_path) -> None:
+    # The router's load-balancing loss is computed per forward pass (as transformers does), so the one-process
+    # reference accumulates two micro-batches of 2: the forward passes each of the 2 FSDP processes makes.
+    single = build(tmp_path / "single", moe=True, grad_accum_steps=2)
+    expected = [r["loss"] for r in single.train()]
+    final = _weights(single.model)
+    got = _torchrun(2, "moe", tmp_path)
+    assert got["losses"] == pytest.approx(expected, rel=1e-5)
+    saved = safetensors.torch.load_file(str(tmp_path / "moe_final.safetensors"))
+    assert any("experts" in name for name in saved)
+    for name, value in saved.items():
+        torch.testing.assert_close(value, final[name], rtol=0, atol=1e-5, msg=name)
+
+
+@gloo
 @pytest.mark.slow  # 4 processes on 2 cores: ~30 s; the fast test above covers FSDP, TP and the 2-D mesh code (1 x 2)
 def test_four_processes_train_on_a_two_by_two_fsdp_tp_mesh(tmp_path) -> None:
     got = _torchrun(4, "four", tmp_path)
