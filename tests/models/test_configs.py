@@ -133,7 +133,7 @@ def typed_options():
 
     cases = []
     targets = [(key, field, kind, name) for key, (field, kind) in DecoderLMConfig.option_blocks.items()
-               for name in blocks.names(kind)]
+               for name in blocks.names(kind) if kind != "head" or name in DecoderLMConfig.heads]
     targets += [("layer", None, "layer", name) for name in DecoderLMConfig().layer_builders()]
     for key, field, kind, name in targets:
         supplied = {"positional": POSITIONAL_SUPPLIED, "layer": LAYER_BUILDER_SUPPLIED}.get(kind) or SUPPLIED[kind]
