@@ -37,7 +37,7 @@ import httpx
 import openai
 import torch
 
-from benchmarks.engine import SHAPES, Request, Result, percentile, run_engine, run_sequential, workload
+from benchmarks.engine import SHAPES, Request, Result, percentile, run_engine, run_sequential, timed, workload
 from models import DecoderLM
 from serving import AsyncEngine, Engine
 
@@ -126,29 +126,25 @@ async def _drive(url: str, requests: list[Request]) -> Result:
 
 def run_async_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespace) -> Result:
     """The same requests as asyncio streams over ``AsyncEngine`` in this process: the server without HTTP."""
+    engine = Engine(model, max_num_seqs=args.max_batch, **ENGINE_LIMITS)
+    engine.generate([r.prompt for r in requests[:4]], max_tokens=4)  # warm-up
 
-    async def drive() -> Result:
-        front = AsyncEngine(Engine(model, max_num_seqs=args.max_batch, **ENGINE_LIMITS))
-        warm = await front.add_request(requests[0].prompt, max_tokens=4)
-        _ = [d async for d in front.stream(warm)]
-        started = time.perf_counter()
-        tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
-        stamps: dict[int, list[float]] = {i: [] for i in range(len(requests))}
+    def run(emit: Any, start: float) -> None:
+        async def drive() -> None:
+            front = AsyncEngine(engine)
 
-        async def one(i: int, r: Request) -> None:
-            await asyncio.sleep(max(0.0, started + r.arrival - time.perf_counter()))
-            request_id = await front.add_request(r.prompt, max_tokens=r.max_tokens, logprobs=0)
-            async for delta in front.stream(request_id):
-                tokens[i] += delta.token_ids
-                stamps[i] += [time.perf_counter() - started] * len(delta.token_ids)
+            async def one(i: int, r: Request) -> None:
+                await asyncio.sleep(max(0.0, start + r.arrival - time.perf_counter()))
+                request_id = await front.add_request(r.prompt, max_tokens=r.max_tokens, logprobs=0)
+                async for delta in front.stream(request_id):
+                    emit(i, delta.token_ids)
 
-        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-        await front.close()
-        return Result("AsyncEngine in-process (no HTTP)", max(s[-1] for s in stamps.values()) - requests[0].arrival,
-                      tokens, ttft=[stamps[i][0] - r.arrival for i, r in enumerate(requests)],
-                      itl=[b - a for s in stamps.values() for a, b in zip(s, s[1:], strict=False)])
+            await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+            await front.close()
 
-    return asyncio.run(drive())
+        asyncio.run(drive())
+
+    return timed("AsyncEngine in-process (no HTTP)", requests, run)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -260,9 +260,8 @@ class Engine:
             seq.seen = torch.zeros(1, row.shape[-1], dtype=torch.bool)
             seq.seen[0, seq.tokens] = True
         if spec.params.uses_counts and seq.counts is None:
-            seq.counts = torch.zeros(1, row.shape[-1], dtype=torch.int32)
-            seq.counts[0].index_add_(0, torch.tensor(seq.output, dtype=torch.long),
-                                     torch.ones(len(seq.output), dtype=torch.int32))
+            output = torch.tensor(seq.output, dtype=torch.long)
+            seq.counts = torch.bincount(output, minlength=row.shape[-1]).to(torch.int32)[None]
         token = int(spec.params.next_tokens(row, seq.seen, seq.generator, seq.counts)[0])
         if seq.seen is not None:
             seq.seen[0, token] = True

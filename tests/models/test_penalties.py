@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models import DecoderLM, DecoderLMConfig
+from models import DecoderLM, DecoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer
 from models.generation.sampling import SamplingParams, apply_presence_frequency_penalty
 
 VOCAB = 40
@@ -85,8 +85,6 @@ def test_bad_penalties_raise_naming_the_field(field: str, value: object) -> None
 
 
 def test_beam_search_and_speculative_decoding_refuse_the_penalties() -> None:
-    from models import Seq2SeqConfig, Seq2SeqTransformer
-
     params = SamplingParams(frequency_penalty=0.5)
     seq2seq = Seq2SeqTransformer(Seq2SeqConfig(vocab_size=VOCAB, d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1,
                                                n_decoder_layers=1, max_len=32, dropout=0.0))

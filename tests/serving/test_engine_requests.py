@@ -243,7 +243,7 @@ def test_a_slow_reader_gets_the_queued_deltas_of_a_sample_joined(model: DecoderL
     assert [e.token_id for e in got[0].logprobs] == want
 
 
-def test_nan_logits_end_only_their_request_with_error_and_leave_no_trace(model: DecoderLM) -> None:
+def test_nan_logits_end_only_their_request_with_error_and_leave_no_trace() -> None:
     poisoned = tiny_model("llama-tiny")
     with torch.no_grad():
         poisoned.embed_tokens.weight[7] = float("nan")  # any prompt holding token 7 has NaN logits
