@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .kv_cache import KVCache, StaticKVCache
 from .paged_cache import PagedKVCache
+from .paged_latent_cache import PagedLatentCache
 from .positional.base import PositionalEncoding
 from .registry import build, get, register
 
@@ -58,6 +59,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     #: the registered ``kv_cache`` kind a decoding cache of this block must be (``models.core.stack.new_caches``).
     cache_kind = "latent"
+    #: the registered ``kv_cache`` kind of its cache over a paged pool (``serving``'s engine).
+    paged_cache_kind = "paged_latent"
 
     def __init__(
         self,
@@ -139,11 +142,13 @@ class MultiHeadLatentAttention(nn.Module):
         """Attend from ``x`` to itself; arguments as ``MultiHeadAttention.forward`` (``key_positions`` unused).
 
         ``cache``: a ``LatentKVCache`` (or any ``KVCache``-like cache: it is given latents as keys and rotary keys as
-        values); the new tokens' latents are appended and attention runs in latent space over all of them.
+        values); the new tokens' latents are appended and attention runs in latent space over all of them. Or a
+        ``PagedLatentCache``: ``x`` holds the packed new tokens of several sequences (``blocks.paged_latent_cache``).
 
         Raises:
             ValueError: cross-attention, no rotary encoding, a rotary encoding that rotates other than ``d_rope``
-                dimensions, an additive bias, or a paged cache (none of which MLA supports).
+                dimensions, or an additive bias (none of which MLA supports).
+            NotImplementedError: a per-head paged or static cache, or attention weights over a paged cache.
         """
         if context is not None:
             raise ValueError("latent attention is self-attention only (context given)")
@@ -154,9 +159,12 @@ class MultiHeadLatentAttention(nn.Module):
                              f"{self.d_rope} (set the positional fraction to d_rope / d_head)")
         if bias is not None:
             raise ValueError("latent attention takes no additive attention bias (ALiBi, relative); use rotary")
-        if isinstance(cache, (PagedKVCache, StaticKVCache)):
-            raise NotImplementedError(f"latent attention cannot decode with a {type(cache).__name__} (paged serving "
-                                      "caches hold per-head keys); use generate()")
+        paged = isinstance(cache, PagedLatentCache)
+        if isinstance(cache, (PagedKVCache, StaticKVCache)) and not paged:
+            raise NotImplementedError(f"latent attention cannot decode with a {type(cache).__name__} (it holds "
+                                      "per-head keys); use a PagedLatentCache or a LatentKVCache")
+        if paged and need_weights:
+            raise NotImplementedError("a paged latent cache does not return attention weights")
         b, length, _ = x.shape
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(b, length, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, L, d_head)
@@ -166,7 +174,10 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = rotary.rotate(k_rope[:, None], positions)  # (B, 1, L, d_rope): one key for every head
         q_rope = rotary.rotate(q_rope, positions)
         dropout_p = self.dropout if self.training else 0.0
-        if cache is None:
+        if paged:
+            cache.update(latent, k_rope)
+            out, weights = cache.attend(q_nope, q_rope, self._paged_rows), None
+        elif cache is None:
             out, weights = self._expanded(q_nope, q_rope, latent, k_rope, mask, is_causal, dropout_p, need_weights)
         else:
             latent, k_rope = cache.update(latent, k_rope)  # (B, 1, Lk, r), (B, 1, Lk, d_rope)
@@ -190,6 +201,14 @@ class MultiHeadLatentAttention(nn.Module):
         r, spent = self.kv_lora_rank, self.d_nope + self.d_value
         return n_queries * (2 * r - spent) < r * spent
 
+    def _paged_rows(self, q_nope: Tensor, q_rope: Tensor, keys: Tensor, mask: Tensor) -> Tensor:
+        """One group of a paged batch (``PagedLatentCache.attend``): keys ``(G, 1, K, r + d_rope)`` are the cached
+        ``[latent, rotary key]`` rows; absorbed or expanded as ``forward`` chooses for a contiguous cache."""
+        latent, k_rope = keys.split([self.kv_lora_rank, self.d_rope], dim=-1)
+        if type(self.kv_b_proj) is nn.Linear and self.absorbs(q_nope.shape[2]):
+            return self._absorbed(q_nope, q_rope, latent, k_rope, mask, False, 0.0, False, key=keys)[0]
+        return self._expanded(q_nope, q_rope, latent, k_rope, mask, False, 0.0, False)[0]
+
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float,
                 need_weights: bool) -> tuple[Tensor, Tensor | None]:
         if need_weights:
@@ -208,14 +227,15 @@ class MultiHeadLatentAttention(nn.Module):
         return self._attend(q, k, v, mask, is_causal, dropout_p, need_weights)
 
     def _absorbed(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, mask: Tensor | None,
-                  is_causal: bool, dropout_p: float, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+                  is_causal: bool, dropout_p: float, need_weights: bool, key: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor | None]:
         """§2.1.2: ``q_nope · k_nope = (q_nope W_uk) · c`` and ``p · v = (p · c) W_uv``: attention over the latents
         as one key/value head of width ``kv_lora_rank (+ d_rope for the keys)``."""
         b, h, lq, _ = q_nope.shape
         weight = self.kv_b_proj.weight.view(h, self.d_nope + self.d_value, self.kv_lora_rank)
         w_uk, w_uv = weight.split([self.d_nope, self.d_value], dim=1)  # (H, d_nope, r), (H, Dv, r)
         q = torch.cat([torch.einsum("bhld,hdr->bhlr", q_nope, w_uk), q_rope], dim=-1)  # (B, H, Lq, r + d_rope)
-        k = torch.cat([latent, k_rope], dim=-1)  # (B, 1, Lk, r + d_rope)
+        k = torch.cat([latent, k_rope], dim=-1) if key is None else key  # (B, 1, Lk, r + d_rope)
         if lq == 1 and (mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1)):
             # One query per head (a decoding step): the heads are the queries of one shared head, so the cached
             # latents are read once, not once per head; one query sees every key, so nothing causal to mask.

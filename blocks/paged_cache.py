@@ -21,11 +21,12 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .registry import register
+from .registry import get, register
 
 
 class BlockAllocator:
@@ -314,6 +315,22 @@ class PagedKVCache:
         self.v: Tensor | None = None
         self.batch: PagedBatch | None = None
 
+    @staticmethod
+    def numbers_per_position(attention: Any) -> int:
+        """Numbers one cached position of one layer takes: keys and values of every key/value head."""
+        return attention.n_kv_heads * (attention.d_head + attention.d_value)
+
+    def reserve(self, attention: Any, like: Tensor) -> None:
+        """Allocate the whole pools now (compiled steps do not grow them), zeroed, in ``like``'s dtype and device."""
+        self.k = like.new_zeros((attention.n_kv_heads, self.n_blocks, self.block_size, attention.d_head))
+        self.v = like.new_zeros((attention.n_kv_heads, self.n_blocks, self.block_size, attention.d_value))
+
+    def scrub(self, blocks: Tensor) -> None:
+        """Zero ``blocks`` (long ids) in the pools (what a failed request wrote must not be read again)."""
+        for pool in (self.k, self.v):
+            if pool is not None:
+                pool.index_fill_(1, blocks[blocks < pool.shape[1]], 0.0)
+
     @property
     def nbytes(self) -> int:
         """Bytes the pools hold now."""
@@ -404,12 +421,14 @@ def _with_sink_key(k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor, g: int, lq
 
 
 class PagedLayerCache:
-    """The cache of one decoder layer over a paged pool (self-attention only), as the layers expect it."""
+    """The cache of one decoder layer over a paged pool (self-attention only), as the layers expect it: a registered
+    ``kv_cache`` kind built with ``(n_blocks, block_size)`` — ``"paged"``, or ``"paged_latent"`` for latent
+    attention (its ``paged_cache_kind``)."""
 
     cross_attn = None
 
-    def __init__(self, n_blocks: int, block_size: int) -> None:
-        self.self_attn = PagedKVCache(n_blocks, block_size)
+    def __init__(self, n_blocks: int, block_size: int, kind: str = "paged") -> None:
+        self.self_attn = get("kv_cache", kind)(n_blocks, block_size)
 
     def reorder(self, index: Tensor) -> None:
         raise NotImplementedError("a paged cache is not reordered: requests share blocks through the allocator")

@@ -30,7 +30,7 @@ from .requests import (
     per_prompt,
     stop_is_per_prompt,
 )
-from .runner import PagedRunner
+from .runner import PagedRunner, block_nbytes
 from .scheduler import Scheduler
 
 
@@ -39,10 +39,9 @@ class QueueFullError(RuntimeError):
 
 
 def kv_block_nbytes(model: Any, block_size: int) -> int:
-    """Bytes of one paged-cache block of ``model``: keys and values of ``block_size`` positions in every layer."""
-    config = model.config
-    element = next(model.parameters()).element_size()
-    return config.n_layers * config.n_kv_heads * block_size * (config.d_head + config.d_value) * element
+    """Bytes of one paged-cache block of ``model``: what ``block_size`` positions hold in every layer (keys and
+    values, or latent attention's latents and rotary keys)."""
+    return block_nbytes(model, block_size)
 
 
 def blocks_in_memory(model: Any, nbytes: Any, block_size: int, num_blocks: int | None) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from blocks import get
 from blocks.paged_cache import PagedBatch, PagedLayerCache
 from models.generation import compiled
 from models.generation.steps import eval_mode
@@ -35,6 +36,19 @@ def bucket(n: int, smallest: int) -> int:
 def packed_logits(model: Any, ids: Tensor, positions: Tensor, caches: list[PagedLayerCache], keep: Tensor) -> Tensor:
     """One packed forward pass: the logits at ``keep``, ``(len(keep), V)`` (the function the compiled step wraps)."""
     return model(ids, positions=positions, cache=caches, logits_to_keep=keep).logits[0]
+
+
+def paged_kind(layer: Any) -> str:
+    """The registered ``kv_cache`` kind of a decoder layer's paged cache: its attention's ``paged_cache_kind``
+    (``"paged_latent"`` for latent attention), ``"paged"`` by default."""
+    return getattr(layer.self_attn, "paged_cache_kind", "paged")
+
+
+def block_nbytes(model: Any, block_size: int) -> int:
+    """Bytes one paged block of ``block_size`` positions takes over every layer of ``model``, in its dtype."""
+    element = next(model.parameters()).element_size()
+    return block_size * element * sum(get("kv_cache", paged_kind(layer)).numbers_per_position(layer.self_attn)
+                                      for layer in model.layers)
 
 
 class BucketedStep:
@@ -81,17 +95,12 @@ class PagedRunner:
         self.model, self.block_size, self.n_blocks = model, block_size, n_blocks
         self.step = None
         if not compile:
-            self.caches = [PagedLayerCache(n_blocks, block_size) for _ in model.layers]
+            self.caches = [PagedLayerCache(n_blocks, block_size, paged_kind(layer)) for layer in model.layers]
             return
         # Whole pools with one scratch block (id n_blocks) for padding rows: no growth inside a graph.
-        weight = model.embed_tokens.weight
-        self.caches = []
-        for layer in model.layers:
-            attn = layer.self_attn
-            cache = PagedLayerCache(n_blocks + 1, block_size)
-            cache.self_attn.k = weight.new_zeros((attn.n_kv_heads, n_blocks + 1, block_size, attn.d_head))
-            cache.self_attn.v = weight.new_zeros((attn.n_kv_heads, n_blocks + 1, block_size, attn.d_value))
-            self.caches.append(cache)
+        self.caches = [PagedLayerCache(n_blocks + 1, block_size, paged_kind(layer)) for layer in model.layers]
+        for layer, cache in zip(model.layers, self.caches, strict=True):
+            cache.self_attn.reserve(layer.self_attn, model.embed_tokens.weight)
         self.step = BucketedStep()
 
     @torch.inference_mode()
@@ -100,10 +109,7 @@ class PagedRunner:
         slot of a reused block still enters the attention products)."""
         index = torch.as_tensor(list(blocks), dtype=torch.long)
         for cache in self.caches:
-            pools = (cache.self_attn.k, cache.self_attn.v)
-            for pool in pools:
-                if pool is not None:
-                    pool.index_fill_(1, index[index < pool.shape[1]], 0.0)
+            cache.self_attn.scrub(index)
 
     @property
     def nbytes(self) -> int:

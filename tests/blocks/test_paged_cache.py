@@ -27,7 +27,7 @@ def one_thread() -> Iterator[None]:
 
 
 def test_paged_cache_is_a_registered_kv_cache_kind() -> None:
-    assert blocks.names("kv_cache") == ["contiguous", "latent", "paged"]
+    assert blocks.names("kv_cache") == ["contiguous", "latent", "paged", "paged_latent"]
     cache = blocks.build("kv_cache", "paged", n_blocks=4, block_size=2)
     assert isinstance(cache, blocks.PagedKVCache) and cache.nbytes == 0
 

@@ -146,11 +146,15 @@ def test_speculative_decoding_and_int8_weights_decode_deepseek_models() -> None:
     torch.testing.assert_close(torch.cat(steps, 1), target(ids).logits, atol=1e-4, rtol=0)
 
 
-def test_the_serving_engine_names_what_latent_attention_lacks(model: DecoderLM) -> None:
-    from serving.engine import Engine
+def test_latent_attention_refuses_a_per_head_paged_cache(model: DecoderLM) -> None:
+    from blocks.paged_cache import PagedBatch, PagedLayerCache
 
+    caches = [PagedLayerCache(4, 4) for _ in model.layers]  # "paged" holds per-head keys; MLA needs "paged_latent"
+    batch = PagedBatch([(3, 3, [0])], 4)
+    for cache in caches:
+        cache.self_attn.batch = batch
     with pytest.raises(NotImplementedError, match="latent attention cannot decode with a PagedKVCache"):
-        Engine(model).generate([[5, 6, 7]], max_tokens=2)
+        model(torch.tensor([[5, 6, 7]]), positions=batch.positions[None], cache=caches)
 
 
 @torch.no_grad()

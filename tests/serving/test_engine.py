@@ -15,7 +15,8 @@ from models import DecoderLM
 from models.generation.sampling import SamplingParams
 from serving import Engine
 
-FAMILIES = ["tiny", "mistral-tiny", "gemma2-tiny", "qwen3-tiny", "gpt_neox-tiny"]
+FAMILIES = ["tiny", "mistral-tiny", "gemma2-tiny", "qwen3-tiny", "gpt_neox-tiny",
+            "deepseek_v2-tiny", "deepseek_v3-tiny"]  # latent attention: the paged_latent cache
 PROMPT_LENGTHS = (3, 9, 14, 21, 33)
 MAX_TOKENS = (12, 20, 7, 15, 10)
 SAMPLING = SamplingParams(do_sample=True, temperature=0.9, top_k=50)
