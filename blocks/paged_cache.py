@@ -8,10 +8,11 @@ lowest free ids, so a lightly loaded cache stays small.
 
 A batch over the cache is **packed** (flattened tokens): the new tokens of every row — a prefill chunk or one
 decode token — are concatenated into one sequence ``(1, T)``, so the projections and the FFN run on ``T`` real
-tokens with no padding. ``PagedBatch`` records where each row's queries sit, the cache slot each new key/value is
-written to, and which blocks each row reads. Attention (``PagedKVCache.attend``) gathers each row's keys from its
-blocks and calls the module's backend on rows padded to the longest query of their group: decode rows (one query)
-form one group and prefill rows another, so a long prefill chunk does not pad every decode row to its length.
+tokens with no padding. ``PagedBatch`` (``blocks.paged_batch``) records where each row's queries sit, the cache
+slot each new key/value is written to, and which blocks each row reads. Attention (``PagedKVCache.attend``)
+gathers each row's keys from its blocks and calls the module's backend on rows padded to the longest query of their
+group: decode rows (one query) form groups by context length and prefill rows another, so a long prefill chunk does
+not pad every decode row to its length.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import hashlib
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .paged_batch import GROUP_COST, AttentionGroup, PagedBatch, split_by_length
 from .registry import get, register
+
+__all__ = ["GROUP_COST", "BlockAllocator", "PagedBatch", "PagedKVCache", "PagedLayerCache", "split_by_length"]
 
 
 class BlockAllocator:
@@ -139,152 +142,6 @@ class BlockAllocator:
             self._hash_of[block] = key
 
 
-#: What one more attention group costs beyond its keys, in gathered key positions (the Python and kernel-launch
-#: time of one more gather and backend call per layer, measured on the CPU, expressed as copied positions).
-GROUP_COST = 2048
-
-
-def split_by_length(members: list[tuple[int, int, int, Sequence[int]]], block_size: int,
-                    max_groups: int = 4) -> list[list[tuple[int, int, int, Sequence[int]]]]:
-    """Decoding rows in groups of similar context length: a group's keys are padded to its longest row, so rows
-    of 20 and 300 positions in one group gather and attend 600 positions instead of 320. Sorted by length, the
-    rows are cut (dynamic programming) where ``Σ rows · longest blocks · block_size + GROUP_COST`` per group is
-    least, into at most ``max_groups`` groups."""
-    if len(members) < 2:
-        return [members]
-    rows = sorted(members, key=lambda m: m[2])
-    blocks = [-(-m[2] // block_size) * block_size for m in rows]
-    n = len(rows)
-    # best[j][i]: least cost of the first i rows in j groups; cut[j][i]: where its last group starts.
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(max_groups + 1)]
-    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
-    best[0][0] = 0.0
-    for j in range(1, max_groups + 1):
-        for i in range(1, n + 1):
-            for start in range(i):
-                cost = best[j - 1][start] + (i - start) * blocks[i - 1] + GROUP_COST
-                if cost < best[j][i]:
-                    best[j][i], cut[j][i] = cost, start
-    j = min(range(1, max_groups + 1), key=lambda g: best[g][n])
-    groups, end = [], n
-    while j:
-        start = cut[j][end]
-        groups.append(rows[start:end])
-        end, j = start, j - 1
-    return groups[::-1]
-
-
-@dataclass
-class _Group:
-    """Rows attended together: their queries padded to ``Lq``, their keys to ``K = n_blocks · block_size``."""
-
-    q_index: Tensor  # (G, Lq) long, the packed index of each query (0 where padded)
-    valid: Tensor  # (G, Lq) bool
-    flat: Tensor  # (n_valid,) long, q_index[valid]
-    tables: Tensor  # (G, nb) long block ids (padded with the row's first block: read but masked)
-    q_pos: Tensor  # (G, Lq) long positions of the queries
-    masks: dict[tuple[int | None, int, int], Tensor]  # (window, Hkv, rep) -> mask
-    dense: bool = False  # every query is real (no padding): no boolean indexing (static shapes when compiled)
-
-    def mask(self, window: int | None, block_size: int, n_kv: int, rep: int) -> Tensor:
-        """``(Hkv·G, 1, rep·Lq, K)`` bool, True = may attend: keys at or before each query's position (and within
-        ``window``), for the layout of ``PagedKVCache.attend``."""
-        key = (window, n_kv, rep)
-        if key not in self.masks:
-            keys = torch.arange(self.tables.shape[1] * block_size, device=self.q_pos.device)
-            distance = self.q_pos[:, :, None] - keys  # (G, Lq, K)
-            allowed = (distance >= 0) & self.valid[:, :, None]
-            if window is not None:
-                allowed &= distance < window
-            g, lq, k = allowed.shape
-            self.masks[key] = allowed[None, :, None].expand(n_kv, g, rep, lq, k).reshape(n_kv * g, 1, rep * lq, k)
-        return self.masks[key]
-
-
-class PagedBatch:
-    """What one packed forward pass over a paged cache needs, shared by every layer.
-
-    Args:
-        rows: per row ``(n_query, n_context, block_table)``: the row's new tokens (consecutive in the packed
-            sequence, rows in order), the positions it holds after this step (cached + new), and the block ids
-            holding positions ``0 .. n_context - 1``.
-        block_size: positions per block.
-        device: where the index tensors live.
-
-    Attributes:
-        positions: ``(T,)`` long, the position of each packed token.
-        slots: ``(T,)`` long, the pool slot (``block · block_size + offset``) each new key/value is written to.
-        last: ``(n_rows,)`` long, the packed index of each row's last token.
-        max_block: the highest block id read or written, plus 1.
-    """
-
-    def __init__(self, rows: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
-                 device: torch.device | str = "cpu", *, pad_rows: int | None = None, pad_blocks: int | None = None,
-                 scratch: int = 0, capacity: int | None = None) -> None:
-        if not rows:
-            raise ValueError("a paged batch needs at least one row")
-        if pad_rows is not None:
-            # Static shapes for a compiled decode step: one-token rows only, padded to ``pad_rows`` rows (which
-            # write to and read the ``scratch`` block) and ``pad_blocks`` blocks per row; ``capacity`` fixes
-            # ``max_block`` (the pool is allocated whole).
-            if any(n_query != 1 for n_query, _, _ in rows) or len(rows) > pad_rows:
-                raise ValueError(f"padding needs at most pad_rows={pad_rows} one-token rows")
-            if any(-(-n // block_size) > pad_blocks for _, n, _ in rows):
-                raise ValueError(f"a row needs more than pad_blocks={pad_blocks} blocks")
-            rows = [*rows, *[(1, 1, [scratch])] * (pad_rows - len(rows))]
-        positions, slots, last = [], [], []
-        start = 0
-        by_kind: dict[bool, list[tuple[int, int, int, Sequence[int]]]] = {True: [], False: []}
-        for n_query, n_context, table in rows:
-            if not 1 <= n_query <= n_context or len(table) * block_size < n_context:
-                raise ValueError(
-                    f"a row needs 1 <= n_query <= n_context <= len(table) * block_size, got n_query={n_query}, "
-                    f"n_context={n_context}, {len(table)} blocks of {block_size}"
-                )
-            first = n_context - n_query
-            for p in range(first, n_context):
-                positions.append(p)
-                slots.append(table[p // block_size] * block_size + p % block_size)
-            last.append(start + n_query - 1)
-            by_kind[n_query == 1].append((start, n_query, n_context, table))
-            start += n_query
-        self.block_size = block_size
-        self.n_tokens = start
-        self.positions = torch.tensor(positions, dtype=torch.long, device=device)
-        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
-        self.last = torch.tensor(last, dtype=torch.long, device=device)
-        self.max_block = max(max(table[: -(-n // block_size)]) for _, n, table in rows) + 1
-        if capacity is not None:
-            self.max_block = capacity
-        decode = by_kind[True] if pad_blocks is None else []  # padded (compiled) steps keep one static group
-        kinds = [*split_by_length(decode, block_size), *([by_kind[True]] if pad_blocks is not None else []),
-                 by_kind[False]]
-        self.groups = [self._group(members, device, pad_blocks) for members in kinds if members]
-
-    def _group(self, members: list[tuple[int, int, int, Sequence[int]]], device: torch.device | str,
-               pad_blocks: int | None = None) -> _Group:
-        lq = max(m[1] for m in members)
-        nb = pad_blocks or max(-(-m[2] // self.block_size) for m in members)
-        q_index = torch.zeros(len(members), lq, dtype=torch.long)
-        q_pos = torch.zeros(len(members), lq, dtype=torch.long)
-        tables = torch.zeros(len(members), nb, dtype=torch.long)
-        valid = torch.zeros(len(members), lq, dtype=torch.bool)
-        for g, (start, n_query, n_context, table) in enumerate(members):
-            q_index[g, :n_query] = torch.arange(start, start + n_query)
-            q_pos[g, :n_query] = torch.arange(n_context - n_query, n_context)
-            valid[g, :n_query] = True
-            used = -(-n_context // self.block_size)
-            tables[g, :used] = torch.as_tensor(list(table[:used]), dtype=torch.long)
-            # Padding reads the row's own first block (masked), never another request's: keys masked out still
-            # enter the products, so a NaN in another request's block would reach this row (0 · NaN = NaN).
-            tables[g, used:] = table[0]
-        q_index, valid = q_index.to(device), valid.to(device)
-        dense = bool(valid.all())
-        flat = q_index.flatten() if dense else q_index[valid]
-        return _Group(q_index, valid, flat, tables.to(device), q_pos.to(device), {}, dense)
-
-
 @register("kv_cache", "paged")
 class PagedKVCache:
     """One layer's paged key/value pool, read and written through the ``PagedBatch`` of the current step.
@@ -314,6 +171,9 @@ class PagedKVCache:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.batch: PagedBatch | None = None
+        #: reused gather buffers by name; the engine's runner shares one dict among its layers (each layer's gathers
+        #: are consumed before the next layer's): fresh multi-megabyte buffers every layer cost page faults.
+        self.workspace: dict[str, Tensor] = {}
 
     @staticmethod
     def numbers_per_position(attention: Any) -> int:
@@ -383,7 +243,7 @@ class PagedKVCache:
             g, lq = group.q_index.shape
             # (H, G, Lq, D) -> (Hkv·G, 1, rep·Lq, D): the query heads of one key/value head side by side.
             qg = q[0][:, group.q_index].view(n_kv, rep, g, lq, -1).transpose(1, 2).reshape(n_kv * g, 1, rep * lq, -1)
-            k, v = self._gather(self.k, group), self._gather(self.v, group)  # (Hkv·G, 1, K, D)
+            k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (Hkv·G, 1, K, D)
             mask = group.mask(window, self.block_size, n_kv, rep)  # (Hkv·G, 1, rep·Lq, K)
             bias = None
             if sinks is not None:
@@ -393,13 +253,29 @@ class PagedKVCache:
             out[:, group.flat] = og.flatten(1, 2) if group.dense else og[:, group.valid]
         return out[None]
 
-    @staticmethod
-    def _gather(pool: Tensor, group: _Group) -> Tensor:
-        """A group's blocks, ``(Hkv·G, 1, K, D)``: one ``index_select`` (several times faster on the CPU than
-        advanced indexing, measured) whose result is already contiguous per key/value head."""
+    def _gather(self, pool: Tensor, group: AttentionGroup, name: str) -> Tensor:
+        """A group's blocks, ``(Hkv·G, 1, K, D)``: one ``index_select`` along dim 0 of the pool viewed as
+        ``(Hkv·blocks, block_size·D)`` (``AttentionGroup.gather_index``), into a reused buffer; the result is
+        contiguous per key/value head."""
+        heads, n, bs, d = pool.shape
         g, nb = group.tables.shape
-        rows = pool.index_select(1, group.tables.flatten())  # (Hkv, G·nb, block_size, D)
-        return rows.view(pool.shape[0] * g, 1, nb * pool.shape[2], pool.shape[3])
+        index = group.gather_index(heads, n)
+        flat = pool.view(heads * n, bs * d)
+        if torch.compiler.is_compiling():
+            rows = flat.index_select(0, index)
+        else:
+            rows = torch.index_select(flat, 0, index, out=self._buffer(name, index.numel() * bs * d, pool))
+        return rows.view(heads * g, 1, nb * bs, d)
+
+    def _buffer(self, name: str, numel: int, like: Tensor) -> Tensor:
+        """``(numel / row, row)`` view of the reusable buffer ``name`` (grown by half again when too small)."""
+        buffer = self.workspace.get(name)
+        inference = torch.is_inference_mode_enabled()
+        if (buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device
+                or buffer.is_inference() != inference):
+            size = numel if buffer is None else max(numel, buffer.numel() * 3 // 2)
+            buffer = self.workspace[name] = like.new_empty(size)
+        return buffer[:numel].view(-1, like.shape[2] * like.shape[3])
 
     def _current(self) -> PagedBatch:
         if self.batch is None:

@@ -91,7 +91,7 @@ class PagedLatentCache(PagedKVCache):
         batch = self._current()
         out = None
         for group in batch.groups:
-            keys = self._gather(self.k, group)  # (G, 1, K, r + d_rope)
+            keys = self._gather(self.k, group, "k")  # (G, 1, K, r + d_rope)
             mask = group.mask(None, self.block_size, 1, 1)  # (G, 1, Lq, K)
             # (1, H, T, d) -> (G, H, Lq, d): each group row's queries, padded to Lq
             qn, qr = (q[0][:, group.q_index].transpose(0, 1) for q in (q_nope, q_rope))

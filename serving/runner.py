@@ -96,12 +96,19 @@ class PagedRunner:
         self.step = None
         if not compile:
             self.caches = [PagedLayerCache(n_blocks, block_size, paged_kind(layer)) for layer in model.layers]
+            self._share_workspace()
             return
         # Whole pools with one scratch block (id n_blocks) for padding rows: no growth inside a graph.
         self.caches = [PagedLayerCache(n_blocks + 1, block_size, paged_kind(layer)) for layer in model.layers]
         for layer, cache in zip(model.layers, self.caches, strict=True):
             cache.self_attn.reserve(layer.self_attn, model.embed_tokens.weight)
+        self._share_workspace()
         self.step = BucketedStep()
+
+    def _share_workspace(self) -> None:
+        workspace: dict[str, Tensor] = {}  # each layer's gathers are consumed before the next layer's
+        for cache in self.caches:
+            cache.self_attn.workspace = workspace
 
     @torch.inference_mode()
     def scrub(self, blocks: Sequence[int]) -> None:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blocks
-from blocks import paged_cache
+from blocks import paged_batch
 from blocks.paged_cache import GROUP_COST, BlockAllocator, PagedBatch, PagedLayerCache, split_by_length
 from models import DecoderLM
 
@@ -162,7 +162,7 @@ def test_decode_rows_split_by_length_at_the_least_cost(lengths: list[int], block
 
 
 def test_decode_rows_in_several_groups_match_each_sequence_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(paged_cache, "GROUP_COST", 0)  # every length its own group
+    monkeypatch.setattr(paged_batch, "GROUP_COST", 0)  # every length its own group
     torch.manual_seed(0)
     model = DecoderLM.from_preset("mistral-tiny", dropout=0.0).eval()  # GQA and a window of 8
     bs = 4
@@ -184,3 +184,27 @@ def test_decode_rows_in_several_groups_match_each_sequence_alone(monkeypatch: py
                     logits_to_keep=decode.last).logits[0]
         want = torch.stack([model(torch.tensor([s])).logits[0, -1] for s in seqs])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_gathers_reuse_one_workspace_and_follow_inference_mode() -> None:
+    """The runner's layers share one dict of gather buffers; a buffer made outside inference mode is replaced
+    inside it (and an inference buffer outside), and both give the same keys."""
+    torch.manual_seed(0)
+    model = DecoderLM.from_preset("mistral-tiny", dropout=0.0).eval()
+    caches = [PagedLayerCache(16, 4) for _ in model.layers]
+    workspace: dict[str, torch.Tensor] = {}
+    for cache in caches:
+        cache.self_attn.workspace = workspace
+    seq = torch.randint(3, 1000, (9,)).tolist()
+    batch = PagedBatch([(9, 9, [3, 0, 5])], 4)
+    for cache in caches:
+        cache.self_attn.batch = batch
+    ids, positions = torch.tensor([seq]), batch.positions[None]
+    with torch.no_grad():
+        first = model(ids, positions=positions, cache=caches).logits
+    assert sorted(workspace) == ["k", "v"] and not workspace["k"].is_inference()
+    with torch.inference_mode():
+        second = model(ids, positions=positions, cache=caches).logits
+    assert workspace["k"].is_inference()
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    torch.testing.assert_close(second, model(ids).logits, rtol=0, atol=1e-5)
