@@ -4,6 +4,9 @@ One background task drives ``Engine.step`` in a worker thread (the event loop st
 ``add_request`` and ``abort`` never touch the engine from the event loop: they queue an operation that the worker
 applies before its next step, so the engine is only ever used by one thread at a time. Arguments are checked in
 ``add_request`` itself, so a bad request raises ``ValueError`` to its caller at once.
+
+``DeltaStreams`` is the part shared with ``serving.engine_process.ProcessEngine`` (the same front over an engine in
+another process): one asyncio queue per request, fed with deltas, ending when every sample has finished.
 """
 
 from __future__ import annotations
@@ -35,48 +38,42 @@ class EngineStepError(RuntimeError):
     """An engine step raised while this request was in the engine: the request was aborted."""
 
 
-class AsyncEngine:
-    """Streams of per-request deltas over one ``Engine``.
+class EngineDeadError(EngineStepError):
+    """The engine process exited: its requests in flight are lost and it takes no new ones."""
 
-    Args:
-        engine: the engine to drive (nothing else may call it meanwhile).
-    """
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._ops: collections.deque[Callable[[], list[RequestDelta]]] = collections.deque()
+def engine_stats(engine: Engine) -> dict[str, int]:
+    """What ``/metrics`` reads of an engine: sequences running and waiting, KV blocks in all and in use, prompt
+    tokens taken from the prefix cache."""
+    scheduler, allocator = engine.scheduler, engine.allocator
+    return {"running": len(scheduler.running), "waiting": len(scheduler.waiting), "blocks_total": allocator.n_blocks,
+            "blocks_used": allocator.n_blocks - allocator.num_free, "prefix_hits": scheduler.prefix_hits}
+
+
+class DeltaStreams:
+    """Per-request asyncio queues of ``RequestDelta`` objects: ``stream(request_id)`` reads one; ``deliver``,
+    ``fail`` and ``open_stream`` feed them (on the event loop's thread)."""
+
+    def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[RequestDelta | EngineStepError | None]] = {}
         self._open: dict[str, int] = {}  # request id -> samples not finished yet
-        self._ids = itertools.count()
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
 
-    async def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
-                          n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:
-        """Queue a request (arguments as ``Engine.generate`` takes them for one prompt); return its id.
+    @property
+    def open_requests(self) -> int:
+        """Requests added and not finished yet."""
+        return len(self._open)
 
-        Raises:
-            ValueError: bad arguments or an id in use.
-            QueueFullError: the engine's waiting queue is at its bound.
-        """
-        spec = self.engine.make_request(prompt, sampling, max_tokens=max_tokens, stop=stop, n=n, seed=seed,
-                                        logprobs=logprobs)
-        request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
+    def open_stream(self, request_id: str, n: int) -> None:
+        """Make the queue of a new request of ``n`` samples (before the engine can answer it)."""
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is in use")
-        queued = len(self.engine.scheduler.waiting) + sum(1 for op in self._ops if getattr(op, "adds", False))
-        if queued >= self.engine.max_waiting:
-            raise QueueFullError(f"{queued} requests are waiting (max_waiting={self.engine.max_waiting})")
         self._queues[request_id] = asyncio.Queue()
-        self._open[request_id] = spec.n
+        self._open[request_id] = n
 
-        def add() -> list[RequestDelta]:
-            self.engine.enqueue(spec, request_id)
-            return []
-
-        add.adds = True  # type: ignore[attr-defined]
-        self._submit(add)
-        return request_id
+    def drop_stream(self, request_id: str) -> None:
+        """Forget a request the engine refused."""
+        self._queues.pop(request_id, None)
+        self._open.pop(request_id, None)
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
         """The deltas of a request as its samples gain tokens, ending after every sample has finished.
@@ -108,18 +105,86 @@ class AsyncEngine:
         finally:
             self._queues.pop(request_id, None)
 
+    def fail(self, request_ids: Any, failure: EngineStepError) -> None:
+        """End the streams of ``request_ids`` (all open ones when None) with ``failure``."""
+        for request_id in list(self._open) if request_ids is None else request_ids:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(failure)
+            self._open.pop(request_id, None)
+
+    def deliver(self, delta: RequestDelta) -> None:
+        queue = self._queues.get(delta.request_id)
+        if queue is not None:
+            queue.put_nowait(delta)
+        if delta.finish_reason is not None and delta.request_id in self._open:
+            self._open[delta.request_id] -= 1
+            if self._open[delta.request_id] == 0:
+                del self._open[delta.request_id]
+                if queue is not None:
+                    queue.put_nowait(None)
+
+
+class AsyncEngine(DeltaStreams):
+    """Streams of per-request deltas over one ``Engine``, stepped in a worker thread of this process.
+
+    Args:
+        engine: the engine to drive (nothing else may call it meanwhile).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self._ops: collections.deque[Callable[[], list[RequestDelta]]] = collections.deque()
+        self._ids = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def context(self) -> int:
+        """The engine's context: prompt + output tokens at most."""
+        return self.engine.context
+
+    #: Always ready and alive (the engine lives in this process); ``ProcessEngine`` reports its child's state.
+    ready = alive = True
+    failure: str | None = None
+
+    def stats(self) -> dict[str, int]:
+        return engine_stats(self.engine)
+
+    def listen(self) -> None:
+        """Nothing to listen to (the worker starts with the first request)."""
+
+    async def start(self) -> None:
+        """Nothing to start (the worker starts with the first request)."""
+
+    async def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
+                          n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:
+        """Queue a request (arguments as ``Engine.generate`` takes them for one prompt); return its id.
+
+        Raises:
+            ValueError: bad arguments or an id in use.
+            QueueFullError: the engine's waiting queue is at its bound.
+        """
+        spec = self.engine.make_request(prompt, sampling, max_tokens=max_tokens, stop=stop, n=n, seed=seed,
+                                        logprobs=logprobs)
+        request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
+        queued = len(self.engine.scheduler.waiting) + sum(1 for op in self._ops if getattr(op, "adds", False))
+        if queued >= self.engine.max_waiting:
+            raise QueueFullError(f"{queued} requests are waiting (max_waiting={self.engine.max_waiting})")
+        self.open_stream(request_id, spec.n)
+
+        def add() -> list[RequestDelta]:
+            self.engine.enqueue(spec, request_id)
+            return []
+
+        add.adds = True  # type: ignore[attr-defined]
+        self._submit(add)
+        return request_id
+
     def abort(self, request_id: str) -> None:
         """Cancel a request: its stream ends with a delta whose ``finish_reason`` is ``"abort"`` per open sample."""
-
-        def cancel() -> list[RequestDelta]:
-            seqs = self.engine.requests.get(request_id, [])
-            done = {s.index for s in seqs if s.finish_reason is not None}
-            if not self.engine.abort(request_id):
-                return []
-            # Samples not forked yet (n > 1 before the first token) end here too.
-            return [RequestDelta(request_id, i, [], "", "abort") for i in range(seqs[0].spec.n) if i not in done]
-
-        self._submit(cancel)
+        self._submit(lambda: abort_deltas(self.engine, request_id))
 
     async def close(self) -> None:
         """Stop the background task (requests in flight are left as they are)."""
@@ -145,9 +210,7 @@ class AsyncEngine:
             deltas += self._ops.popleft()()
         if self.engine.has_unfinished():
             deltas += self.engine.step()
-        for request_id in {d.request_id for d in deltas if d.finish_reason is not None}:
-            if all(s.finish_reason is not None for s in self.engine.requests.get(request_id, [])):
-                self.engine.requests.pop(request_id, None)  # finished: the engine forgets it
+        forget_finished(self.engine, deltas)
         return deltas
 
     async def _run(self) -> None:
@@ -159,35 +222,39 @@ class AsyncEngine:
             try:
                 deltas = await asyncio.to_thread(self._work)
             except Exception as err:  # noqa: BLE001 - a failed step fails the requests it held, not the engine
-                self._fail_open_requests(err)
+                abort_all(self.engine)
+                failure = EngineStepError(f"the engine step failed: {type(err).__name__}: {err}")
+                failure.__cause__ = err
+                self.fail(None, failure)
                 continue
             for delta in deltas:
-                self._deliver(delta)
+                self.deliver(delta)
 
-    def _fail_open_requests(self, err: Exception) -> None:
-        """After a step raised: every request in the engine is aborted (its blocks freed) and its stream raises
-        ``EngineStepError``; requests added later are served as usual."""
-        for request_id in list(self.engine.requests):
-            try:
-                self.engine.abort(request_id)
-            except Exception:  # noqa: BLE001 - the step left this request half-updated; drop it regardless
-                pass
-            self.engine.requests.pop(request_id, None)
-        failure = EngineStepError(f"the engine step failed: {type(err).__name__}: {err}")
-        failure.__cause__ = err
-        for request_id in list(self._open):
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(failure)
-        self._open.clear()
 
-    def _deliver(self, delta: RequestDelta) -> None:
-        queue = self._queues.get(delta.request_id)
-        if queue is not None:
-            queue.put_nowait(delta)
-        if delta.finish_reason is not None and delta.request_id in self._open:
-            self._open[delta.request_id] -= 1
-            if self._open[delta.request_id] == 0:
-                del self._open[delta.request_id]
-                if queue is not None:
-                    queue.put_nowait(None)
+def abort_deltas(engine: Engine, request_id: str) -> list[RequestDelta]:
+    """Abort a request in ``engine``; the ``"abort"`` deltas of its open samples (none if it is unknown or done)."""
+    seqs = engine.requests.get(request_id, [])
+    done = {s.index for s in seqs if s.finish_reason is not None}
+    if not engine.abort(request_id):
+        return []
+    # Samples not forked yet (n > 1 before the first token) end here too.
+    return [RequestDelta(request_id, i, [], "", "abort") for i in range(seqs[0].spec.n) if i not in done]
+
+
+def forget_finished(engine: Engine, deltas: list[RequestDelta]) -> None:
+    """Drop the requests whose every sample has finished from ``engine.requests`` (their deltas are out)."""
+    for request_id in {d.request_id for d in deltas if d.finish_reason is not None}:
+        if all(s.finish_reason is not None for s in engine.requests.get(request_id, [])):
+            engine.requests.pop(request_id, None)
+
+
+def abort_all(engine: Engine) -> list[str]:
+    """After a step raised: abort every request in the engine (its blocks freed) and forget it; their ids."""
+    ids = list(engine.requests)
+    for request_id in ids:
+        try:
+            engine.abort(request_id)
+        except Exception:  # noqa: BLE001 - the step left this request half-updated; drop it regardless
+            pass
+        engine.requests.pop(request_id, None)
+    return ids

@@ -2,6 +2,7 @@
 (``models.from_pretrained``).
 
     zoo serve ./my-model --port 8000 --api-key sk-local --served-model-name mine   # the OpenAI API
+    zoo serve ./my-model --no-engine-process      # the engine in a thread of the server's process, not its own
     zoo chat ./my-model --temperature 0.7        # a terminal chat: /reset, /system TEXT, /exit; Ctrl-C stops a reply
     zoo generate ./my-model "Once upon a time" --max-tokens 64                     # one completion, streamed
     zoo embed ./my-embedder "first text" "second text"                             # one JSON vector per line
@@ -17,10 +18,10 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def _load(path: str) -> Any:
+def _load(path: str, **options: Any) -> Any:
     import models
 
-    model = models.from_pretrained(path).eval()
+    model = models.from_pretrained(path, **options).eval()
     if getattr(model, "tokenizer", None) is None:
         raise SystemExit(f"zoo: {path} has no tokenizer (tokenizer.json or a GGUF vocabulary); cannot serve text")
     return model
@@ -64,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=_positive, default=16)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine in its own process, which loads the model, so that HTTP never competes "
+                            "with it for the GIL (default); --no-engine-process steps it in a thread of the server")
     chat = sub.add_parser("chat", help="chat with a model in the terminal (/reset, /system TEXT, /exit)")
     chat.add_argument("model")
     chat.add_argument("--system", default=None, help="a system message")
@@ -83,12 +87,18 @@ def parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from .engine_process import ModelSource
     from .openai_api import create_app
 
-    model = _load(args.model)
+    source: Any = False
+    model = _load(args.model, device="meta") if args.engine_process else None  # config and tokenizer only
+    if model is not None and getattr(model.config, "head", None) != "embedding":
+        source = ModelSource(path=args.model)  # the engine process loads the weights
+    else:
+        model = _load(args.model)  # in-process: the thread engine or an embedding model
     app = create_app(model, model.tokenizer, model_name=args.served_model_name or args.model, api_key=args.api_key,
-                     max_num_seqs=args.max_batch, num_blocks=args.kv_blocks, block_size=args.block_size,
-                     kv_cache_bytes=args.kv_cache_memory)
+                     engine_process=source, max_num_seqs=args.max_batch, num_blocks=args.kv_blocks,
+                     block_size=args.block_size, kv_cache_bytes=args.kv_cache_memory)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

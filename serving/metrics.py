@@ -16,7 +16,8 @@ _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 
 class ServerMetrics:
-    """The metrics of one server; ``bind(engine)`` once the engine exists."""
+    """The metrics of one server; ``bind(front)`` once the engine's front (``AsyncEngine`` or ``ProcessEngine``)
+    exists: its ``stats()`` are read at each scrape."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -57,13 +58,12 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text (gauges refreshed from the engine first) and its content type."""
-        engine = self.engine
-        if engine is not None:
-            scheduler, allocator = engine.scheduler, engine.allocator
-            self.running.set(len(scheduler.running))
-            self.waiting.set(len(scheduler.waiting))
-            self.blocks_total.set(allocator.n_blocks)
-            self.blocks_used.set(allocator.n_blocks - allocator.num_free)
+        if self.engine is not None:
+            stats = self.engine.stats()
+            self.running.set(stats["running"])
+            self.waiting.set(stats["waiting"])
+            self.blocks_total.set(stats["blocks_total"])
+            self.blocks_used.set(stats["blocks_used"])
             received = self.received_tokens
-            self.prefix_hit_rate.set(scheduler.prefix_hits / received if received else 0.0)
+            self.prefix_hit_rate.set(stats["prefix_hits"] / received if received else 0.0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

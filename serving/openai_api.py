@@ -4,9 +4,11 @@
 
 - ``POST /v1/chat/completions`` (the tokenizer's chat template, ``tokenization.chat``) and ``POST /v1/completions``,
   both with ``stream=true`` as server-sent events ending with ``data: [DONE]`` (and a usage chunk when
-  ``stream_options.include_usage``), over ``AsyncEngine`` (continuous batching);
+  ``stream_options.include_usage``), over the engine's continuous batching: ``ProcessEngine`` (the engine in its own
+  process; ``engine_process=``) or ``AsyncEngine`` (the engine stepped by a thread of the server's process);
 - ``POST /v1/embeddings`` for a model with an ``embedding`` head (``model.embed``);
-- ``GET /v1/models``, ``GET /health`` (503 until the model is set), ``GET /metrics`` (Prometheus).
+- ``GET /v1/models``, ``GET /health`` (503 until the model is set and the engine ready, or once the engine process
+  has died), ``GET /metrics`` (Prometheus).
 
 Fields: ``model``, ``messages`` / ``prompt``, ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0:
 greedy; default 1, sampling, as OpenAI), ``top_p``, ``top_k``, ``n``, ``stop``, ``seed``, ``logprobs`` /
@@ -14,7 +16,7 @@ greedy; default 1, sampling, as OpenAI), ``top_p``, ``top_k``, ``n``, ``stop``, 
 has generated, not the prompt). Unknown fields are ignored, as OpenAI's server does. Errors have OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (malformed JSON included) or a prompt longer
 than the context, 401 for a missing or wrong API key, 404 for an unknown model, 503 when the engine's waiting queue
-is full or the model is not loaded.
+is full, the model is not loaded or the engine process has died (in-flight requests then fail with 500).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_engine import AsyncEngine, EngineStepError
+from .async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from .engine import Engine, QueueFullError
+from .engine_process import ModelSource, ProcessEngine
 from .metrics import ServerMetrics
 from .protocol import (
     RETRY_AFTER_S,
@@ -52,17 +55,23 @@ from .protocol import (
 
 
 def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "model", api_key: str | None = None,
-               **engine_limits: Any) -> FastAPI:
+               engine_process: bool | ModelSource = False, **engine_limits: Any) -> FastAPI:
     """The FastAPI application serving ``model`` as ``model_name``.
 
     ``model`` may be set later (``app.state.load(model, tokenizer)``): until then ``/health`` answers 503.
     ``engine_limits`` go to ``Engine`` (``max_num_seqs``, ``num_blocks``, ``block_size`` …).
+    ``engine_process``: run the engine in its own process (``ProcessEngine``), which builds the model from this
+    ``ModelSource`` (``True``: from a copy of ``model``'s weights, ``ModelSource.from_model``); the server then
+    reads only ``model.config``, so ``model`` may be on the meta device. False: the engine runs in this process,
+    stepped by a worker thread (``AsyncEngine``). Models with an embedding head always run in this process.
     """
     metrics = ServerMetrics()
     state: dict[str, Any] = {"model": None, "engine": None, "tokenizer": None}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if state["engine"] is not None:
+            await state["engine"].start()  # the engine process has loaded the model before the port opens
         yield
         if state["engine"] is not None:
             await state["engine"].close()
@@ -72,9 +81,13 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
     def load(model: Any, tokenizer: Any = None) -> None:
         state.update(model=model, tokenizer=tokenizer if tokenizer is not None else getattr(model, "tokenizer", None))
         if getattr(model.config, "head", None) != "embedding":
-            engine = Engine(model.eval(), state["tokenizer"], **engine_limits)
-            state["engine"] = app.state.engine = AsyncEngine(engine)
-            metrics.bind(engine)
+            if engine_process is not False:
+                source = engine_process if isinstance(engine_process, ModelSource) else ModelSource.from_model(model)
+                front: Any = ProcessEngine(source, state["tokenizer"], **engine_limits)
+            else:
+                front = AsyncEngine(Engine(model.eval(), state["tokenizer"], **engine_limits))
+            state["engine"] = app.state.engine = front
+            metrics.bind(front)
 
     app.state.load = load
     if model is not None:
@@ -121,7 +134,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
 
-    def engine() -> AsyncEngine:
+    def engine() -> AsyncEngine | ProcessEngine:
         if state["engine"] is None:
             raise APIError(400, f"{model_name!r} has an embedding head: it answers /v1/embeddings only",
                            param="model")
@@ -129,7 +142,12 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
     @app.get("/health")
     async def health() -> Response:
-        if state["model"] is None:
+        front = state["engine"]
+        if front is not None:
+            front.listen()
+            if not front.alive:
+                return JSONResponse({"status": "error", "message": front.failure}, status_code=503)
+        if state["model"] is None or (front is not None and not front.ready):
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -147,13 +165,17 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                      logprobs: int | None) -> tuple[str, int]:
         """Queue one prompt; return the request id and its prompt length."""
         eng = engine()
+        try:
+            await eng.start()  # the engine process's model is loaded (at once for an in-process engine)
+        except EngineDeadError as err:
+            raise APIError(503, f"the engine is not running: {err}", type_="server_error", code="engine_dead") from err
         sampling = sampling_params(body)
         tok = state["tokenizer"]
         if isinstance(prompt, str):
             if tok is None:
                 raise APIError(400, "this server has no tokenizer: send prompts as token ids", param="prompt")
             prompt = list(tok.encode(prompt))
-        context = eng.engine.context
+        context = eng.context
         if isinstance(prompt, list) and len(prompt) >= context:
             raise APIError(400, f"the prompt has {len(prompt)} tokens; the model's context is {context} tokens "
                                 "(one is needed for the answer)", param="prompt")
@@ -168,6 +190,8 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         except QueueFullError as err:
             raise APIError(503, f"the server is busy: {err}", type_="server_error", code="queue_full",
                            retry_after=RETRY_AFTER_S) from err
+        except EngineDeadError as err:
+            raise APIError(503, f"the engine is not running: {err}", type_="server_error", code="engine_dead") from err
         except ValueError as err:
             raise APIError(400, str(err), param=_param_of(str(err))) from err
         metrics.received(len(prompt))

@@ -1,12 +1,15 @@
 """The OpenAI-compatible server, driven by the official ``openai`` client (and raw HTTP for malformed requests) on a
 port the test picks on 127.0.0.1: answers equal ``DecoderLM.generate`` on the chat template's ids, streaming equals
-the whole answer, errors have OpenAI's shape and status, metrics count what was served."""
+the whole answer, errors have OpenAI's shape and status, metrics count what was served. The shared server runs its
+engine in an engine process (``ProcessEngine``, as ``zoo serve`` does); one test covers the in-process thread engine."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import io
+import os
 import signal
 import socket
 import subprocess
@@ -25,12 +28,17 @@ import uvicorn
 from models import DecoderLM, EncoderLM
 from models.generation.sampling import SamplingParams
 from serving import cli
+from serving.engine_process import ModelSource
 from serving.openai_api import create_app
+from tests.serving.conftest import failing_on
 from tokenization import Tokenizer, train_byte_level_bpe
 
 TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 KEY = "sk-test"
+#: A token id that no other test sends; a forward holding 8 or more of it (only a prefill can: at most 4 rows decode
+#: together) raises inside the engine process.
+TRIGGER = 4
 
 
 def tokenizer() -> Tokenizer:
@@ -70,9 +78,18 @@ def setup() -> Iterator[tuple[DecoderLM, Tokenizer, Served]]:
     with torch.no_grad():  # larger than the 0.02-std init: greedy text that is not one repeated token
         for p in model.parameters():
             p.mul_(8.0)
-    served = Served(create_app(model.eval(), tok, model_name="tiny-chat", api_key=KEY, max_num_seqs=4))
+    source = ModelSource(factory=functools.partial(failing_on, ModelSource.from_model(model).factory, TRIGGER))
+    served = Served(create_app(model.eval(), tok, model_name="tiny-chat", api_key=KEY, max_num_seqs=4,
+                               engine_process=source))
     yield model, tok, served
     served.stop()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's metrics by name."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
 @pytest.fixture(scope="module")
@@ -184,14 +201,9 @@ def test_malformed_json_missing_key_and_wrong_key(setup) -> None:
 
 
 def test_metrics_count_what_was_served(setup, client) -> None:
-    def scrape() -> dict[str, float]:
-        text = httpx.get(setup[2].url + "/metrics", timeout=30).text
-        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
-
-    before = scrape()
+    before = scrape(setup[2].url)
     answer = client.completions.create(model="tiny-chat", prompt="hello there", max_tokens=5, temperature=0)
-    after = scrape()
+    after = scrape(setup[2].url)
     assert after["zoo_generation_tokens_total"] - before["zoo_generation_tokens_total"] == \
         answer.usage.completion_tokens
     assert after["zoo_prompt_tokens_total"] - before["zoo_prompt_tokens_total"] == answer.usage.prompt_tokens
@@ -245,6 +257,62 @@ def test_zoo_chat_answers_each_turn_as_generate_does(setup, folder: Path) -> Non
     assert answers == [first, tok.decode(reference(model, tok, messages, 8))]
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux ``/proc``)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass  # gone meanwhile
+    below, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        below += children
+        frontier = children
+    return below
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead and waiting to be reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_an_engine_process_ends_when_its_server_process_is_killed(folder: Path) -> None:
+    script = ("import asyncio, sys\n"
+              "from serving.engine_process import ModelSource, ProcessEngine\n"
+              "async def main():\n"
+              "    front = ProcessEngine(ModelSource(path=sys.argv[1]))\n"
+              "    await front.start()\n"
+              "    print(front.pid, flush=True)\n"
+              "    await asyncio.sleep(600)\n"
+              "asyncio.run(main())\n")
+    server = subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        engine = int(server.stdout.readline())
+        assert engine in descendants(server.pid)
+        server.kill()  # SIGKILL: nothing of the server runs; the engine process sees its pipe close
+        server.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while running(engine):
+            assert time.monotonic() < deadline, f"the engine process {engine} outlived its server"
+            time.sleep(0.05)
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
 def test_zoo_serve_runs_as_a_console_command(folder: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -266,6 +334,8 @@ def test_zoo_serve_runs_as_a_console_command(folder: Path) -> None:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         answer = client.chat.completions.create(model="mine", messages=MESSAGES, temperature=0, max_tokens=4)
         assert answer.usage.completion_tokens >= 1 and answer.model == "mine"
+        engines = descendants(process.pid)  # the engine process (and multiprocessing's resource tracker)
+        assert engines and all(_command(pid).startswith(sys.executable) for pid in engines)
         # SIGTERM while a stream is in flight: the stream is finished (every token, then [DONE]), then the
         # server exits cleanly.
         stream = client.completions.create(model="mine", prompt="hello there", max_tokens=90, temperature=0,
@@ -280,6 +350,10 @@ def test_zoo_serve_runs_as_a_console_command(folder: Path) -> None:
         assert process.wait(timeout=60) in (0, -signal.SIGTERM)
         log = process.stdout.read().decode()
         assert "Application shutdown complete" in log and "Finished server process" in log, log
+        deadline = time.monotonic() + 30
+        while any(running(pid) for pid in engines):  # no orphan
+            assert time.monotonic() < deadline, f"left running: {[_command(p) for p in engines]}"
+            time.sleep(0.05)
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -319,9 +393,7 @@ def test_clients_dropping_mid_stream_free_every_block(setup, client) -> None:
             next(response.iter_lines())  # the first chunk, then the client goes away
     deadline = time.monotonic() + 30
     while True:
-        text = httpx.get(url + "/metrics", timeout=30).text
-        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                  if line and not line.startswith("#")}
+        values = scrape(url)
         if values["zoo_kv_blocks_in_use"] == 0 and values["zoo_requests_running"] == 0:
             break
         assert time.monotonic() < deadline, f"blocks still held after the clients left: {values}"
@@ -367,7 +439,7 @@ def test_invalid_utf8_a_failing_request_and_a_full_queue(setup, monkeypatch) -> 
     assert ok.status_code == 200
     # A full waiting queue: 503 with Retry-After.
     engine = served.server.config.app.state.engine
-    monkeypatch.setattr(engine.engine, "max_waiting", 0)
+    monkeypatch.setattr(engine, "max_waiting", 0)
     busy = httpx.post(served.url + "/v1/completions", headers=headers, timeout=30,
                       json={"model": "tiny-chat", "prompt": "hello", "max_tokens": 2})
     assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
@@ -412,12 +484,16 @@ def test_zoo_generate_embed_and_help(setup, folder: Path, capsys) -> None:
     for command in ("serve", "chat", "generate", "embed"):
         with pytest.raises(SystemExit) as exit_:
             cli.main([command, "--help"])
-        assert exit_.value.code == 0 and "usage: zoo " + command in capsys.readouterr().out
+        shown = capsys.readouterr().out
+        assert exit_.value.code == 0 and "usage: zoo " + command in shown
+        assert ("--engine-process, --no-engine-process" in shown) == (command == "serve")
     with pytest.raises(SystemExit, match="has no embedding head"):
         cli.main(["embed", str(folder), "text"])
 
 
-def test_nan_logits_fail_their_request_with_500_and_the_server_keeps_serving(setup) -> None:
+@pytest.fixture(scope="module")
+def poisoned(setup) -> Iterator[tuple[list[int], int, Served]]:
+    """A server (engine process) of the model with NaN in one embedding row ``bad``; the greedy tokens of [5, 9]."""
     model, tok, _ = setup
     want = model.generate(torch.tensor([[5, 9]]), max_new_tokens=4, eos_token_id=None)[0].tolist()
     bad = next(i for i in range(3, 300) if i not in want)  # a token the clean request never sees
@@ -425,23 +501,57 @@ def test_nan_logits_fail_their_request_with_500_and_the_server_keeps_serving(set
     with torch.no_grad():
         poisoned.load_state_dict({**model.state_dict(), "lm_head.weight": model.embed_tokens.weight.clone()})
         poisoned.embed_tokens.weight[bad] = float("nan")
-    served = Served(create_app(poisoned, tok, model_name="tiny-chat"))
-    try:
-        url = served.url + "/v1/completions"
-        failed = httpx.post(url, json={"model": "tiny-chat", "prompt": [5, bad, 9], "max_tokens": 4}, timeout=30)
-        assert failed.status_code == 500 and "NaN" in failed.json()["error"]["message"]
-        with httpx.stream("POST", url, timeout=30, json={"model": "tiny-chat", "prompt": [bad], "max_tokens": 4,
-                                                        "stream": True}) as response:
-            lines = [line for line in response.iter_lines() if line]
-        assert "NaN" in lines[-2] and lines[-1] == "data: [DONE]"
-        fine = httpx.post(url, json={"model": "tiny-chat", "prompt": [5, 9], "max_tokens": 4, "temperature": 0},
-                          timeout=30)
-        assert fine.status_code == 200, fine.text
-        assert fine.json()["choices"][0]["text"] == tok.decode(want[2:])
-        engine = served.server.config.app.state.engine.engine
-        assert engine.allocator.num_free == engine.allocator.n_blocks
-    finally:
-        served.stop()
+    served = Served(create_app(poisoned, tok, model_name="tiny-chat", engine_process=True))
+    yield want, bad, served
+    served.stop()
+
+
+def test_nan_logits_fail_their_request_with_500_and_the_server_keeps_serving(setup, poisoned) -> None:
+    tok = setup[1]
+    want, bad, served = poisoned
+    url = served.url + "/v1/completions"
+    failed = httpx.post(url, json={"model": "tiny-chat", "prompt": [5, bad, 9], "max_tokens": 4}, timeout=30)
+    assert failed.status_code == 500 and "NaN" in failed.json()["error"]["message"]
+    with httpx.stream("POST", url, timeout=30, json={"model": "tiny-chat", "prompt": [bad], "max_tokens": 4,
+                                                    "stream": True}) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert "NaN" in lines[-2] and lines[-1] == "data: [DONE]"
+    fine = httpx.post(url, json={"model": "tiny-chat", "prompt": [5, 9], "max_tokens": 4, "temperature": 0},
+                      timeout=30)
+    assert fine.status_code == 200, fine.text
+    assert fine.json()["choices"][0]["text"] == tok.decode(want[2:])
+    assert scrape(served.url)["zoo_kv_blocks_in_use"] == 0
+
+
+def test_a_dead_engine_process_fails_requests_in_flight_and_health_turns_503(poisoned) -> None:
+    served = poisoned[2]  # the last test of this server: its engine process is killed
+    front = served.server.config.app.state.engine
+    url = served.url + "/v1/completions"
+    with httpx.stream("POST", url, timeout=30, json={"model": "tiny-chat", "prompt": [5, 9], "max_tokens": 100,
+                                                    "stream": True, "temperature": 0}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: {")  # streaming: in flight
+        os.kill(front.pid, signal.SIGSTOP)  # frozen, so that a second request is in flight (waiting to be taken)
+        answers: list[httpx.Response] = []
+        thread = threading.Thread(target=lambda: answers.append(httpx.post(
+            url, json={"model": "tiny-chat", "prompt": [9, 5], "max_tokens": 4}, timeout=30)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while front.open_requests < 2:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.01)
+        os.kill(front.pid, signal.SIGKILL)
+        rest = [line for line in lines if line]
+    thread.join(30)
+    assert rest[-1] == "data: [DONE]" and '"code": "engine_error"' in rest[-2]
+    assert "the engine process exited (exit code -9)" in rest[-2]
+    error = answers[0].json()["error"]  # not taken by the engine: 503, as a request after its death
+    assert answers[0].status_code == 503 and set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "engine_dead" and "the engine process exited (exit code -9)" in error["message"]
+    health = httpx.get(served.url + "/health", timeout=30)
+    assert health.status_code == 503 and "exit code -9" in health.json()["message"]
+    refused = httpx.post(url, json={"model": "tiny-chat", "prompt": [9, 5], "max_tokens": 4}, timeout=30)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
 
 
 @pytest.mark.parametrize(("text", "nbytes"), [("4096", 4096), ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30),
@@ -459,28 +569,48 @@ def test_bad_kv_cache_memory_flags_exit_with_usage(argv: list[str], capsys) -> N
     assert exit_.value.code == 2 and "kv-cache-memory" in capsys.readouterr().err
 
 
-def test_a_failing_engine_step_fails_its_requests_with_500_and_the_server_keeps_serving(setup, monkeypatch) -> None:
-    _, _, served = setup
-    engine = served.server.config.app.state.engine.engine
-    real, calls = engine.step, {"n": 0}
-
-    def step_failing_once():
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("kernel exploded")
-        return real()
-
-    monkeypatch.setattr(engine, "step", step_failing_once)
+def test_a_failing_engine_step_fails_its_requests_with_500_and_the_server_keeps_serving(setup) -> None:
+    served = setup[2]
     headers = {"Authorization": f"Bearer {KEY}"}
     failed = httpx.post(served.url + "/v1/completions", headers=headers, timeout=30,
-                        json={"model": "tiny-chat", "prompt": "hello there", "max_tokens": 8, "temperature": 0})
+                        json={"model": "tiny-chat", "prompt": [5] + [TRIGGER] * 8, "max_tokens": 8})
     assert failed.status_code == 500 and "kernel exploded" in failed.json()["error"]["message"]
-    assert not engine.requests and engine.allocator.num_free == engine.allocator.n_blocks  # aborted, blocks freed
-    calls["n"] = 0
-    with httpx.stream("POST", served.url + "/v1/completions", headers=headers, timeout=30,
-                      json={"model": "tiny-chat", "prompt": "hello", "max_tokens": 8, "stream": True}) as response:
+    values = scrape(served.url)
+    assert values["zoo_kv_blocks_in_use"] == 0 and values["zoo_requests_running"] == 0  # aborted, blocks freed
+    body = {"model": "tiny-chat", "prompt": [TRIGGER] * 9, "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", headers=headers, timeout=30, json=body) as response:
         lines = [line for line in response.iter_lines() if line]
-    assert '"code": "engine_error"' in lines[-2] and lines[-1] == "data: [DONE]"  # mid-stream: an error event
+    assert '"code": "engine_error"' in lines[-2] and lines[-1] == "data: [DONE]"  # streamed: an error event
     ok = httpx.post(served.url + "/v1/completions", headers=headers, timeout=30,
                     json={"model": "tiny-chat", "prompt": "hello there", "max_tokens": 3, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_in_process_thread_engine_serves_and_survives_a_failing_step(setup, monkeypatch) -> None:
+    model, tok, _ = setup
+    served = Served(create_app(model, tok, model_name="tiny-chat", max_num_seqs=4, engine_process=False))
+    try:
+        engine = served.server.config.app.state.engine.engine
+        real, calls = engine.step, {"n": 0}
+
+        def step_failing_once():
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("kernel exploded")
+            return real()
+
+        monkeypatch.setattr(engine, "step", step_failing_once)
+        url = served.url + "/v1/completions"
+        failed = httpx.post(url, timeout=30, json={"model": "tiny-chat", "prompt": "hello there", "max_tokens": 8})
+        assert failed.status_code == 500 and "kernel exploded" in failed.json()["error"]["message"]
+        assert not engine.requests and engine.allocator.num_free == engine.allocator.n_blocks  # aborted, freed
+        calls["n"] = 0
+        with httpx.stream("POST", url, timeout=30,
+                          json={"model": "tiny-chat", "prompt": "hello", "max_tokens": 8, "stream": True}) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert '"code": "engine_error"' in lines[-2] and lines[-1] == "data: [DONE]"  # mid-stream: an error event
+        answer = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model="tiny-chat", messages=MESSAGES, temperature=0, max_tokens=12)
+        assert answer.choices[0].message.content == tok.decode(reference(model, tok, MESSAGES, 12))
+    finally:
+        served.stop()
