@@ -7,30 +7,39 @@ driven in-process and the same requests one after another through ``generate``, 
 The workload is ``benchmarks.engine``'s (seeded prompts and output lengths of random ids, Poisson arrivals, greedy,
 no EOS: every request produces exactly its length). Systems:
 
-- **server**: ``serving.openai_api.create_app`` under uvicorn in a child process (its own interpreter, so the
-  client's event loop does not share a GIL with the server), on 127.0.0.1; one ``openai.AsyncOpenAI`` client sends
-  each request at its arrival time as a streamed ``/v1/completions`` call with token-id prompts, ``temperature=0``
-  and ``logprobs=0`` (the chunks then carry the token ids: the model has no tokenizer);
+- **server (engine process)**: ``zoo serve``'s application (``serving.openai_api.create_app``) under uvicorn in a
+  child process (its own interpreter, so the client's event loop does not share a GIL with the server), on
+  127.0.0.1, with the engine in its own process (``serving.engine_process.ProcessEngine``, which loads the saved
+  model; the server process holds only its config); one ``openai.AsyncOpenAI`` client sends each request at its
+  arrival time as a streamed ``/v1/completions`` call with token-id prompts, ``temperature=0`` and ``logprobs=0``
+  (the chunks then carry the token ids: the model has no tokenizer). Three processes: client, server, engine;
+- **server (in-process thread)**: the same with ``engine_process=False`` (``zoo serve --no-engine-process``): the
+  engine stepped by a worker thread of the server process (``serving.AsyncEngine``);
 - **engine in-process**: ``benchmarks.engine.run_engine`` (the same engine limits, stepped in this process, with
   ``logprobs=0`` as the server's requests have);
 - **AsyncEngine in-process**: the same requests as asyncio streams over ``serving.AsyncEngine`` (the server's engine
   front, without HTTP);
 - **sequential**: ``benchmarks.engine.run_sequential`` (``stream(compile=True)`` one request after another).
 
-Reported: output tokens/s, TTFT and ITL p50/p99 of each, the server's throughput against the in-process engine
-(its HTTP overhead), the peak number of requests in flight, and whether the tokens are the same.
+Reported: output tokens/s, TTFT and ITL p50/p99 of each, each server's throughput against the in-process engine
+(its HTTP overhead), the peak number of requests in flight, and whether the tokens are the same. ``--quick`` (the
+smoke test's mode) runs the servers in a thread of this process instead of a child process and leaves out the
+sequential row (its compile takes longer than the rest).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import platform
 import socket
 import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -40,51 +49,75 @@ import torch
 from benchmarks.engine import SHAPES, Request, Result, percentile, run_engine, run_sequential, timed, workload
 from models import DecoderLM
 from serving import AsyncEngine, Engine
+from serving.engine_process import ModelSource
 
 ENGINE_LIMITS = dict(block_size=16, max_num_batched_tokens=512)
 
 
-def serve(folder: str, port: int, threads: int, max_batch: int) -> None:
-    """The child process: load the saved model and serve it (until terminated)."""
-    import uvicorn
-
+def server_app(folder: str, max_batch: int, engine_process: bool) -> Any:
+    """``zoo serve``'s application of the saved model; with ``engine_process`` the engine process loads the weights
+    and this process only the config."""
     from serving.openai_api import create_app
 
-    torch.set_num_threads(threads)
-    model = DecoderLM.from_pretrained(folder).eval()
-    app = create_app(model, None, model_name="bench", max_num_seqs=max_batch, **ENGINE_LIMITS)
-    uvicorn.run(app, host="127.0.0.1", port=port,
-                log_level="warning")
+    if engine_process:
+        model, source = DecoderLM.from_pretrained(folder, device="meta"), ModelSource(path=folder)
+    else:
+        model, source = DecoderLM.from_pretrained(folder).eval(), False
+    return create_app(model, None, model_name="bench", engine_process=source, max_num_seqs=max_batch,
+                      **ENGINE_LIMITS)
 
 
-def run_server(model: DecoderLM, requests: list[Request], args: argparse.Namespace) -> Result:
-    with tempfile.TemporaryDirectory() as folder, socket.socket() as s:
-        model.save_pretrained(folder)
+def serve(folder: str, port: int, threads: int, max_batch: int, engine_process: bool) -> None:
+    """The child process: serve the saved model (until terminated; SIGTERM stops its engine process too)."""
+    import uvicorn
+
+    torch.set_num_threads(threads)  # the engine process takes as many
+    uvicorn.run(server_app(folder, max_batch, engine_process), host="127.0.0.1", port=port, log_level="warning")
+
+
+@contextlib.contextmanager
+def serving(folder: str, args: argparse.Namespace, engine_process: bool) -> Iterator[str]:
+    """The server's URL while it runs: in a child process, or (``--quick``) in a thread of this one."""
+    import uvicorn
+
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-        s.close()
-        child = multiprocessing.get_context("spawn").Process(target=serve,
-                                                             args=(folder, port, args.threads, args.max_batch))
+    url = f"http://127.0.0.1:{port}"
+    if args.quick:
+        server = uvicorn.Server(uvicorn.Config(server_app(folder, args.max_batch, engine_process), host="127.0.0.1",
+                                               port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        stop, alive = (lambda: setattr(server, "should_exit", True) or thread.join(60)), thread.is_alive
+    else:
+        child = multiprocessing.get_context("spawn").Process(
+            target=serve, args=(folder, port, args.threads, args.max_batch, engine_process))
         child.start()
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline or not child.is_alive():
-                    raise RuntimeError("the server did not start")
-                time.sleep(0.2)
-            return asyncio.run(_drive(url, requests))
-        finally:
-            child.terminate()
-            child.join(30)
+        stop, alive = (lambda: child.terminate() or child.join(60)), child.is_alive
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or not alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        yield url
+    finally:
+        stop()
 
 
-async def _drive(url: str, requests: list[Request]) -> Result:
+def run_server(folder: str, requests: list[Request], args: argparse.Namespace, engine_process: bool) -> Result:
+    with serving(folder, args, engine_process) as url:
+        name = "server (engine process)" if engine_process else "server (in-process thread engine)"
+        return asyncio.run(_drive(url, requests, name))
+
+
+async def _drive(url: str, requests: list[Request], name: str) -> Result:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                 http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=256)))
 
@@ -117,7 +150,7 @@ async def _drive(url: str, requests: list[Request]) -> Result:
         tokens[i] += new
         stamps[i] += [at - started] * len(new)
     return Result(
-        "server (openai clients over HTTP)", max(s[-1] for s in stamps.values()) - requests[0].arrival, tokens,
+        name, max(s[-1] for s in stamps.values()) - requests[0].arrival, tokens,
         ttft=[stamps[i][0] - r.arrival for i, r in enumerate(requests)],
         itl=[b - a for s in stamps.values() for a, b in zip(s, s[1:], strict=False)],
         extra={"peak_in_flight": in_flight["peak"]},
@@ -147,7 +180,7 @@ def run_async_engine(model: DecoderLM, requests: list[Request], args: argparse.N
     return timed("AsyncEngine in-process (no HTTP)", requests, run)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[Result]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo", choices=sorted(SHAPES))
     parser.add_argument("--requests", type=int, default=64)
@@ -171,14 +204,18 @@ def main(argv: list[str] | None = None) -> None:
          "pad_token_id": None})).eval()
     requests = workload(args, model.config.vocab_size)
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} thread(s) per process, torch {torch.__version__}")
-    # The engine in-process computes what the server sends: the chosen token's log-probability (logprobs=0).
-    results = [run_server(model, requests, args), run_async_engine(model, requests, args),
-               run_engine(model, requests, args, logprobs=0),
-               run_sequential(model, requests, args)]
-    server, engine = results[0], results[2]
+    # The engine in-process computes what the servers send: the chosen token's log-probability (logprobs=0).
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        servers = [run_server(folder, requests, args, engine_process) for engine_process in (True, False)]
+    results = [*servers, run_async_engine(model, requests, args), run_engine(model, requests, args, logprobs=0)]
+    engine = results[-1]
+    if not args.quick:
+        results.append(run_sequential(model, requests, args))
+    peaks = " / ".join(str(s.extra["peak_in_flight"]) for s in servers)
     print(f"\n#### {args.model}: {len(requests)} requests at {args.rate:g}/s, prompts {args.prompt_len[0]}-"
           f"{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}; at most {args.max_batch} "
-          f"running at once, peak {server.extra['peak_in_flight']} requests in flight at the server\n")
+          f"running at once, peak {peaks} requests in flight at the servers\n")
     print("| system | output tokens/s | vs engine in-process | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | same tokens |")
     print("|---|---|---|---|---|---|")
     for r in results:
@@ -186,7 +223,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r.name} | {r.tokens_per_s:.0f} | {r.tokens_per_s / engine.tokens_per_s:.2f}x | "
               f"{percentile(r.ttft, 50):.2f} / {percentile(r.ttft, 99):.2f} | "
               f"{1e3 * statistics.median(r.itl):.0f} / {1e3 * percentile(r.itl, 99):.0f} | {same}/{len(r.tokens)} |")
-    print(f"\nHTTP overhead (1 - server / engine throughput): {1 - server.tokens_per_s / engine.tokens_per_s:.1%}")
+    print()
+    for server in servers:
+        print(f"{server.name}: HTTP overhead (1 - server / engine throughput) "
+              f"{1 - server.tokens_per_s / engine.tokens_per_s:.1%}")
+    return results
 
 
 if __name__ == "__main__":
