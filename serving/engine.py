@@ -21,6 +21,7 @@ from models.generation.sampling import has_nan, nan_rows
 from models.generation.steps import refuse_longrope_switch
 
 from .requests import (
+    IncrementalText,
     RequestDelta,
     RequestOutput,
     RequestSpec,
@@ -281,18 +282,23 @@ class Engine:
             seq.finish_reason = "length"
         hold = 0
         if self.tokenizer is not None:
-            kept = output[:-1] if token in spec.stop_ids else output
-            seq.text = self.tokenizer.decode(kept, skip_special_tokens=True)
-            cut = min((i for i in (seq.text.find(s) for s in spec.stop_strings) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.text, seq.finish_reason = seq.text[:cut], "stop"
-            elif seq.finish_reason is None and spec.stop_strings:
-                # Hold back what could be the start of a stop string until it is decided.
-                hold = max(len(s) for s in spec.stop_strings) - 1
-            if seq.finish_reason is None:
-                # A character whose bytes have not all come yet decodes as U+FFFD: hold it back until they do, so
-                # that the deltas join to the decoded output.
-                hold = max(hold, len(seq.text) - len(seq.text.rstrip("\ufffd")))
+            # Decoded a window at a time (a character whose bytes have not all come yet waits for them, so the
+            # deltas join to the decoded output); the stop token itself is not text.
+            if seq.detokenizer is None:
+                seq.detokenizer = IncrementalText(self.tokenizer)
+            searched = len(seq.text)
+            if token not in spec.stop_ids:
+                seq.detokenizer.add([token])
+            seq.text = seq.detokenizer.text if seq.finish_reason is None else seq.detokenizer.finish()
+            if spec.stop_strings:
+                # The text only grows: a stop string not found before can only end in what is new.
+                longest = max(len(s) for s in spec.stop_strings)
+                start = max(0, searched - longest + 1)
+                cut = min((i for i in (seq.text.find(s, start) for s in spec.stop_strings) if i >= 0), default=-1)
+                if cut >= 0:
+                    seq.text, seq.finish_reason = seq.text[:cut], "stop"
+                elif seq.finish_reason is None:
+                    hold = longest - 1  # what could be the start of a stop string waits until it is decided
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
         shown = max(seq.sent_text, len(seq.text) - hold)

@@ -98,6 +98,7 @@ class Sequence:
     sent_tokens: int = 0  # output tokens already reported in a delta
     sent_text: int = 0
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    detokenizer: IncrementalText | None = None  # the output's text, decoded a window at a time
     seen: torch.Tensor | None = None  # (1, V) bool, for the repetition penalty
     counts: torch.Tensor | None = None  # (1, V) int32: each token's count in the output (presence/frequency)
     forked: bool = False  # the request's other samples exist
@@ -109,6 +110,50 @@ class Sequence:
     @property
     def output(self) -> list[int]:
         return self.tokens[len(self.spec.prompt):]
+
+
+class IncrementalText:
+    """The text of a growing token sequence, decoded a window at a time (as vLLM's incremental detokenizer and
+    ``transformers``' ``TextStreamer``): O(new tokens) per step instead of decoding the whole output every step.
+
+    Text advances only when the window decodes to complete characters: ``decode(tokens[prefix:])`` is compared with
+    ``decode(tokens[prefix:read])``, where ``read`` is where the text last advanced (a character boundary) and
+    ``prefix`` the boundary before it — decoding from a token already decoded keeps what decoders do to a first token
+    (SentencePiece's leading space) out of the difference. A window ending in U+FFFD waits for the rest of its
+    character's bytes, and so does one whose decoded start changed. For decoders that never rewrite a completed
+character (byte-level BPE, SentencePiece on valid UTF-8), ``text`` is always a prefix of ``decode(tokens)``;
+``finish()`` returns all of it.
+
+    Args:
+        tokenizer: anything with ``decode(ids, skip_special_tokens=True)``.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+        self.prefix = self.read = 0
+        self.prefix_text = ""  # decode(tokens[prefix:read])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_ids: Seq[int]) -> str:
+        """Append tokens; return the text they completed (possibly empty)."""
+        self.tokens += token_ids
+        window = self._decode(self.tokens[self.prefix:])
+        if len(window) <= len(self.prefix_text) or window.endswith("\ufffd") or not window.startswith(self.prefix_text):
+            return ""
+        new = window[len(self.prefix_text):]
+        self.text += new
+        self.prefix, self.read = self.read, len(self.tokens)
+        self.prefix_text = self._decode(self.tokens[self.prefix:self.read])
+        return new
+
+    def finish(self) -> str:
+        """The whole text, ``decode(tokens)``, decoded once: exact even where a decoder rewrites characters it had
+        completed (byte fallback turns a finished character into U+FFFD when invalid bytes follow it)."""
+        return self._decode(self.tokens)
 
 
 def per_prompt(value: Any, n_prompts: int, name: str, is_list: Any = None) -> list[Any]:
