@@ -3,6 +3,7 @@ driven in-process and the same requests one after another through ``generate``, 
 
     python -m benchmarks.serve                  # the demo-sized model, 64 requests (see the README for figures)
     python -m benchmarks.serve --quick          # a tiny model, few requests: checks that the script runs
+    python -m benchmarks.serve --ipc            # the engine process's pipe: one message per step or per delta
 
 The workload is ``benchmarks.engine``'s (seeded prompts and output lengths of random ids, Poisson arrivals, greedy,
 no EOS: every request produces exactly its length). Systems:
@@ -33,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing
+import pickle
 import platform
 import socket
 import statistics
@@ -49,7 +51,8 @@ import torch
 from benchmarks.engine import SHAPES, Request, Result, percentile, run_engine, run_sequential, timed, workload
 from models import DecoderLM
 from serving import AsyncEngine, Engine
-from serving.engine_process import ModelSource
+from serving.engine_process import ModelSource, pack_delta, unpack_delta
+from serving.requests import RequestDelta, TokenLogprob
 
 ENGINE_LIMITS = dict(block_size=16, max_num_batched_tokens=512)
 
@@ -180,6 +183,47 @@ def run_async_engine(model: DecoderLM, requests: list[Request], args: argparse.N
     return timed("AsyncEngine in-process (no HTTP)", requests, run)
 
 
+def _send_steps(conn: Any, steps: int, rows: int, per_delta: bool) -> None:
+    """In a child process: ``steps`` steps of ``rows`` one-token deltas (with ``logprobs=0``), as the engine process
+    sends them: one message per step, or (``per_delta``) one per delta."""
+    for step in range(steps):
+        token = step % 2048
+        deltas = [pack_delta(RequestDelta(f"proc-{i}", 0, [token], "", None, [TokenLogprob(token, -1.5, {})]))
+                  for i in range(rows)]
+        if per_delta:
+            for delta in deltas:
+                conn.send(("delta", delta))
+        else:
+            conn.send(("step", [], deltas, None, {"running": rows}))
+    conn.send(None)
+
+
+def ipc_cost(rows: int, steps: int = 3000) -> None:
+    """The server process's CPU time to receive and unpack one step's deltas, batched into one message or not."""
+    spawn = multiprocessing.get_context("spawn")
+    print(f"| engine process -> server, {rows} one-token deltas per step | bytes per step | server CPU per step (us) |")
+    print("|---|---|---|")
+    for per_delta in (False, True):
+        receiver, sender = spawn.Pipe()
+        child = spawn.Process(target=_send_steps, args=(sender, steps, rows, per_delta))
+        child.start()
+        sender.close()
+        nbytes, cpu = 0, 0.0
+        while True:
+            started = time.process_time()
+            raw = receiver.recv_bytes()
+            message = pickle.loads(raw)
+            if message is None:
+                break
+            for item in [message[1]] if per_delta else message[2]:
+                unpack_delta(item)
+            cpu += time.process_time() - started
+            nbytes += len(raw)
+        child.join()
+        name = "one message per delta" if per_delta else "one message per step (what the engine process does)"
+        print(f"| {name} | {nbytes / steps:.0f} | {1e6 * cpu / steps:.1f} |")
+
+
 def main(argv: list[str] | None = None) -> list[Result]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo", choices=sorted(SHAPES))
@@ -192,7 +236,11 @@ def main(argv: list[str] | None = None) -> list[Result]:
                         help="sequences the engine runs at once, in-process and in the server (the rest wait)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--ipc", action="store_true", help="measure the engine process's pipe only")
     args = parser.parse_args(argv)
+    if args.ipc:
+        ipc_cost(args.max_batch)
+        return []
     shape = SHAPES[args.model]
     if args.quick:
         args.requests, args.prompt_len, args.output_len = 8, (4, 24), (2, 8)

@@ -101,12 +101,14 @@ class ModelSource:
         return self.factory()
 
 
-def _pack(delta: RequestDelta) -> tuple:
+def pack_delta(delta: RequestDelta) -> tuple:
+    """A delta as plain tuples for the pipe (half the pickled bytes of the dataclasses)."""
     logprobs = None if delta.logprobs is None else [(e.token_id, e.logprob, e.top) for e in delta.logprobs]
     return delta.request_id, delta.index, delta.token_ids, delta.text, delta.finish_reason, logprobs
 
 
-def _unpack(item: tuple) -> RequestDelta:
+def unpack_delta(item: tuple) -> RequestDelta:
+    """The delta ``pack_delta`` packed."""
     request_id, index, token_ids, text, finish_reason, logprobs = item
     return RequestDelta(request_id, index, token_ids, text, finish_reason,
                         None if logprobs is None else [TokenLogprob(*e) for e in logprobs])
@@ -251,7 +253,7 @@ class ProcessEngine(DeltaStreams):
                 if answer is not None and not answer.done():
                     answer.set_result(refused)
             for item in deltas:
-                self.deliver(_unpack(item))
+                self.deliver(unpack_delta(item))
             if failed is not None:
                 self.fail(failed[0], EngineStepError(failed[1]))
         elif kind == "ready":
@@ -329,7 +331,7 @@ def _serve(conn: Any, engine: Engine) -> None:
             except Exception as err:  # noqa: BLE001 - a failed step fails the requests it held, not the engine
                 failed = (abort_all(engine), f"the engine step failed: {type(err).__name__}: {err}")
         forget_finished(engine, deltas)
-        conn.send(("step", acks, [_pack(d) for d in deltas], failed, engine_stats(engine)))
+        conn.send(("step", acks, [pack_delta(d) for d in deltas], failed, engine_stats(engine)))
 
 
 def _add(engine: Engine, request_id: str, prompt: Any, sampling: Any, kwargs: dict[str, Any]) -> Any:
