@@ -62,14 +62,18 @@ class AttentionGroup:
     flat: Tensor  # (n_valid,) long, q_index[valid]
     tables: Tensor  # (G, nb) long block ids (padded with the row's first block: read but masked)
     q_pos: Tensor  # (G, Lq) long positions of the queries
-    masks: dict[tuple[int | None, int, int], Tensor] = field(default_factory=dict)  # (window, Hkv, rep) -> mask
+    masks: dict[tuple[int | None, int], Tensor] = field(default_factory=dict)  # (window, rep) -> mask
     dense: bool = False  # every query is real (no padding): no boolean indexing (static shapes when compiled)
     gathers: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (heads, pool blocks) -> flat index
+    #: ``(start, n_query, n_context)`` of a group holding one row of several new tokens (a prefill chunk): it
+    #: attends causally over its own ``n_context`` keys, with no padding.
+    row: tuple[int, int, int] | None = None
 
-    def mask(self, window: int | None, block_size: int, n_kv: int, rep: int) -> Tensor:
-        """``(Hkv·G, 1, rep·Lq, K)`` bool, True = may attend: keys at or before each query's position (and within
-        ``window``), for the layout of ``PagedKVCache.attend``."""
-        key = (window, n_kv, rep)
+    def mask(self, window: int | None, block_size: int, rep: int = 1) -> Tensor:
+        """``(G, 1, rep·Lq, K)`` bool, True = may attend: keys at or before each query's position (and within
+        ``window``), each query row repeated for the ``rep`` query heads ``PagedKVCache.attend`` folds into the query
+        axis; broadcast over the key/value heads."""
+        key = (window, rep)
         if key not in self.masks:
             keys = torch.arange(self.tables.shape[1] * block_size, device=self.q_pos.device)
             distance = self.q_pos[:, :, None] - keys  # (G, Lq, K)
@@ -77,17 +81,17 @@ class AttentionGroup:
             if window is not None:
                 allowed &= distance < window
             g, lq, k = allowed.shape
-            self.masks[key] = allowed[None, :, None].expand(n_kv, g, rep, lq, k).reshape(n_kv * g, 1, rep * lq, k)
+            self.masks[key] = allowed[:, None, None].expand(g, 1, rep, lq, k).reshape(g, 1, rep * lq, k)
         return self.masks[key]
 
     def gather_index(self, heads: int, pool_blocks: int) -> Tensor:
-        """``(heads · G · nb,)`` long: the group's blocks in a pool ``(heads, pool_blocks, ...)`` viewed as
-        ``(heads · pool_blocks, ...)``, head-major — one ``index_select`` along dim 0 (contiguous rows copied whole,
-        several times faster on the CPU than selecting along dim 1) gives ``(heads, G, nb, ...)``."""
+        """``(G · heads · nb,)`` long: the group's blocks in a pool ``(heads, pool_blocks, ...)`` viewed as
+        ``(heads · pool_blocks, ...)`` — one ``index_select`` along dim 0 (contiguous rows copied whole, several
+        times faster on the CPU than selecting along dim 1) gives ``(G, heads, nb, ...)``."""
         key = (heads, pool_blocks)
         if key not in self.gathers:
-            offsets = torch.arange(heads, device=self.tables.device)[:, None] * pool_blocks
-            self.gathers[key] = (offsets + self.tables.flatten()[None]).flatten()
+            offsets = torch.arange(heads, device=self.tables.device)[:, None] * pool_blocks  # (heads, 1)
+            self.gathers[key] = (offsets[None] + self.tables[:, None]).flatten()  # (G, heads, nb)
         return self.gathers[key]
 
 
@@ -151,12 +155,12 @@ class PagedBatch:
         self.max_block = capacity if capacity is not None else max(
             max(t[:u]) for (_, _, t), u in zip(rows, used, strict=True)) + 1
         decode = [(i, 1, r[1], r[2]) for i, r in enumerate(rows) if r[0] == 1]
-        others = [i for i, r in enumerate(rows) if r[0] != 1]
-        # Padded (compiled) steps keep one static group.
+        # Padded (compiled) steps keep one static group; a row of several new tokens is a group of its own.
         kinds = [[m[0] for m in g] for g in split_by_length(decode, block_size)] if pad_blocks is None else \
             [[m[0] for m in decode]]
+        kinds += [[i] for i, r in enumerate(rows) if r[0] != 1]
         args = (starts, n_query, n_context, tables, device)
-        self.groups = [self._group(members, *args, pad_blocks) for members in [*kinds, others] if members]
+        self.groups = [self._group(members, *args, pad_blocks) for members in kinds if members]
 
     def _group(self, members: list[int], starts: Tensor, n_query: Tensor, n_context: Tensor, tables: Tensor,
                device: torch.device | str, pad_blocks: int | None) -> AttentionGroup:
@@ -170,5 +174,6 @@ class PagedBatch:
         q_pos = torch.where(valid, (nc - nq)[:, None] + offsets, 0)
         dense = bool(valid.all())
         flat = q_index.flatten() if dense else q_index[valid]
+        row = (int(starts[members[0]]), lq, int(nc[0])) if lq > 1 else None
         return AttentionGroup(q_index.to(device), valid.to(device), flat.to(device),
-                              tables[index, :nb].to(device), q_pos.to(device), dense=dense)
+                              tables[index, :nb].to(device), q_pos.to(device), dense=dense, row=row)

@@ -231,32 +231,43 @@ class PagedKVCache:
         """Attention of the packed queries ``(1, H, T, D)`` over each row's cached keys, through ``backend``.
 
         Each query at position ``p`` sees its row's keys at positions ``<= p`` (and ``> p - window`` with a
-        sliding window). ``sinks`` ``(H,)`` (gpt-oss): the layout below puts a key/value head's query heads along
-        the query axis, so the per-head sink logit becomes one more key per group, a zero key and value whose
-        additive bias is each query row's sink. Returns ``(1, H, T, Dv)``.
+        sliding window). A group of one-token rows puts the query heads of a key/value head along the query axis,
+        ``(G, Hkv, rep·Lq, D)``, so GQA needs no copy of the keys and the mask broadcasts over the key/value heads;
+        ``sinks`` ``(H,)`` (gpt-oss) then become one more key per group, a zero key and value whose additive bias is
+        each query row's sink. A row of several new tokens (a prefill chunk) attends alone, ``(1, H, Lq, D)``, over
+        its own keys with the bottom-right causal mask (``is_causal``: no mask to build and check per layer).
+        Returns ``(1, H, T, Dv)``.
         """
         batch = self._current()
         n_heads, n_kv = q.shape[1], self.k.shape[0]
         rep = n_heads // n_kv
         out = q.new_zeros((n_heads, q.shape[2], self.v.shape[-1]))  # (H, T, Dv)
         for group in batch.groups:
+            k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (G, Hkv, K, D)
+            if group.row is not None:
+                start, n_query, n_context = group.row
+                k, v = k[:, :, :n_context], v[:, :, :n_context]  # (1, Hkv, n_context, D)
+                mask = None if window is None else group.mask(window, self.block_size)[..., :n_context]
+                og = backend(q[:, :, start:start + n_query], k, v, mask=mask, is_causal=mask is None, scale=scale,
+                             softcap=softcap, **({} if sinks is None else {"sinks": sinks}))  # (1, H, Lq, Dv)
+                out[:, start:start + n_query] = og[0]
+                continue
             g, lq = group.q_index.shape
-            # (H, G, Lq, D) -> (Hkv·G, 1, rep·Lq, D): the query heads of one key/value head side by side.
-            qg = q[0][:, group.q_index].view(n_kv, rep, g, lq, -1).transpose(1, 2).reshape(n_kv * g, 1, rep * lq, -1)
-            k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (Hkv·G, 1, K, D)
-            mask = group.mask(window, self.block_size, n_kv, rep)  # (Hkv·G, 1, rep·Lq, K)
+            # (H, G, Lq, D) -> (G, Hkv, rep·Lq, D): the query heads of one key/value head side by side.
+            qg = q[0][:, group.q_index].view(n_kv, rep, g, lq, -1).permute(2, 0, 1, 3, 4).reshape(g, n_kv, rep * lq, -1)
+            mask = group.mask(window, self.block_size, rep)  # (G, 1, rep·Lq, K)
             bias = None
             if sinks is not None:
-                k, v, mask, bias = _with_sink_key(k, v, mask, sinks, g, lq)
-            og = backend(qg, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)  # (Hkv·G, 1, rep·Lq, Dv)
-            og = og.view(n_kv, g, rep, lq, -1).transpose(1, 2).reshape(n_heads, g, lq, -1)  # (H, G, Lq, Dv)
+                k, v, mask, bias = _with_sink_key(k, v, mask, sinks, lq)
+            og = backend(qg, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)  # (G, Hkv, rep·Lq, Dv)
+            og = og.view(g, n_kv, rep, lq, -1).permute(1, 2, 0, 3, 4).reshape(n_heads, g, lq, -1)  # (H, G, Lq, Dv)
             out[:, group.flat] = og.flatten(1, 2) if group.dense else og[:, group.valid]
         return out[None]
 
     def _gather(self, pool: Tensor, group: AttentionGroup, name: str) -> Tensor:
-        """A group's blocks, ``(Hkv·G, 1, K, D)``: one ``index_select`` along dim 0 of the pool viewed as
+        """A group's blocks, ``(G, Hkv, K, D)``: one ``index_select`` along dim 0 of the pool viewed as
         ``(Hkv·blocks, block_size·D)`` (``AttentionGroup.gather_index``), into a reused buffer; the result is
-        contiguous per key/value head."""
+        contiguous per row and key/value head."""
         heads, n, bs, d = pool.shape
         g, nb = group.tables.shape
         index = group.gather_index(heads, n)
@@ -265,7 +276,7 @@ class PagedKVCache:
             rows = flat.index_select(0, index)
         else:
             rows = torch.index_select(flat, 0, index, out=self._buffer(name, index.numel() * bs * d, pool))
-        return rows.view(heads * g, 1, nb * bs, d)
+        return rows.view(g, heads, nb * bs, d)
 
     def _buffer(self, name: str, numel: int, like: Tensor) -> Tensor:
         """``(numel / row, row)`` view of the reusable buffer ``name`` (grown by half again when too small)."""
@@ -283,16 +294,17 @@ class PagedKVCache:
         return self.batch
 
 
-def _with_sink_key(k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor, g: int, lq: int
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Keys, values and mask of one group of ``PagedKVCache.attend`` plus a sink key (zero key and value, always
-    allowed), and the additive bias: 0 on the real keys, the query head's sink logit on the sink key."""
-    n_kv = sinks.shape[0] // (mask.shape[2] // lq)
-    k = torch.cat([k, k.new_zeros((k.shape[0], 1, 1, k.shape[3]))], dim=2)
-    v = torch.cat([v, v.new_zeros((v.shape[0], 1, 1, v.shape[3]))], dim=2)
-    rows = mask.shape[2]  # rep·Lq, head-major: row r·Lq + t is query head kv·rep + r
-    sink = sinks.to(k.dtype).view(n_kv, 1, -1, 1).expand(n_kv, g, -1, lq).reshape(n_kv * g, 1, rows, 1)
-    bias = torch.cat([sink.new_zeros((*sink.shape[:3], mask.shape[3])), sink], dim=-1)
+def _with_sink_key(k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor, lq: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Keys ``(G, Hkv, K, D)``, values and mask ``(G, 1, rep·Lq, K)`` of a group of ``PagedKVCache.attend`` plus a
+    sink key (zero key and value, always allowed), and the additive bias ``(1, Hkv, rep·Lq, K + 1)``: 0 on the real
+    keys, the query head's sink logit on the sink key (row ``r·Lq + t`` of key/value head ``h`` is query head
+    ``h·rep + r``)."""
+    g, n_kv, _, _ = k.shape
+    rows = mask.shape[2]
+    k = torch.cat([k, k.new_zeros((g, n_kv, 1, k.shape[3]))], dim=2)
+    v = torch.cat([v, v.new_zeros((g, n_kv, 1, v.shape[3]))], dim=2)
+    sink = sinks.to(k.dtype).view(1, n_kv, -1, 1, 1).expand(1, n_kv, rows // lq, lq, 1).reshape(1, n_kv, rows, 1)
+    bias = torch.cat([sink.new_zeros((1, n_kv, rows, mask.shape[3])), sink], dim=-1)
     return k, v, torch.cat([mask, mask.new_ones((*mask.shape[:3], 1))], dim=-1), bias
 
 

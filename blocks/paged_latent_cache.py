@@ -92,7 +92,7 @@ class PagedLatentCache(PagedKVCache):
         out = None
         for group in batch.groups:
             keys = self._gather(self.k, group, "k")  # (G, 1, K, r + d_rope)
-            mask = group.mask(None, self.block_size, 1, 1)  # (G, 1, Lq, K)
+            mask = group.mask(None, self.block_size)  # (G, 1, Lq, K)
             # (1, H, T, d) -> (G, H, Lq, d): each group row's queries, padded to Lq
             qn, qr = (q[0][:, group.q_index].transpose(0, 1) for q in (q_nope, q_rope))
             og = attend_rows(qn, qr, keys, mask).transpose(0, 1)  # (H, G, Lq, Dv)
