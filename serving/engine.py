@@ -207,6 +207,7 @@ class Engine:
         )
         deltas = []
         bad = set(nan_rows(logits).nonzero().flatten().tolist()) if has_nan(logits) else set()
+        greedy = None  # every row's argmax, computed once for the rows that choose plainly greedily
         for row, (seq, n) in enumerate(scheduled):
             self.scheduler.computed(seq, n)
             if seq.num_computed < len(seq.tokens):
@@ -217,8 +218,13 @@ class Engine:
             samples = [seq]
             if seq.spec.n > 1 and not seq.forked:
                 samples += self._fork(seq)
+            params = seq.spec.params
+            token = None
+            if not (params.do_sample or params.uses_history or params.uses_counts):
+                greedy = logits.float().argmax(dim=-1).tolist() if greedy is None else greedy
+                token = greedy[row]
             for sample in samples:
-                deltas.append(self._choose(sample, logits[row]))
+                deltas.append(self._choose(sample, logits[row], token))
         return deltas
 
     def _fail(self, request_id: str) -> list[RequestDelta]:
@@ -253,7 +259,8 @@ class Engine:
             children.append(child)
         return children
 
-    def _choose(self, seq: Sequence, logits: Tensor) -> RequestDelta:
+    def _choose(self, seq: Sequence, logits: Tensor, token: int | None = None) -> RequestDelta:
+        """Choose ``seq``'s next token from its logits ``(V,)`` (``token``: already chosen, a plain greedy row)."""
         spec = seq.spec
         row = logits[None]  # (1, V)
         if spec.params.uses_history and seq.seen is None:
@@ -262,7 +269,8 @@ class Engine:
         if spec.params.uses_counts and seq.counts is None:
             output = torch.tensor(seq.output, dtype=torch.long)
             seq.counts = torch.bincount(output, minlength=row.shape[-1]).to(torch.int32)[None]
-        token = int(spec.params.next_tokens(row, seq.seen, seq.generator, seq.counts)[0])
+        if token is None:
+            token = int(spec.params.next_tokens(row, seq.seen, seq.generator, seq.counts)[0])
         if seq.seen is not None:
             seq.seen[0, token] = True
         if seq.counts is not None:
