@@ -7,8 +7,11 @@ int8 quantization see ordinary ``nn.Linear`` layers (``ffn.experts.<e>.gate_proj
 gate is one more output row of the router (``router.weight[-1]``): router and gate are one matmul.
 
 Tokens are grouped by expert: the ``(token, slot)`` pairs are sorted by expert once, each expert runs one batched
-matmul over its group, and the results are scattered back with one ``index_add_``. Under ``torch.compile`` (whose
-graphs need static shapes) every expert runs on every token and the unselected outputs get weight zero.
+matmul over its group, and the results are scattered back with one ``index_add_``. SwiGLU/GeGLU experts of plain
+bias-free linears take a faster path with the same values (``blocks/gated_experts.py``: groups of experts in one
+autograd node each, a hand-written backward); other experts (LoRA, int8, tensor-parallel, any other FFN) keep
+autograd's. Under ``torch.compile`` (whose graphs need static shapes) every expert runs on every token and the
+unselected outputs get weight zero.
 
 Training losses: after each forward the block keeps its router logits (``router_logits``, ``(tokens, n_experts)``);
 the model calls ``router_loss`` once per forward, which takes (and clears) them from every MoE block and returns
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .gated_experts import fast_experts, gated_experts, two_rows
 from .registry import build, names, register
 
 #: Routers the MoE block knows: ``softmax`` = softmax over all experts, keep the top k (optionally renormalised);
@@ -203,6 +207,8 @@ class MixtureOfExperts(nn.Module):
         flat = experts.reshape(-1)  # (N·k,)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        if fast_experts(self.experts, h.dtype):  # SwiGLU/GeGLU experts: one autograd node (blocks/gated_experts.py)
+            return gated_experts(h, weights, order, counts, self.top_k, self.experts)
         tokens = order // self.top_k  # (N·k,) the token of each sorted pair
         groups = h[tokens].split(counts)  # one (n_e, d_model) block per expert
         # With gradients, an expert no token chose still runs (on no rows): its weights get zero gradients instead
@@ -214,11 +220,7 @@ class MixtureOfExperts(nn.Module):
         return h.new_zeros(h.shape).index_add_(0, tokens, y.to(h.dtype))
 
     def _expert(self, e: int, group: Tensor) -> Tensor:
-        if group.shape[0] == 1:
-            # One row would take the matrix-vector kernel, whose rounding depends on the weight's address (weights
-            # loaded from safetensors sit at 8-byte offsets); two rows take the matrix kernel, as every other group.
-            return self.experts[e](group.expand(2, -1).contiguous())[:1]
-        return self.experts[e](group)
+        return self.experts[e](two_rows(group))[:group.shape[0]]  # a single row through the matrix kernel too
 
     def _dense(self, h: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         # Static shapes for compiled graphs: every expert on every token, weight 0 where it was not chosen.
