@@ -209,11 +209,14 @@ class ProcessEngine(DeltaStreams):
 
     async def close(self) -> None:
         """Stop the engine process (requests still in it are dropped; drain them first) and wait for it."""
+        if self._conn.closed:
+            return
         if self._loop is not None:
             self._loop.remove_reader(self._conn.fileno())
         if self.alive:
             self._flush()
         await asyncio.to_thread(self._stop_now)
+        self._conn.close()
         if self.alive:
             self._dead("the engine was closed")
 
