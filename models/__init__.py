@@ -5,7 +5,8 @@ contract ``make test`` checks): ``core`` (configs, outputs, the ``ZooModel`` bas
 quantization) ← ``generation`` and the converter registry (``convert.registry``, ``convert.export``) ←
 ``checkpoints``, ``auto``, ``gguf`` ← the model classes (``decoder_lm``, ``encoder_lm``, ``seq2seq``, ``vit``) ←
 the families (``convert/<family>.py``) ← this file, which imports every family by name so that their converters,
-exporters and presets are registered before anything is looked up.
+exporters and presets are registered before anything is looked up. Importing it also keeps freed CPU memory
+mapped for the next step (``core.allocator``; ``ZOO_KEEP_FREED_MEMORY=0`` turns that off).
 """
 
 from . import auto, convert, gguf
@@ -36,6 +37,7 @@ from .convert import (  # noqa: F401  (each family registers its converter, expo
     t5,
     vit,
 )
+from .core.allocator import keep_freed_memory
 from .core.base import ZooModel
 from .core.config import ConfigBase, TransformerConfig
 from .core.outputs import ModelOutput, Seq2SeqOutput
@@ -43,6 +45,8 @@ from .decoder_lm import DecoderLM, DecoderLMConfig
 from .encoder_lm import EncoderLM, EncoderLMConfig
 from .seq2seq import Seq2SeqConfig, Seq2SeqTransformer
 from .vit import VisionTransformer, VisionTransformerConfig
+
+keep_freed_memory()
 
 __all__ = [
     "ConfigBase",
