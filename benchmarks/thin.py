@@ -10,8 +10,10 @@ FFN 1536, vocabulary 49152) and Qwen3-0.6B (28 layers, d_model 1024, 16 / 8 head
 151936, q/k norms). For each shape and batch, in one process, interleaved A B A B:
 
 - *step ms*: the time of one compiled decoding step inside ``generate(compile=True)`` (greedy, a 32-token prompt):
-  ``(t(1 + n new tokens) − t(1 new token)) / n`` — the marginal cost of a token, token choice and loop included,
-  the eager prefill excluded (a call for one new token runs no step);
+  the median interval between the starts of consecutive compiled steps — the cost of a token, token choice and
+  loop included, the eager prefill not in it. (Subtracting a one-token call's time from a long call's, as this
+  row did first, left the prefill's run-to-run noise in the step: 8 rows × 32 prompt tokens through Qwen3-0.6B
+  are ~300 GFLOP of eager prefill against a ~0.1 s step.)
 - *floor*: the distinct weight bytes (a tied head counted once; every weight is read once per step, whatever the
   batch) ÷ the read bandwidth measured by ``benchmarks.compare.read_bandwidth`` (a ``sum`` over 512 MiB, best of
   10) interleaved with the steps, best of the run;
@@ -23,6 +25,7 @@ FFN 1536, vocabulary 49152) and Qwen3-0.6B (28 layers, d_model 1024, 16 / 8 head
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -36,6 +39,7 @@ import torch
 
 from benchmarks.compare import Table, read_bandwidth
 from models import DecoderLM, DecoderLMConfig
+from models.generation import compiled
 
 NO_SPECIAL_TOKENS = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None, dropout=0.0)
 
@@ -83,6 +87,31 @@ def _generate(model: DecoderLM, ids: torch.Tensor, new: int) -> float:
     return time.perf_counter() - start
 
 
+class StepClock:
+    """Records when each compiled decoding step starts (``CompiledStep.__call__``) while entered."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def __enter__(self) -> StepClock:
+        self.original = compiled.CompiledStep.__call__
+        clock, original = self, self.original
+
+        def timed_call(step: compiled.CompiledStep, *args: Any, **kwargs: Any) -> Any:
+            clock.starts.append(time.perf_counter())
+            return original(step, *args, **kwargs)
+
+        compiled.CompiledStep.__call__ = timed_call
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        compiled.CompiledStep.__call__ = self.original
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive step starts."""
+        return [b - a for a, b in itertools.pairwise(self.starts)]
+
+
 def measure_steps(model: DecoderLM, batch: int, prompt: int, new: int, reps: int) -> tuple[float, float, float]:
     """(median seconds per compiled step, best read bandwidth in bytes/s, seconds the first call spent compiling),
     measured interleaved."""
@@ -91,9 +120,11 @@ def measure_steps(model: DecoderLM, batch: int, prompt: int, new: int, reps: int
     steps, longs, bandwidths = [], [], []
     for _ in range(reps):
         bandwidths.append(read_bandwidth())
-        long, short = _generate(model, ids, new + 1), _generate(model, ids, 1)
-        steps.append((long - short) / new)
-        longs.append(long)
+        with StepClock() as clock:
+            longs.append(_generate(model, ids, new + 1))
+        if len(clock.starts) != new:
+            raise RuntimeError(f"expected {new} compiled steps in a call for {new + 1} tokens, got {len(clock.starts)}")
+        steps.extend(clock.intervals())
     return statistics.median(steps), max(bandwidths), first - statistics.median(longs)
 
 
@@ -118,9 +149,7 @@ def compile_probe(spec: dict) -> float:
 
 def _quick_backend() -> None:
     # A smoke run: dynamo captures the same graphs without inductor's C++ build.
-    import models.generation.compiled
-
-    models.generation.compiled.BACKEND = "aot_eager"
+    compiled.BACKEND = "aot_eager"
 
 
 def row_thin(shapes: list[str], batches: list[int], prompt: int, new: int, reps: int, quick: bool,
@@ -146,8 +175,9 @@ def row_thin(shapes: list[str], batches: list[int], prompt: int, new: int, reps:
                                f"{step * 1e3:.2f}", f"{floor * 1e3:.2f}", f"{step / floor:.2f}x",
                                "-" if target is None else f"≤ {target}x", f"{compile_s:.1f}", probed])
         del model
-    table.notes.append("step ms = (t(1 + n new tokens) − t(1 new token)) / n inside generate(compile=True), the "
-                       "eager prefill excluded; median of the repetitions.")
+    table.notes.append("step ms = median interval between the starts of consecutive compiled steps inside "
+                       "generate(compile=True) (graph, token choice and loop; the eager prefill is not in it), over "
+                       "all repetitions.")
     table.notes.append("floor = distinct weight bytes (tied head once; read once per step at any batch) ÷ read "
                        "bandwidth (sum over 512 MiB, best of the run, interleaved with the steps).")
     table.notes.append("first-call compile s = this process's first call of the shape and batch − a later call "
@@ -169,10 +199,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, aot_eager: checks the script runs")
     parser.add_argument("--compile-probe", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for value, name in ((args.prompt, "--prompt"), (args.new_tokens, "--new-tokens"), (args.reps, "--reps"),
-                        *((b, "--batches") for b in args.batches)):
+    for value, name in ((args.prompt, "--prompt"), (args.reps, "--reps"), *((b, "--batches") for b in args.batches)):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
+    if args.new_tokens < 2:
+        parser.error(f"--new-tokens must be >= 2 (the step is the interval between two), got {args.new_tokens}")
     if args.compile_probe:
         print(compile_probe(json.loads(args.compile_probe)))
         return

@@ -33,7 +33,7 @@ def test_floor_bytes_count_a_tied_head_once() -> None:
     assert thin.weight_bytes(model) == sum(distinct.values())
 
 
-@pytest.mark.parametrize("flag", [["--reps", "0"], ["--new-tokens", "0"], ["--batches", "1", "0"]])
+@pytest.mark.parametrize("flag", [["--reps", "0"], ["--new-tokens", "1"], ["--batches", "1", "0"]])
 def test_bad_flags_are_refused(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         thin.main(flag)
