@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
                         help="sequences the engine runs at once, in-process and in the server (the rest wait)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1, help="run every system this many times, round after round")
     parser.add_argument("--ipc", action="store_true", help="measure the engine process's pipe only")
     args = parser.parse_args(argv)
     if args.ipc:
@@ -252,29 +253,40 @@ def main(argv: list[str] | None = None) -> list[Result]:
          "pad_token_id": None})).eval()
     requests = workload(args, model.config.vocab_size)
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} thread(s) per process, torch {torch.__version__}")
-    # The engine in-process computes what the servers send: the chosen token's log-probability (logprobs=0).
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
-        servers = [run_server(folder, requests, args, engine_process) for engine_process in (True, False)]
-    results = [*servers, run_async_engine(model, requests, args), run_engine(model, requests, args, logprobs=0)]
-    engine = results[-1]
-    if not args.quick:
-        results.append(run_sequential(model, requests, args))
-    peaks = " / ".join(str(s.extra["peak_in_flight"]) for s in servers)
+        systems = [lambda: run_server(folder, requests, args, True), lambda: run_server(folder, requests, args, False),
+                   lambda: run_async_engine(model, requests, args),
+                   # computing what the servers send: the chosen token's log-probability (logprobs=0)
+                   lambda: run_engine(model, requests, args, logprobs=0)]
+        if not args.quick:
+            systems.append(lambda: run_sequential(model, requests, args))
+        # Round after round, every system once: the load of a shared machine drifts, a round's figures are close in
+        # time; each row is the round of its median ratio to the engine in-process of the same round.
+        rounds = [[run() for run in systems] for _ in range(args.rounds)]
+    ratios = [[r[i].tokens_per_s / r[3].tokens_per_s for r in rounds] for i in range(len(systems))]
+    medians = [sorted(range(args.rounds), key=lambda k, i=i: ratios[i][k])[(args.rounds - 1) // 2]
+               for i in range(len(systems))]
+    results = [rounds[k][i] for i, k in enumerate(medians)]
+    engine = rounds[0][3]
+    peaks = " / ".join(str(r.extra["peak_in_flight"]) for r in results[:2])
     print(f"\n#### {args.model}: {len(requests)} requests at {args.rate:g}/s, prompts {args.prompt_len[0]}-"
           f"{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]}; at most {args.max_batch} "
-          f"running at once, peak {peaks} requests in flight at the servers\n")
-    print("| system | output tokens/s | vs engine in-process | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | same tokens |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        same = sum(r.tokens[i] == engine.tokens[i] for i in r.tokens)
-        print(f"| {r.name} | {r.tokens_per_s:.0f} | {r.tokens_per_s / engine.tokens_per_s:.2f}x | "
+          f"running at once, peak {peaks} requests in flight at the servers; {args.rounds} round(s)\n")
+    print("| system | output tokens/s | vs engine in-process | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | same tokens |"
+          + (" ratio in each round |" if args.rounds > 1 else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if args.rounds > 1 else ""))
+    for i, r in enumerate(results):
+        same = min(sum(run[i].tokens[j] == engine.tokens[j] for j in engine.tokens) for run in rounds)
+        each = f" {', '.join(f'{x:.2f}' for x in ratios[i])} |" if args.rounds > 1 else ""
+        print(f"| {r.name} | {r.tokens_per_s:.0f} | {ratios[i][medians[i]]:.2f}x | "
               f"{percentile(r.ttft, 50):.2f} / {percentile(r.ttft, 99):.2f} | "
-              f"{1e3 * statistics.median(r.itl):.0f} / {1e3 * percentile(r.itl, 99):.0f} | {same}/{len(r.tokens)} |")
+              f"{1e3 * statistics.median(r.itl):.0f} / {1e3 * percentile(r.itl, 99):.0f} | {same}/{len(r.tokens)} |"
+              + each)
     print()
-    for server in servers:
-        print(f"{server.name}: HTTP overhead (1 - server / engine throughput) "
-              f"{1 - server.tokens_per_s / engine.tokens_per_s:.1%}")
+    for i in (0, 1):
+        print(f"{results[i].name}: HTTP overhead (1 - server / engine throughput, median round) "
+              f"{1 - ratios[i][medians[i]]:.1%}")
     return results
 
 
