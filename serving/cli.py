@@ -91,7 +91,8 @@ def serve(args: argparse.Namespace) -> None:
     from .openai_api import create_app
 
     source: Any = False
-    model = _load(args.model, device="meta") if args.engine_process else None  # config and tokenizer only
+    # The server process keeps the config and tokenizer only (the weights it reads go to the meta device).
+    model = _load(args.model, device="meta") if args.engine_process else None
     if model is not None and getattr(model.config, "head", None) != "embedding":
         source = ModelSource(path=args.model)  # the engine process loads the weights
     else:
