@@ -6,9 +6,11 @@ of ``--repeats``; the outputs are checked equal first. ``--tokens`` sets the bat
 
 ``--clock cpu`` (the default) times each step by the process's CPU time rather than the wall clock: with one thread
 (``OMP_NUM_THREADS=1``) that is the work the step did, and time the process spent descheduled on a shared machine
-does not count (wall-clock ratios there moved by a third between runs). The last column is the floor no
-implementation goes below at these shapes: the nine expert matmuls per (token, slot) pair (three forward, six
-backward) alone, at the zoo's routing of the same tokens.
+does not count (wall-clock ratios there moved by a third between runs). The last three columns bound what any
+implementation can reach at these shapes: the nine expert matmuls per (token, slot) pair (three forward, six
+backward) alone, at the zoo's routing of the same tokens; the same FLOPs at the fastest matmul rate this machine
+showed in the run (best of 5 over a 1024³ product and the layer's per-expert shapes); and ``transformers``'
+``grouped_mm`` time over each, the largest speed-up over it that such an implementation could show.
 """
 
 from __future__ import annotations
@@ -68,16 +70,33 @@ def step_time(block: nn.Module, x: torch.Tensor, clock: Callable[[], float] = ti
 
 def matmul_time(counts: list[int], d_model: int, d_ff: int, clock: Callable[[], float] = time.process_time) -> float:
     """Seconds of the experts' matmuls alone: per expert of ``n`` pairs the gate, up and down projections forward
-    and the input and weight gradients of each backward, on random tensors of those shapes."""
+    and the input and weight gradients of each backward, on random tensors of those shapes (three weights per
+    expert, as in the layer)."""
     g = torch.Generator().manual_seed(0)
     shapes = [(torch.randn(n, d_model, generator=g), torch.randn(n, d_ff, generator=g),
-               torch.randn(d_ff, d_model, generator=g), torch.randn(d_model, d_ff, generator=g)) for n in counts if n]
+               torch.randn(d_ff, d_model, generator=g), torch.randn(d_ff, d_model, generator=g),
+               torch.randn(d_model, d_ff, generator=g)) for n in counts if n]
     start = clock()
-    for x, h, w_in, w_out in shapes:
-        x @ w_in.T, x @ w_in.T, h @ w_out.T  # forward: gate, up, down
+    for x, h, w_gate, w_up, w_down in shapes:
+        x @ w_gate.T, x @ w_up.T, h @ w_down.T  # forward: gate, up, down
         dy = x  # (n, d_model), the shape of the output gradient
-        dy @ w_out, dy.T @ h, h @ w_in, h.T @ x, h @ w_in, h.T @ x  # backward: down, gate, up
+        dy @ w_down, dy.T @ h, h @ w_gate, h.T @ x, h @ w_up, h.T @ x  # backward: down, gate, up
     return clock() - start
+
+
+def peak_rate(shapes: list[tuple[int, int, int]], clock: Callable[[], float] = time.process_time,
+              repeats: int = 5) -> float:
+    """FLOP/s of the fastest product among ``(m, k, n)`` shapes (best of ``repeats``): the rate no implementation's
+    matmuls beat on this machine, so FLOPs ÷ it is a floor below the measured one."""
+    best = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        a @ b
+        for _ in range(repeats):
+            start = clock()
+            a @ b
+            best = max(best, 2 * m * k * n / max(clock() - start, 1e-9))
+    return best
 
 
 def measure(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
@@ -101,8 +120,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
           f"fp32, {args.tokens} tokens, forward + backward, median of {args.repeats}, {args.clock} time")
     print("| layer | zoo ms | transformers grouped_mm ms (zoo speed-up) | transformers eager ms (zoo speed-up) "
-          "| expert matmuls alone ms |")
-    print("|---|---|---|---|---|")
+          "| expert matmuls alone ms | FLOP floor ms (GFLOP at peak GFLOP/s) | grouped_mm ÷ matmuls (÷ FLOP floor) |")
+    print("|---|---|---|---|---|---|---|")
     for name, (config_class, path, fields, options, d_ff) in SHAPES.items():
         torch.manual_seed(0)
         zoo = blocks.build("ffn", "moe", d_model=fields["hidden_size"], d_ff=d_ff, **options)
@@ -122,8 +141,14 @@ def main() -> None:
         counts = torch.bincount(chosen.reshape(-1), minlength=zoo.n_experts).tolist()
         runs["matmuls"] = functools.partial(matmul_time, counts, fields["hidden_size"], d_ff, clock)
         t = measure(runs, args.repeats)
+        d, n = fields["hidden_size"], args.tokens * zoo.top_k // zoo.n_experts  # a mean expert's rows
+        peak = peak_rate([(1024, 1024, 1024), (n, d, d_ff), (n, d_ff, d), (d, n, d_ff), (d_ff, n, d)], clock)
+        flops = 9 * 2 * args.tokens * zoo.top_k * d * d_ff  # nine products per (token, slot) pair
+        floor = flops / peak
         print(f"| {name} | {t['zoo'] * 1e3:.1f} | {t['grouped_mm'] * 1e3:.1f} ({t['grouped_mm'] / t['zoo']:.2f}x) | "
-              f"{t['eager'] * 1e3:.1f} ({t['eager'] / t['zoo']:.2f}x) | {t['matmuls'] * 1e3:.1f} |")
+              f"{t['eager'] * 1e3:.1f} ({t['eager'] / t['zoo']:.2f}x) | {t['matmuls'] * 1e3:.1f} | "
+              f"{floor * 1e3:.1f} ({flops / 1e9:.1f} at {peak / 1e9:.0f}) | "
+              f"{t['grouped_mm'] / t['matmuls']:.2f}x ({t['grouped_mm'] / floor:.2f}x) |")
 
 
 if __name__ == "__main__":
