@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .backends.common import additive_mask, soft_cap
 from .paged_batch import GROUP_COST, AttentionGroup, PagedBatch, split_by_length
 from .registry import get, register
 
@@ -243,8 +244,8 @@ class PagedKVCache:
         rep = n_heads // n_kv
         out = q.new_zeros((n_heads, q.shape[2], self.v.shape[-1]))  # (H, T, Dv)
         for group in batch.groups:
-            k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (G, Hkv, K, D)
             if group.row is not None:
+                k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (1, Hkv, K, D)
                 start, n_query, n_context = group.row
                 k, v = k[:, :, :n_context], v[:, :, :n_context]  # (1, Hkv, n_context, D)
                 mask = None if window is None else group.mask(window, self.block_size)[..., :n_context]
@@ -256,13 +257,41 @@ class PagedKVCache:
             # (H, G, Lq, D) -> (G, Hkv, rep·Lq, D): the query heads of one key/value head side by side.
             qg = q[0][:, group.q_index].view(n_kv, rep, g, lq, -1).permute(2, 0, 1, 3, 4).reshape(g, n_kv, rep * lq, -1)
             mask = group.mask(window, self.block_size, rep)  # (G, 1, rep·Lq, K)
-            bias = None
-            if sinks is not None:
-                k, v, mask, bias = _with_sink_key(k, v, mask, sinks, lq)
-            og = backend(qg, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)  # (G, Hkv, rep·Lq, Dv)
+            if torch.compiler.is_compiling():
+                og = self._fused(qg, group, mask, scale, softcap, sinks)
+            else:
+                k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (G, Hkv, K, D)
+                bias = None
+                if sinks is not None:
+                    k, v, mask, bias = _with_sink_key(k, v, mask, sinks, lq)
+                og = backend(qg, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)  # (G, Hkv, rep·Lq, Dv)
             og = og.view(g, n_kv, rep, lq, -1).permute(1, 2, 0, 3, 4).reshape(n_heads, g, lq, -1)  # (H, G, Lq, Dv)
             out[:, group.flat] = og.flatten(1, 2) if group.dense else og[:, group.valid]
         return out[None]
+
+    def _fused(self, q: Tensor, group: AttentionGroup, mask: Tensor, scale: float | None, softcap: float | None,
+               sinks: Tensor | None) -> Tensor:
+        """The ``math`` backend's formula for a group of one-token rows inside a compiled step, with the blocks
+        indexed in place: the compiler fuses each gather into the score and value reductions, so the keys and
+        values are read once instead of copied and read again (a backend's matmul would need them copied).
+        Every row has a key (its own position), so no row is empty. ``(G, Hkv, rep·Lq, D)`` -> ``(G, Hkv, rep·Lq,
+        Dv)``."""
+        heads, n, bs, d = self.k.shape
+        g, nb = group.tables.shape
+        index = group.gather_index(heads, n).view(g, heads, nb)
+        k = self.k.view(heads * n, bs, d)[index]  # (G, Hkv, nb, bs, D), left to the compiler to fuse
+        scores = (q[:, :, :, None, None, :] * k[:, :, None]).sum(-1).flatten(-2)  # (G, Hkv, rep·Lq, K)
+        scores = soft_cap(scores * (d ** -0.5 if scale is None else scale), softcap)
+        scores = scores + additive_mask(mask, scores.dtype)
+        if sinks is None:
+            weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        else:  # the sink is one more column of the softmax, dropped after it (row r·Lq + t is head h·rep + r)
+            rows, rep = q.shape[2], sinks.numel() // heads
+            sink = sinks.float().view(1, heads, rep, 1, 1).expand(g, heads, rep, rows // rep, 1)
+            sink = sink.reshape(g, heads, rows, 1)
+            weights = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+        v = self.v.view(heads * n, bs, self.v.shape[-1])[index]  # (G, Hkv, nb, bs, Dv)
+        return (weights.view(g, heads, -1, nb, bs, 1) * v[:, :, None]).sum((-3, -2))
 
     def _gather(self, pool: Tensor, group: AttentionGroup, name: str) -> Tensor:
         """A group's blocks, ``(G, Hkv, K, D)``: one ``index_select`` along dim 0 of the pool viewed as

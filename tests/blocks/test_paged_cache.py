@@ -208,3 +208,24 @@ def test_gathers_reuse_one_workspace_and_follow_inference_mode() -> None:
     assert workspace["k"].is_inference()
     torch.testing.assert_close(first, second, rtol=0, atol=0)
     torch.testing.assert_close(second, model(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("n_heads", "softcap", "window", "sinks"),
+                         [(4, None, None, False), (8, 30.0, 5, False), (8, None, None, True), (4, 2.0, 6, True)])
+def test_compiled_steps_fused_decode_attention_equals_the_backends(monkeypatch: pytest.MonkeyPatch, n_heads: int,
+                                                                   softcap: float | None, window: int | None,
+                                                                   sinks: bool) -> None:
+    """Inside a compiled step one-token rows attend by the math formula with the blocks indexed in place
+    (``PagedKVCache._fused``); it equals the gather + backend path (GQA, soft-caps, windows, sinks)."""
+    torch.manual_seed(0)
+    cache, bs, n_kv = blocks.PagedKVCache(16, 4), 4, 4
+    cache.k, cache.v = torch.randn(n_kv, 16, bs, 8), torch.randn(n_kv, 16, bs, 6)
+    rows = [(1, 13, [3, 0, 7, 9]), (1, 2, [5]), (1, 7, [1, 2]), (1, 16, [4, 6, 8, 10])]
+    cache.batch = PagedBatch(rows, bs, pad_rows=4, pad_blocks=4, capacity=16)
+    q = torch.randn(1, n_heads, 4, 8)
+    logits = torch.randn(n_heads) if sinks else None
+    kwargs = dict(scale=0.3, softcap=softcap, window=window, sinks=logits)
+    want = cache.attend(q, blocks.get("attention_backend", "sdpa"), **kwargs)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    got = cache.attend(q, blocks.get("attention_backend", "sdpa"), **kwargs)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
