@@ -9,6 +9,7 @@ a scratch block past the allocator's ids; the pools are allocated whole. Steps h
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -150,7 +151,9 @@ class PagedRunner:
             batch = PagedBatch(rows, self.block_size, device, capacity=None if self.step is None else self.n_blocks + 1)
         for cache in self.caches:
             cache.self_attn.batch = batch
-        with eval_mode(self.model):
+        # eval_mode sets and restores every submodule's flag (a tenth of a small step): only when one is training.
+        training = any(m.training for m in self.model.modules())
+        with eval_mode(self.model) if training else contextlib.nullcontext():
             logits = step(self.model, torch.tensor([ids], device=device), batch.positions[None], self.caches,
                           batch.last)
         for cache in self.caches:
