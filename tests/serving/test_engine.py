@@ -156,3 +156,13 @@ def test_n_samples_share_the_prompt_blocks_differ_and_follow_their_seeds(models:
     for j, tokens in enumerate(out.token_ids):
         assert tokens == alone(model, prompt, 12, sampling=SAMPLING, generator=torch.Generator().manual_seed(11 + j))
     assert engine.allocator.num_free == engine.allocator.n_blocks
+
+
+def test_a_model_in_train_mode_decodes_in_eval_mode_and_stays_in_train_mode() -> None:
+    torch.manual_seed(0)
+    model = DecoderLM.from_preset("tiny", dropout=0.5)  # train mode: dropout would change every token
+    prompt = prompts(8)[2]
+    want = alone(model.eval(), prompt, 8)
+    model.train()
+    assert Engine(model, block_size=4).generate(prompt, max_tokens=8)[0].token_ids == want
+    assert all(m.training for m in model.modules())
