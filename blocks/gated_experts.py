@@ -100,16 +100,6 @@ def two_rows(x: Tensor) -> Tensor:
     return x.expand(2, -1).contiguous() if x.shape[0] == 1 else x
 
 
-def _rows(counts: Sequence[int]) -> list[tuple[int, slice]]:
-    """``(expert, rows)`` of every expert with rows, ``rows`` its slice of the sorted pairs."""
-    bounds, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            bounds.append((e, slice(start, start + n)))
-        start += n
-    return bounds
-
-
 def _project(x: Tensor, weight: Tensor, into: Tensor) -> None:
     """``into = x @ weight`` for one expert's rows (a single row through the matrix kernel, see ``two_rows``)."""
     if x.shape[0] == 1:
@@ -129,59 +119,63 @@ class GatedExperts(torch.autograd.Function):
                 *params: Tensor) -> Tensor:
         act = ACTIVATIONS[kind][0]
         pairs, d_ff, d_model = tokens.shape[0], params[0].shape[0], h.shape[1]
-        bounds = _rows(counts)
+        used = [e for e, n in enumerate(counts) if n]
         x = h.index_select(0, tokens)  # (S, d_model) the group's pairs, sorted by expert
         gate, up = h.new_empty(pairs, d_ff), h.new_empty(pairs, d_ff)
-        for e, rows in bounds:
-            _project(x[rows], params[3 * e].T, gate[rows])
-            _project(x[rows], params[3 * e + 1].T, up[rows])
-        a = act(gate).mul_(up)  # (S, d_ff)
+        xs, gates, ups = x.split(counts), gate.split(counts), up.split(counts)
+        for e in used:
+            _project(xs[e], params[3 * e].T, gates[e])
+            _project(xs[e], params[3 * e + 1].T, ups[e])
+        act_gate = act(gate)
+        a = act_gate * up  # (S, d_ff)
         if d_ff <= d_model:  # the weight goes on the smaller of the two activations
             a.mul_(w[:, None])
         y = h.new_empty(pairs, d_model)
-        for e, rows in bounds:
-            _project(a[rows], params[3 * e + 2].T, y[rows])
+        weighted, ys = a.split(counts), y.split(counts)
+        for e in used:
+            _project(weighted[e], params[3 * e + 2].T, ys[e])
         if d_ff > d_model:
             y.mul_(w[:, None])
         out.index_add_(0, tokens, y)
         ctx.mark_dirty(out)
         ctx.counts, ctx.kind = counts, kind
         if any(ctx.needs_input_grad):
-            ctx.save_for_backward(x, w, tokens, gate, up, *params)
+            ctx.save_for_backward(x, w, tokens, gate, up, act_gate, *params)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, w, tokens, gate, up, *params = ctx.saved_tensors
-        act, act_backward = ACTIVATIONS[ctx.kind]
+        x, w, tokens, gate, up, act_gate, *params = ctx.saved_tensors
+        counts = ctx.counts
         need_h, need_w, need_params = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[6:]
-        bounds = _rows(ctx.counts)
+        used = [e for e, n in enumerate(counts) if n]
         grad_params: list[Tensor | None] = [
-            None if not need or ctx.counts[i // 3] else torch.zeros_like(p)  # zero, not None, for an unused expert:
+            None if not need or counts[i // 3] else torch.zeros_like(p)  # zero, not None, for an unused expert:
             for i, (p, need) in enumerate(zip(params, need_params, strict=True))  # ranks reduce the same set (FSDP2)
         ]
         gy = grad.index_select(0, tokens)  # (S, d_model)
         t = torch.empty_like(gate)  # the gradient of the weighted product, before the weight
-        for e, rows in bounds:
-            torch.mm(gy[rows], params[3 * e + 2], out=t[rows])
-        act_gate = act(gate)
+        gys, ts = gy.split(counts), t.split(counts)
+        for e in used:
+            torch.mm(gys[e], params[3 * e + 2], out=ts[e])
         a = act_gate * up  # (S, d_ff) unweighted
         grad_w = torch.linalg.vecdot(t, a) if need_w else None
         a.mul_(w[:, None])
         da = t.mul_(w[:, None])
         du = da * act_gate
-        dg = act_backward(da.mul_(up), gate)
+        dg = ACTIVATIONS[ctx.kind][1](da.mul_(up), gate)
         grad_x = torch.empty_like(x) if need_h else None
-        for e, rows in bounds:
-            wg, wu, wd = params[3 * e:3 * e + 3]
+        xs, as_, dgs, dus = x.split(counts), a.split(counts), dg.split(counts), du.split(counts)
+        grad_xs = grad_x.split(counts) if need_h else None
+        for e in used:
             if need_params[3 * e]:
-                grad_params[3 * e] = dg[rows].T @ x[rows]  # (d_ff, d_model)
+                grad_params[3 * e] = dgs[e].T @ xs[e]  # (d_ff, d_model)
             if need_params[3 * e + 1]:
-                grad_params[3 * e + 1] = du[rows].T @ x[rows]
+                grad_params[3 * e + 1] = dus[e].T @ xs[e]
             if need_params[3 * e + 2]:
-                grad_params[3 * e + 2] = gy[rows].T @ a[rows]  # (d_model, d_ff)
+                grad_params[3 * e + 2] = gys[e].T @ as_[e]  # (d_model, d_ff)
             if need_h:
-                torch.mm(dg[rows], wg, out=grad_x[rows]).addmm_(du[rows], wu)
+                torch.mm(dgs[e], params[3 * e], out=grad_xs[e]).addmm_(dus[e], params[3 * e + 1])
         grad_h = x.new_zeros(grad.shape).index_add_(0, tokens, grad_x) if need_h else None
         return (grad, grad_h, grad_w, None, None, None, *grad_params)
