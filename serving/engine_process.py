@@ -196,6 +196,9 @@ class ProcessEngine(DeltaStreams):
             self.abort(request_id)
             self.drop_stream(request_id)
             raise
+        except EngineDeadError:
+            self.drop_stream(request_id)
+            raise
         if refused is not None:
             self.drop_stream(request_id)
             kind, message = refused
@@ -264,7 +267,7 @@ class ProcessEngine(DeltaStreams):
             self.ready = True
             self._started.set_result(None)
         elif kind == "load_failed":
-            self.failure = f"loading the model failed: {message[1]}"
+            self.failure = f"building the model or the engine failed: {message[1]}"
 
     def _check_alive(self) -> None:
         if not self.alive:

@@ -28,7 +28,8 @@ import uvicorn
 from models import DecoderLM, EncoderLM
 from models.generation.sampling import SamplingParams
 from serving import cli
-from serving.engine_process import ModelSource
+from serving.async_engine import EngineDeadError
+from serving.engine_process import ModelSource, ProcessEngine
 from serving.openai_api import create_app
 from tests.serving.conftest import failing_on
 from tokenization import Tokenizer, train_byte_level_bpe
@@ -614,3 +615,18 @@ def test_the_in_process_thread_engine_serves_and_survives_a_failing_step(setup, 
         assert answer.choices[0].message.content == tok.decode(reference(model, tok, MESSAGES, 12))
     finally:
         served.stop()
+
+
+def test_bad_model_sources_and_an_engine_that_cannot_start(setup) -> None:
+    with pytest.raises(ValueError, match="a path or a factory, exactly one"):
+        ModelSource()
+    with pytest.raises(ValueError, match="a path or a factory, exactly one"):
+        ModelSource(path="x", factory=dict)
+    with pytest.raises(ValueError, match="must be callable"):
+        ModelSource(factory="not callable")
+    with pytest.raises(ValueError, match="must be a ModelSource"):
+        ProcessEngine("a path")
+    front = ProcessEngine(ModelSource.from_model(setup[0]), max_num_seqs=0)  # refused in the engine process
+    with pytest.raises(EngineDeadError, match="max_num_seqs must be a positive integer, got 0"):
+        asyncio.run(front.start())
+    assert not front.alive and not running(front.pid)
