@@ -151,9 +151,10 @@ class PagedKVCache:
     ``attend`` with the packed queries instead of its backend. ``length`` is 0: positions come from the batch,
     not from a contiguous prefix.
 
-    The pools are head-major, ``(Hkv, blocks, block_size, D)``: gathering a group's blocks along dim 1 gives each
-    key/value head's keys as contiguous ``(K, D)`` matrices with no further copy; the query heads sharing a key/value
-    head (GQA) are folded into the query length, so the backend sees one key/value head per batch row.
+    The pools are head-major, ``(Hkv, blocks, block_size, D)``: viewed as ``(Hkv·blocks, block_size·D)``, a group's
+    blocks are gathered with one ``index_select`` of whole rows into ``(G, Hkv, K, D)``, each key/value head's keys a
+    contiguous ``(K, D)`` matrix; the query heads sharing a key/value head (GQA) are folded into the query length, so
+    the keys need no second copy.
 
     Args:
         n_blocks: blocks the pool may grow to.
