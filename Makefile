@@ -24,10 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow"
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow" -n auto
 
 test-all: $(STAMP)
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n auto
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

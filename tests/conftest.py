@@ -23,6 +23,11 @@ settings.register_profile("dev", deadline=None, max_examples=25)
 settings.register_profile("thorough", deadline=None, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # ``make test`` runs one pytest worker per core (pytest-xdist): one intra-op thread each, so two workers never
+    # fight over the cores (a kernel whose second OpenMP thread is descheduled waits at every barrier).
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:
