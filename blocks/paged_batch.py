@@ -152,8 +152,8 @@ class PagedBatch:
         positions = (n_context - n_query)[row_of] + torch.arange(self.n_tokens) - starts[row_of]
         slots = tables[row_of, positions // block_size] * block_size + positions % block_size
         self.positions, self.slots, self.last = positions.to(device), slots.to(device), (ends - 1).to(device)
-        self.max_block = capacity if capacity is not None else max(
-            max(t[:u]) for (_, _, t), u in zip(rows, used, strict=True)) + 1
+        # The tables hold only used blocks (padding repeats a row's first): their largest id is the largest used.
+        self.max_block = capacity if capacity is not None else int(tables.max()) + 1
         decode = [(i, 1, r[1], r[2]) for i, r in enumerate(rows) if r[0] == 1]
         # Padded (compiled) steps keep one static group; a row of several new tokens is a group of its own.
         kinds = [[m[0] for m in g] for g in split_by_length(decode, block_size)] if pad_blocks is None else \
