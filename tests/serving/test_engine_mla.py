@@ -53,10 +53,10 @@ def test_compiled_decode_steps_give_the_tokens_of_generate_alone(model: DecoderL
     ps = prompts()
     engine = Engine(model, block_size=4, max_num_batched_tokens=16, max_num_seqs=3, num_blocks=64, compile=True)
     assert engine.runner.nbytes == 65 * kv_block_nbytes(model, 4)  # the pools are allocated whole (+ scratch)
-    arrivals = {0: [(ps[3], dict(max_tokens=MAX_TOKENS[3])), (ps[0], dict(max_tokens=MAX_TOKENS[0]))],
-                2: [(ps[1], dict(max_tokens=MAX_TOKENS[1]))], 5: [(ps[4], dict(max_tokens=MAX_TOKENS[4]))]}
+    # Contexts of up to 29 positions in blocks of 4: two block buckets (4 and 8), two graphs to compile.
+    arrivals = {0: [(ps[0], dict(max_tokens=MAX_TOKENS[0]))], 2: [(ps[1], dict(max_tokens=MAX_TOKENS[1]))]}
     outputs = run_staggered(engine, arrivals)
-    for i, out in zip([3, 0, 1, 4], outputs, strict=True):
+    for i, out in zip([0, 1], outputs, strict=True):
         assert out.token_ids == alone(model, ps[i], MAX_TOKENS[i])
-    assert engine.runner.step.compiled  # decode-only steps ran compiled graphs
+    assert len(engine.runner.step.compiled) == 2  # decode-only steps ran compiled graphs
     assert engine.allocator.num_free == engine.allocator.n_blocks
