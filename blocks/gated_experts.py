@@ -79,17 +79,20 @@ def gated_experts(h: Tensor, weights: Tensor, order: Tensor, counts: list[int], 
     """
     tokens = order // top_k  # (S,) the token of each sorted pair
     w = weights.reshape(-1)[order]  # (S,) its weight
+    x = h.index_select(0, tokens)  # (S, d_model) its row: one gather (and one scatter back) for every group
     first = experts[0]
     per_group = max(1, GROUP_BYTES // (3 * first.gate_proj.weight.numel() * h.element_size()))
     bounds = range(0, len(experts), per_group)
     sizes = [sum(counts[a:a + per_group]) for a in bounds]
     out = torch.zeros_like(h)
     grad = torch.is_grad_enabled()
-    for a, size, group_tokens, group_w in zip(bounds, sizes, tokens.split(sizes), w.split(sizes), strict=True):
+    for a, size, group_tokens, group_x, group_w in zip(bounds, sizes, tokens.split(sizes), x.split(sizes),
+                                                       w.split(sizes), strict=True):
         if size or grad:
             params = [p for e in experts[a:a + per_group]
                       for p in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)]
-            out = GatedExperts.apply(out, h, group_w, group_tokens, counts[a:a + per_group], type(first), *params)
+            out = GatedExperts.apply(out, group_x, group_w, group_tokens, counts[a:a + per_group], type(first),
+                                     *params)
     return out
 
 
@@ -115,67 +118,73 @@ class GatedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, out: Tensor, h: Tensor, w: Tensor, tokens: Tensor, counts: list[int], kind: type,
+    def forward(ctx, out: Tensor, x: Tensor, w: Tensor, tokens: Tensor, counts: list[int], kind: type,
                 *params: Tensor) -> Tensor:
+        """``out`` ``(N, d_model)`` += the group's weighted outputs; ``x`` ``(S, d_model)`` its pairs' rows (sorted by
+        expert), ``w`` ``(S,)`` their weights, ``tokens`` ``(S,)`` their tokens, ``counts`` pairs per expert."""
         act = ACTIVATIONS[kind][0]
-        pairs, d_ff, d_model = tokens.shape[0], params[0].shape[0], h.shape[1]
+        pairs, d_ff, d_model = tokens.shape[0], params[0].shape[0], x.shape[1]
         used = [e for e, n in enumerate(counts) if n]
-        x = h.index_select(0, tokens)  # (S, d_model) the group's pairs, sorted by expert
-        gate, up = h.new_empty(pairs, d_ff), h.new_empty(pairs, d_ff)
+        gate, up = x.new_empty(pairs, d_ff), x.new_empty(pairs, d_ff)
         xs, gates, ups = x.split(counts), gate.split(counts), up.split(counts)
         for e in used:
             _project(xs[e], params[3 * e].T, gates[e])
             _project(xs[e], params[3 * e + 1].T, ups[e])
         act_gate = act(gate)
-        a = act_gate * up  # (S, d_ff)
-        if d_ff <= d_model:  # the weight goes on the smaller of the two activations
-            a.mul_(w[:, None])
-        y = h.new_empty(pairs, d_model)
-        weighted, ys = a.split(counts), y.split(counts)
+        a = act_gate * up  # (S, d_ff) unweighted
+        save = any(ctx.needs_input_grad)
+        weight_after = d_ff > d_model  # the routing weight goes on the smaller of the two activations
+        weighted = a if weight_after else a * w[:, None]
+        y = x.new_empty(pairs, d_model)
+        ws, ys = weighted.split(counts), y.split(counts)
         for e in used:
-            _project(weighted[e], params[3 * e + 2].T, ys[e])
-        if d_ff > d_model:
-            y.mul_(w[:, None])
-        out.index_add_(0, tokens, y)
+            _project(ws[e], params[3 * e + 2].T, ys[e])
+        if weight_after:
+            out.index_add_(0, tokens, y * w[:, None] if save else y.mul_(w[:, None]))
+        else:
+            out.index_add_(0, tokens, y)
         ctx.mark_dirty(out)
         ctx.counts, ctx.kind = counts, kind
-        if any(ctx.needs_input_grad):
-            ctx.save_for_backward(x, w, tokens, gate, up, act_gate, *params)
+        if save:  # y unweighted: the weight's gradient when it went on y
+            ctx.save_for_backward(x, w, tokens, gate, up, act_gate, a, y if weight_after else None, *params)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, w, tokens, gate, up, act_gate, *params = ctx.saved_tensors
+        x, w, tokens, gate, up, act_gate, a, y, *params = ctx.saved_tensors
         counts = ctx.counts
-        need_h, need_w, need_params = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[6:]
+        need_x, need_w, need_params = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[6:]
         used = [e for e, n in enumerate(counts) if n]
         grad_params: list[Tensor | None] = [
             None if not need or counts[i // 3] else torch.zeros_like(p)  # zero, not None, for an unused expert:
             for i, (p, need) in enumerate(zip(params, need_params, strict=True))  # ranks reduce the same set (FSDP2)
         ]
         gy = grad.index_select(0, tokens)  # (S, d_model)
-        t = torch.empty_like(gate)  # the gradient of the weighted product, before the weight
-        gys, ts = gy.split(counts), t.split(counts)
+        da = torch.empty_like(gate)  # the gradient of the product act(gate) · up
+        gys, das = gy.split(counts), da.split(counts)
+        if y is not None:  # the weight went on y: the weight's gradient on the d_model side, then weight gy
+            grad_w = torch.linalg.vecdot(gy, y) if need_w else None
+            gy.mul_(w[:, None])
+            weighted = a
         for e in used:
-            torch.mm(gys[e], params[3 * e + 2], out=ts[e])
-        a = act_gate * up  # (S, d_ff) unweighted
-        grad_w = torch.linalg.vecdot(t, a) if need_w else None
-        a.mul_(w[:, None])
-        da = t.mul_(w[:, None])
+            torch.mm(gys[e], params[3 * e + 2], out=das[e])
+        if y is None:  # the weight went on a: its gradient on the d_ff side
+            grad_w = torch.linalg.vecdot(da, a) if need_w else None
+            da.mul_(w[:, None])
+            weighted = a * w[:, None]
         du = da * act_gate
         dg = ACTIVATIONS[ctx.kind][1](da.mul_(up), gate)
-        grad_x = torch.empty_like(x) if need_h else None
-        xs, as_, dgs, dus = x.split(counts), a.split(counts), dg.split(counts), du.split(counts)
-        grad_xs = grad_x.split(counts) if need_h else None
+        grad_x = torch.empty_like(x) if need_x else None
+        xs, ws, dgs, dus = x.split(counts), weighted.split(counts), dg.split(counts), du.split(counts)
+        grad_xs = grad_x.split(counts) if need_x else None
         for e in used:
             if need_params[3 * e]:
                 grad_params[3 * e] = dgs[e].T @ xs[e]  # (d_ff, d_model)
             if need_params[3 * e + 1]:
                 grad_params[3 * e + 1] = dus[e].T @ xs[e]
             if need_params[3 * e + 2]:
-                grad_params[3 * e + 2] = gys[e].T @ as_[e]  # (d_model, d_ff)
-            if need_h:
+                grad_params[3 * e + 2] = gys[e].T @ ws[e]  # (d_model, d_ff)
+            if need_x:
                 torch.mm(dgs[e], params[3 * e], out=grad_xs[e]).addmm_(dus[e], params[3 * e + 1])
-        grad_h = x.new_zeros(grad.shape).index_add_(0, tokens, grad_x) if need_h else None
-        return (grad, grad_h, grad_w, None, None, None, *grad_params)
+        return (grad, grad_x, grad_w, None, None, None, *grad_params)
