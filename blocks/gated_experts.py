@@ -2,12 +2,12 @@
 
 For experts of the form ``down(act(gate(x)) · up(x))`` the block's work is nine matmuls per (token, slot) pair —
 gate, up and down forward; the input and weight gradients of each backward — and everything else is overhead.
-``GatedExperts`` runs a group of experts as one autograd node: only the products run per expert (into slices of
-buffers shared by the group); the gather, the scatter and the elementwise steps run once over the group's pairs, so
-64 experts cost ~15 Python-level calls each instead of ~40 (autograd's nodes). It keeps only what the backward needs —
-the group's gathered rows and its gate and up projections — recomputes ``act(gate) · up`` (two elementwise passes),
-applies the routing weight to the smaller of the two activations, sums the gate and up input gradients in one
-``addmm`` and skips every gradient nobody asked for (a frozen input, frozen experts, the routing weights).
+``GatedExperts`` runs a group of experts as one autograd node: only the products run per expert (into views of
+buffers shared by the group); the elementwise steps run once over the group's pairs, and the gather and scatter once
+over all pairs, so an expert costs its products and a few views, not a dozen autograd nodes. The backward
+reuses the forward's activations (``act(gate)`` and the product), applies the routing weight to the smaller of the two
+sides (``d_ff`` or ``d_model``), sums the gate and up input gradients in one ``addmm`` and skips every gradient nobody
+asked for (a frozen input, frozen experts, the routing weights).
 
 Groups hold at most ``GROUP_BYTES`` of weight gradients: autograd accumulates (and frees) a node's gradients before
 the next node's backward, so one group's memory is reused by the next instead of every step faulting in fresh pages
