@@ -33,7 +33,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import multiprocessing
+import os
 import pickle
 import platform
 import socket
@@ -42,6 +44,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -78,9 +81,26 @@ def serve(folder: str, port: int, threads: int, max_batch: int, engine_process: 
     uvicorn.run(server_app(folder, max_batch, engine_process), host="127.0.0.1", port=port, log_level="warning")
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of the server process and of its engine process (its child that is not ``multiprocessing``'s
+    resource tracker), if it has one."""
+    cpu = {"server": process_cpu(pid)}
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+            cpu["engine"] = process_cpu(int(child))
+    return cpu
+
+
 @contextlib.contextmanager
-def serving(folder: str, args: argparse.Namespace, engine_process: bool) -> Iterator[str]:
-    """The server's URL while it runs: in a child process, or (``--quick``) in a thread of this one."""
+def serving(folder: str, args: argparse.Namespace, engine_process: bool) -> Iterator[tuple[str, Any]]:
+    """The server's URL while it runs, and a function giving its processes' CPU seconds: in a child process, or
+    (``--quick``, no CPU figures) in a thread of this one."""
     import uvicorn
 
     with socket.socket() as s:
@@ -93,11 +113,13 @@ def serving(folder: str, args: argparse.Namespace, engine_process: bool) -> Iter
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         stop, alive = (lambda: setattr(server, "should_exit", True) or thread.join(60)), thread.is_alive
+        cpu: Any = dict
     else:
         child = multiprocessing.get_context("spawn").Process(
             target=serve, args=(folder, port, args.threads, args.max_batch, engine_process))
         child.start()
         stop, alive = (lambda: child.terminate() or child.join(60)), child.is_alive
+        cpu = functools.partial(server_cpu, child.pid)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -109,18 +131,18 @@ def serving(folder: str, args: argparse.Namespace, engine_process: bool) -> Iter
             if time.monotonic() > deadline or not alive():
                 raise RuntimeError("the server did not start")
             time.sleep(0.05)
-        yield url
+        yield url, cpu
     finally:
         stop()
 
 
 def run_server(folder: str, requests: list[Request], args: argparse.Namespace, engine_process: bool) -> Result:
-    with serving(folder, args, engine_process) as url:
+    with serving(folder, args, engine_process) as (url, cpu):
         name = "server (engine process)" if engine_process else "server (in-process thread engine)"
-        return asyncio.run(_drive(url, requests, name))
+        return asyncio.run(_drive(url, requests, name, cpu))
 
 
-async def _drive(url: str, requests: list[Request], name: str) -> Result:
+async def _drive(url: str, requests: list[Request], name: str, cpu: Any) -> Result:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                 http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=256)))
 
@@ -142,6 +164,7 @@ async def _drive(url: str, requests: list[Request], name: str) -> Result:
         await one(r, lambda new: emit(i, new))
         in_flight["now"] -= 1
 
+    cpu_before, client_before = cpu(), time.process_time()
     started = time.perf_counter()
     record: list[tuple[int, list[int], float]] = []
     await asyncio.gather(*(scheduled(i, r, started, lambda i, new: record.append((i, new, time.perf_counter())))
@@ -156,7 +179,8 @@ async def _drive(url: str, requests: list[Request], name: str) -> Result:
         name, max(s[-1] for s in stamps.values()) - requests[0].arrival, tokens,
         ttft=[stamps[i][0] - r.arrival for i, r in enumerate(requests)],
         itl=[b - a for s in stamps.values() for a, b in zip(s, s[1:], strict=False)],
-        extra={"peak_in_flight": in_flight["peak"]},
+        extra={"peak_in_flight": in_flight["peak"], "cpu": {"client": time.process_time() - client_before,
+                                                             **{k: v - cpu_before[k] for k, v in cpu().items()}}},
     )
 
 
@@ -287,6 +311,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
     for i in (0, 1):
         print(f"{results[i].name}: HTTP overhead (1 - server / engine throughput, median round) "
               f"{1 - ratios[i][medians[i]]:.1%}")
+    for r in results[:2]:
+        cores = ", ".join(f"{k} {v / r.seconds:.2f}" for k, v in r.extra["cpu"].items())
+        print(f"{r.name}: cores busy (CPU seconds / run seconds, median round): {cores}")
     return results
 
 
