@@ -38,9 +38,11 @@ ACTIVATIONS: dict[type, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tens
 
 def fast_experts(experts: Sequence[nn.Module], dtype: torch.dtype) -> bool:
     """Whether ``experts`` can run as ``GatedExperts``: all plain SwiGLU/GeGLU blocks (exact classes) of bias-free
-    ``nn.Linear`` maps with ``dtype`` weights that are ordinary tensors, no hooks, no active dropout. Anything
-    else (LoRA or int8 linears, tensor-parallel shards, other FFNs) keeps the autograd path."""
+    ``nn.Linear`` maps with ``dtype`` weights that are ordinary tensors, no hooks, no active dropout, no autocast.
+    Anything else (LoRA or int8 linears, tensor-parallel shards, other FFNs) keeps the autograd path."""
     if not experts or type(experts[0]) not in ACTIVATIONS:
+        return False
+    if torch.is_autocast_enabled(experts[0].gate_proj.weight.device.type):  # its casts are autograd's business
         return False
     kind = type(experts[0])
     for expert in experts:

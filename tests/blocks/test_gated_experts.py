@@ -106,6 +106,8 @@ def test_other_experts_keep_the_autograd_path() -> None:
     assert not fast_experts(experts(bias=True), torch.float32)
     assert not fast_experts(experts(dropout=0.1), torch.float32)  # training mode with dropout
     assert fast_experts(experts(dropout=0.1).eval(), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fast_experts(experts(), torch.float32)
     hooked = experts()
     hooked[1].down_proj.register_forward_hook(lambda *args: None)
     assert not fast_experts(hooked, torch.float32)
