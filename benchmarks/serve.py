@@ -23,9 +23,11 @@ no EOS: every request produces exactly its length). Systems:
 - **sequential**: ``benchmarks.engine.run_sequential`` (``stream(compile=True)`` one request after another).
 
 Reported: output tokens/s, TTFT and ITL p50/p99 of each, each server's throughput against the in-process engine
-(its HTTP overhead), the peak number of requests in flight, and whether the tokens are the same. ``--quick`` (the
-smoke test's mode) runs the servers in a thread of this process instead of a child process and leaves out the
-sequential row (its compile takes longer than the rest).
+(its HTTP overhead), the peak number of requests in flight, whether the tokens are the same, and the cores each
+process of a server row kept busy (client, server, engine: CPU seconds from ``/proc`` over the run's seconds).
+``--rounds N`` runs every system N times, round after round, and reports each row from its median round.
+``--quick`` (the smoke test's mode) runs the servers in a thread of this process instead of a child process and
+leaves out the sequential row (its compile takes longer than the rest).
 """
 
 from __future__ import annotations
