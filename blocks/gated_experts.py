@@ -74,6 +74,7 @@ def gated_experts(h: Tensor, weights: Tensor, order: Tensor, counts: list[int], 
         weights: ``(N, top_k)`` routing weights.
         order: ``(N · top_k,)`` the (token, slot) pairs sorted by expert (stable), as flat indices.
         counts: pairs per expert (``len(experts)`` entries summing to ``N · top_k``).
+        top_k: experts per token (the pair ``i`` belongs to token ``i // top_k``).
         experts: the routed experts.
 
     Returns:
