@@ -42,8 +42,6 @@ def fast_experts(experts: Sequence[nn.Module], dtype: torch.dtype) -> bool:
     Anything else (LoRA or int8 linears, tensor-parallel shards, other FFNs) keeps the autograd path."""
     if not experts or type(experts[0]) not in ACTIVATIONS:
         return False
-    if torch.is_autocast_enabled(experts[0].gate_proj.weight.device.type):  # its casts are autograd's business
-        return False
     kind = type(experts[0])
     for expert in experts:
         if type(expert) is not kind or expert._forward_hooks or expert._forward_pre_hooks:
@@ -57,7 +55,9 @@ def fast_experts(experts: Sequence[nn.Module], dtype: torch.dtype) -> bool:
             weight = linear.weight
             if type(weight) not in (Tensor, nn.Parameter) or weight.dtype != dtype:
                 return False
-    return True
+    # Checked once every linear is known to be an ``nn.Linear`` (an int8 linear has no ``weight``): autocast's
+    # casts are autograd's business.
+    return not torch.is_autocast_enabled(experts[0].gate_proj.weight.device.type)
 
 
 #: weight-gradient bytes one autograd node returns at most: each node's gradients are accumulated (and freed) before

@@ -12,6 +12,7 @@ import blocks.gated_experts as gated
 import blocks.moe as moe_module
 from blocks.ffn import GeGLUFFN, GeGLUTanhFFN, SwiGLUFFN
 from blocks.gated_experts import GatedExperts, fast_experts
+from blocks.quantized import quantize_linears
 
 KINDS = [SwiGLUFFN, GeGLUFFN, GeGLUTanhFFN]
 
@@ -114,3 +115,4 @@ def test_other_experts_keep_the_autograd_path() -> None:
     wrapped = experts()
     wrapped[0].up_proj = nn.Sequential(wrapped[0].up_proj)  # e.g. an adapter around a linear
     assert not fast_experts(wrapped, torch.float32)
+    assert not fast_experts(quantize_linears(experts()), torch.float32)  # int8 linears have no float weight
