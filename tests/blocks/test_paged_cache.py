@@ -15,6 +15,7 @@ import blocks
 from blocks import paged_batch
 from blocks.paged_cache import GROUP_COST, BlockAllocator, PagedBatch, PagedLayerCache, split_by_length
 from models import DecoderLM
+from tests.blocks.paged_harness import packed_steps
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -90,28 +91,12 @@ def test_packed_prefill_chunks_and_decode_rows_match_each_sequence_alone(preset:
     model = DecoderLM.from_preset(preset, dropout=0.0).eval()
     bs = 4
     caches = [PagedLayerCache(64, bs) for _ in model.layers]
-    alloc = BlockAllocator(64, bs)
     seqs = [torch.randint(3, 1000, (n,)).tolist() for n in (13, 5, 11)]
-    tables = [[alloc.allocate() for _ in range(-(-len(s) // bs))][::-1] for s in seqs]  # non-contiguous blocks
-    done = [0, 0, 0]
-
-    def step(chunks: list[tuple[int, int]]) -> torch.Tensor:
-        rows, ids = [], []
-        for i, n in chunks:
-            rows.append((n, done[i] + n, tables[i]))
-            ids += seqs[i][done[i] : done[i] + n]
-            done[i] += n
-        batch = PagedBatch(rows, bs)
-        for cache in caches:
-            cache.self_attn.batch = batch
-        return model(torch.tensor([ids]), positions=batch.positions[None], cache=caches,
-                     logits_to_keep=batch.last).logits[0]
-
     with torch.no_grad():
-        got = [step([(0, 7), (1, 5), (2, 1)]), step([(0, 6), (2, 9)]), step([(2, 1)])]
+        got, _ = packed_steps(model, caches, seqs, [[(0, 7), (1, 5), (2, 1)], [(0, 6), (2, 9)], [(2, 1)]], bs)
         ref = [model(torch.tensor([s])).logits[0] for s in seqs]
     want = [ref[0][6], ref[1][4], ref[2][0], ref[0][12], ref[2][9], ref[2][10]]
-    torch.testing.assert_close(torch.cat(got), torch.stack(want), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=1e-5)
     assert 0 < caches[0].self_attn.nbytes <= 64 * caches[0].self_attn.block_nbytes()
 
 

@@ -9,9 +9,10 @@ import torch
 
 import blocks
 from blocks.latent_attention import MultiHeadLatentAttention
-from blocks.paged_cache import BlockAllocator, PagedBatch, PagedLayerCache
+from blocks.paged_cache import PagedBatch, PagedLayerCache
 from blocks.paged_latent_cache import PagedLatentCache
 from models import DecoderLM
+from tests.blocks.paged_harness import packed_steps
 
 
 def test_paged_latent_cache_is_a_registered_kv_cache_kind() -> None:
@@ -43,28 +44,12 @@ def test_packed_chunks_and_decode_rows_match_each_sequence_alone(model: DecoderL
         monkeypatch.setattr(MultiHeadLatentAttention, name, spy)
     bs = 4
     caches = [PagedLayerCache(64, bs, layer.self_attn.paged_cache_kind) for layer in model.layers]
-    alloc = BlockAllocator(64, bs)
     seqs = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (41, 5, 11)]
-    tables = [[alloc.allocate() for _ in range(-(-len(s) // bs))][::-1] for s in seqs]
-    done = [0, 0, 0]
-
-    def step(chunks: list[tuple[int, int]]) -> torch.Tensor:
-        rows, ids = [], []
-        for i, n in chunks:
-            rows.append((n, done[i] + n, tables[i]))
-            ids += seqs[i][done[i] : done[i] + n]
-            done[i] += n
-        batch = PagedBatch(rows, bs)
-        for cache in caches:
-            cache.self_attn.batch = batch
-        return model(torch.tensor([ids]), positions=batch.positions[None], cache=caches,
-                     logits_to_keep=batch.last).logits[0]
-
     with torch.no_grad():
-        got = [step([(0, 40), (1, 5), (2, 1)]), step([(0, 1), (2, 9)]), step([(2, 1)])]
+        got, tables = packed_steps(model, caches, seqs, [[(0, 40), (1, 5), (2, 1)], [(0, 1), (2, 9)], [(2, 1)]], bs)
         ref = [model(torch.tensor([s])).logits[0] for s in seqs]
     want = [ref[0][39], ref[1][4], ref[2][0], ref[0][40], ref[2][9], ref[2][10]]
-    torch.testing.assert_close(torch.cat(got), torch.stack(want), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=1e-5)
     assert {"_absorbed", "_expanded"} <= set(paths)
     pool = caches[0].self_attn
     # One block: 4 positions of the latent (kv_lora_rank 32) and the rotary key (d_rope 8), float32.

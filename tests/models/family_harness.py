@@ -15,7 +15,8 @@ import transformers
 from torch import Tensor, nn
 
 import models
-from models.convert import save_transformers
+from models.convert import from_transformers, save_transformers
+from models.convert.registry import Converted
 
 ATOL = 1e-4
 
@@ -37,6 +38,15 @@ def convert_via_folder(hf_model: nn.Module, tmp_path: Path) -> nn.Module:
     folder = tmp_path / "hf"
     hf_model.save_pretrained(folder)
     return models.from_pretrained(folder).eval()
+
+
+def from_live(hf_model: nn.Module) -> tuple[nn.Module, Converted]:
+    """The zoo model converted from a live ``transformers`` model's in-memory state dict (fused experts, as
+    ``transformers`` 5 holds them), in eval mode, and the conversion it was built from."""
+    converted = from_transformers(hf_model.config.to_dict(), hf_model.state_dict())
+    zoo = converted.architecture(converted.config).eval()
+    zoo.load_state_dict(converted.state_dict)
+    return zoo, converted
 
 
 def left_padded(vocab: int, length: int, seed: int = 0, pad: int = 3) -> tuple[Tensor, Tensor]:

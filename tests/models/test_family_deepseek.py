@@ -11,7 +11,7 @@ import torch
 import models
 from models.convert import from_transformers, to_transformers
 from models.convert.export import NotExportable
-from tests.models.family_harness import assert_logits_close, build_hf, check_decoder_family, left_padded
+from tests.models.family_harness import assert_logits_close, build_hf, check_decoder_family, from_live, left_padded
 
 VOCAB = 251  # odd, prime
 
@@ -62,10 +62,8 @@ def test_deepseek_v2_group_limited_greedy_from_a_live_state_dict() -> None:
     hf = build_hf("DeepseekV2Config", "DeepseekV2ForCausalLM", **{**BASE, "first_k_dense_replace": 0},
                   num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, topk_method="group_limited_greedy",
                   routed_scaling_factor=1.5)
-    converted = from_transformers(hf.config.to_dict(), hf.state_dict())  # fused experts of a live model
+    zoo, converted = from_live(hf)  # fused experts of a live model
     assert converted.config.options["ffn"]["router"] == "softmax_group" and not converted.config.layer_options
-    zoo = models.DecoderLM(converted.config).eval()
-    zoo.load_state_dict(converted.state_dict)
     ids, mask = left_padded(VOCAB, 16)
     assert_logits_close(hf(input_ids=ids, attention_mask=mask).logits, zoo(ids, attention_mask=mask.bool()).logits,
                         mask)
@@ -116,10 +114,8 @@ def test_a_v3_router_does_not_export_as_v2() -> None:
 @torch.no_grad()
 def test_the_loss_equals_transformers_which_adds_no_router_loss() -> None:
     hf = deepseek_v3(output_router_logits=True, router_aux_loss_coef=0.05)
-    converted = from_transformers(hf.config.to_dict(), hf.state_dict())
+    zoo, converted = from_live(hf)
     assert converted.config.options["ffn"]["aux_loss_coef"] == 0.0
-    zoo = models.DecoderLM(converted.config).eval()
-    zoo.load_state_dict(converted.state_dict)
     ids, _ = left_padded(VOCAB, 12)
     torch.testing.assert_close(zoo(ids, labels=ids).loss, hf(input_ids=ids, labels=ids).loss, atol=1e-5, rtol=0)
     with pytest.raises(NotExportable, match="router loss"):

@@ -10,7 +10,7 @@ import torch
 
 import models
 from models.convert import from_transformers, to_transformers
-from tests.models.family_harness import build_hf, check_decoder_family, left_padded
+from tests.models.family_harness import build_hf, check_decoder_family, from_live, left_padded
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see tests/conftest.py
 
@@ -51,9 +51,7 @@ def test_gpt_oss_against_transformers(hf_gpt_oss: torch.nn.Module, tmp_path: Pat
 @torch.no_grad()
 def test_the_chunked_backend(hf_gpt_oss: torch.nn.Module) -> None:
     """(flex is checked with sinks, windows and a cache at the block level: tests/blocks/test_attention_sinks.py.)"""
-    converted = from_transformers(hf_gpt_oss.config.to_dict(), hf_gpt_oss.state_dict())
-    zoo = models.DecoderLM(converted.config).eval()
-    zoo.load_state_dict(converted.state_dict)
+    zoo, _ = from_live(hf_gpt_oss)
     zoo.set_attention_backend("chunked")
     ids, mask = left_padded(VOCAB, 16)
     expected = hf_gpt_oss(input_ids=ids, attention_mask=mask).logits[mask.bool()]
@@ -77,10 +75,8 @@ def test_compiled_decoding_with_sinks_and_a_window_gives_the_eager_tokens(graph_
 
 def test_the_auxiliary_loss_equals_transformers_router_aux_loss_term() -> None:
     hf = gpt_oss(output_router_logits=True, router_aux_loss_coef=0.3)
-    converted = from_transformers(hf.config.to_dict(), hf.state_dict())
+    zoo, converted = from_live(hf)
     assert converted.config.options["ffn"]["aux_loss_coef"] == 0.3
-    zoo = models.DecoderLM(converted.config).eval()
-    zoo.load_state_dict(converted.state_dict)
     ids, mask = left_padded(VOCAB, 12)
     labels = ids.masked_fill(mask == 0, -100)
     expected = hf(input_ids=ids, attention_mask=mask, labels=labels)

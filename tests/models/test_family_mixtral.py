@@ -9,7 +9,7 @@ import torch
 
 import models
 from models.convert import from_transformers, to_transformers
-from tests.models.family_harness import build_hf, check_decoder_family, left_padded
+from tests.models.family_harness import build_hf, check_decoder_family, from_live, left_padded
 
 VOCAB = 251  # odd, prime
 # 5 experts (not a power of two, not divisible by top_k), top-2, GQA, a window shorter than the sequence.
@@ -34,9 +34,7 @@ def test_mixtral_against_transformers(hf_mixtral: torch.nn.Module, tmp_path: Pat
 def test_a_live_state_dict_with_fused_experts_loads(hf_mixtral: torch.nn.Module) -> None:
     """transformers 5 keeps the experts fused in memory (``mlp.experts.gate_up_proj``); that state dict loads too."""
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in hf_mixtral.state_dict())
-    converted = from_transformers(hf_mixtral.config.to_dict(), hf_mixtral.state_dict())
-    zoo = models.DecoderLM(converted.config).eval()
-    zoo.load_state_dict(converted.state_dict)
+    zoo, _ = from_live(hf_mixtral)
     ids, mask = left_padded(VOCAB, 10)
     torch.testing.assert_close(zoo(ids).logits, hf_mixtral(input_ids=ids).logits, atol=1e-4, rtol=0)
 
@@ -45,10 +43,8 @@ def test_the_auxiliary_loss_equals_transformers_router_aux_loss_term() -> None:
     """With ``output_router_logits`` transformers adds ``router_aux_loss_coef · load_balancing_loss`` to the LM loss
     (padding left out); the converted model's loss is the same sum, and its gradient reaches the routers."""
     hf = build_hf("MixtralConfig", "MixtralForCausalLM", **BASE, output_router_logits=True, router_aux_loss_coef=0.3)
-    converted = from_transformers(hf.config.to_dict(), hf.state_dict())
+    zoo, converted = from_live(hf)
     assert converted.config.options["ffn"]["aux_loss_coef"] == 0.3
-    zoo = models.DecoderLM(converted.config).eval()
-    zoo.load_state_dict(converted.state_dict)
     ids, mask = left_padded(VOCAB, 12)
     labels = ids.masked_fill(mask == 0, -100)
     expected = hf(input_ids=ids, attention_mask=mask, labels=labels)

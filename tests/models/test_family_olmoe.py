@@ -9,7 +9,7 @@ import torch
 
 import models
 from models.convert import from_transformers, to_transformers
-from tests.models.family_harness import build_hf, check_decoder_family, left_padded
+from tests.models.family_harness import build_hf, check_decoder_family, from_live, left_padded
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see tests/conftest.py
 
@@ -31,10 +31,8 @@ def test_olmoe_against_transformers(tmp_path: Path) -> None:
 def test_the_auxiliary_loss_equals_transformers_router_aux_loss_term() -> None:
     hf = build_hf("OlmoeConfig", "OlmoeForCausalLM", **BASE, norm_topk_prob=True, output_router_logits=True,
                   router_aux_loss_coef=0.2)
-    converted = from_transformers(hf.config.to_dict(), hf.state_dict())  # fused experts of a live model
+    zoo, converted = from_live(hf)  # fused experts of a live model
     assert converted.config.options["ffn"]["renormalize"] is True
-    zoo = models.DecoderLM(converted.config).eval()
-    zoo.load_state_dict(converted.state_dict)
     ids, mask = left_padded(VOCAB, 12)
     labels = ids.masked_fill(mask == 0, -100)
     expected = hf(input_ids=ids, attention_mask=mask, labels=labels)

@@ -9,7 +9,7 @@ import torch
 
 import models
 from models.convert import from_transformers, to_transformers
-from tests.models.family_harness import assert_logits_close, build_hf, check_decoder_family, left_padded
+from tests.models.family_harness import assert_logits_close, build_hf, check_decoder_family, from_live, left_padded
 
 VOCAB = 251  # odd, prime
 BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=6,
@@ -28,10 +28,8 @@ def test_qwen3_moe(tmp_path: Path) -> None:
 @torch.no_grad()
 def test_qwen3_moe_without_renormalising_the_kept_weights() -> None:
     hf = build_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", **BASE, head_dim=16, norm_topk_prob=False)
-    converted = from_transformers(hf.config.to_dict(), hf.state_dict())  # fused experts of a live model
+    zoo, converted = from_live(hf)  # fused experts of a live model
     assert converted.config.options["ffn"]["renormalize"] is False
-    zoo = models.DecoderLM(converted.config).eval()
-    zoo.load_state_dict(converted.state_dict)
     ids, mask = left_padded(VOCAB, 16)
     expected = hf(input_ids=ids, attention_mask=mask).logits
     assert_logits_close(expected, zoo(ids, attention_mask=mask.bool()).logits, mask)
