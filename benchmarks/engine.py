@@ -135,11 +135,11 @@ def warm_compiled(engine: Engine, requests: list[Request]) -> None:
         rows *= 2
 
 
-def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespace, compile: bool = False,  # noqa: A002
+def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespace, compile: bool | str = False,  # noqa: A002
                logprobs: int | None = None) -> Result:
     engine = Engine(model, block_size=16, max_num_seqs=getattr(args, "max_batch", 64), max_num_batched_tokens=512,
                     compile=compile)
-    if compile:
+    if compile is True:
         started = time.perf_counter()
         warm_compiled(engine, requests)
         print(f"(engine compile=True: {time.perf_counter() - started:.0f} s to compile its buckets)")
@@ -168,7 +168,8 @@ def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespa
                     kv_contiguous=peak * longest * per_block / engine.allocator.block_size,
                     kv_pool=engine.runner.nbytes, preemptions=engine.scheduler.preemptions)
 
-    return timed("engine, compile=True" if compile else "engine", requests, run)
+    return timed({False: "engine", True: "engine, compile=True"}.get(compile, f"engine, compile={compile!r}"),
+                 requests, run)
 
 
 def run_sequential(model: DecoderLM, requests: list[Request], args: argparse.Namespace) -> Result:
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[Result]]]:
     parser.add_argument("--skip", nargs="*", default=[], choices=["sequential", "transformers"])
     parser.add_argument("--compile", action="store_true",
                         help="also the engine with compile=True (every bucket compiled first: minutes)")
+    parser.add_argument("--compile-attention", action="store_true",
+                        help='also the engine with compile="attention" (one graph, compiled in the warm-up)')
     parser.add_argument("--quick", action="store_true", help="a tiny model and 8 short requests")
     args = parser.parse_args(argv)
     if args.quick:
@@ -265,6 +268,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[Result]]]:
         )).eval()
         requests = workload(args, model.config.vocab_size)
         results = [run_engine(model, requests, args)]
+        if args.compile_attention:
+            results.append(run_engine(model, requests, args, compile="attention"))
         if args.compile:
             results.append(run_engine(model, requests, args, compile=True))
         if "sequential" not in args.skip:

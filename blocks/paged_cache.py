@@ -30,7 +30,8 @@ from .backends.common import additive_mask, soft_cap
 from .paged_batch import GROUP_COST, AttentionGroup, PagedBatch, split_by_length
 from .registry import get, register
 
-__all__ = ["GROUP_COST", "BlockAllocator", "PagedBatch", "PagedKVCache", "PagedLayerCache", "split_by_length"]
+__all__ = ["GROUP_COST", "BlockAllocator", "PagedBatch", "PagedKVCache", "PagedLayerCache", "fused_group_attention",
+           "split_by_length"]
 
 
 class BlockAllocator:
@@ -176,6 +177,9 @@ class PagedKVCache:
         #: reused gather buffers by name; the engine's runner shares one dict among its layers (each layer's gathers
         #: are consumed before the next layer's): fresh multi-megabyte buffers every layer cost page faults.
         self.workspace: dict[str, Tensor] = {}
+        #: ``fused_group_attention`` compiled, set by a caller that compiles it (the engine's runner): eager steps
+        #: then attend groups of one-token rows through it instead of gathering their blocks for the backend.
+        self.fused_attention: Callable[..., Tensor] | None = None
 
     @staticmethod
     def numbers_per_position(attention: Any) -> int:
@@ -207,11 +211,14 @@ class PagedKVCache:
         if needed <= have:
             return
         size = min(self.n_blocks, max(needed, 2 * have))
-        # Zeros, not empty memory: the masked slots of a gathered block are still multiplied (0 · NaN = NaN).
-        grown_k = k.new_zeros((k.shape[1], size, self.block_size, k.shape[-1]))
-        grown_v = v.new_zeros((v.shape[1], size, self.block_size, v.shape[-1]))
-        if self.k is not None:
-            grown_k[:, :have], grown_v[:, :have] = self.k, self.v
+        # The old blocks copied, the new ones zeroed (not left as they come: the masked slots of a gathered block
+        # are still multiplied, and 0 · NaN = NaN); each part written once.
+        grown_k = k.new_empty((k.shape[1], size, self.block_size, k.shape[-1]))
+        grown_v = v.new_empty((v.shape[1], size, self.block_size, v.shape[-1]))
+        for grown, old in ((grown_k, self.k), (grown_v, self.v)):
+            if old is not None:
+                grown[:, :have] = old
+            grown[:, have:].zero_()
         self.k, self.v = grown_k, grown_v
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -259,7 +266,10 @@ class PagedKVCache:
             qg = q[0][:, group.q_index].view(n_kv, rep, g, lq, -1).permute(2, 0, 1, 3, 4).reshape(g, n_kv, rep * lq, -1)
             mask = group.mask(window, self.block_size, rep)  # (G, 1, rep·Lq, K)
             if torch.compiler.is_compiling():
-                og = self._fused(qg, group, mask, scale, softcap, sinks)
+                og = fused_group_attention(self.k, self.v, qg, self._index(group), mask, scale, softcap, sinks)
+            elif self.fused_attention is not None:  # compiled apart: fixed strides keep it to one graph
+                og = self.fused_attention(self.k, self.v, qg.contiguous(), self._index(group), mask.contiguous(),
+                                          scale, softcap, sinks)
             else:
                 k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (G, Hkv, K, D)
                 bias = None
@@ -270,29 +280,10 @@ class PagedKVCache:
             out[:, group.flat] = og.flatten(1, 2) if group.dense else og[:, group.valid]
         return out[None]
 
-    def _fused(self, q: Tensor, group: AttentionGroup, mask: Tensor, scale: float | None, softcap: float | None,
-               sinks: Tensor | None) -> Tensor:
-        """The ``math`` backend's formula for a group of one-token rows inside a compiled step, with the blocks
-        indexed in place: the compiler fuses each gather into the score and value reductions, so the keys and
-        values are read once instead of copied and read again (a backend's matmul would need them copied).
-        Every row has a key (its own position), so no row is empty. ``(G, Hkv, rep·Lq, D)`` -> ``(G, Hkv, rep·Lq,
-        Dv)``."""
-        heads, n, bs, d = self.k.shape
-        g, nb = group.tables.shape
-        index = group.gather_index(heads, n).view(g, heads, nb)
-        k = self.k.view(heads * n, bs, d)[index]  # (G, Hkv, nb, bs, D), left to the compiler to fuse
-        scores = (q[:, :, :, None, None, :] * k[:, :, None]).sum(-1).flatten(-2)  # (G, Hkv, rep·Lq, K)
-        scores = soft_cap(scores * (d ** -0.5 if scale is None else scale), softcap)
-        scores = scores + additive_mask(mask, scores.dtype)
-        if sinks is None:
-            weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        else:  # the sink is one more column of the softmax, dropped after it (row r·Lq + t is head h·rep + r)
-            rows, rep = q.shape[2], sinks.numel() // heads
-            sink = sinks.float().view(1, heads, rep, 1, 1).expand(g, heads, rep, rows // rep, 1)
-            sink = sink.reshape(g, heads, rows, 1)
-            weights = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
-        v = self.v.view(heads * n, bs, self.v.shape[-1])[index]  # (G, Hkv, nb, bs, Dv)
-        return (weights.view(g, heads, -1, nb, bs, 1) * v[:, :, None]).sum((-3, -2))
+    def _index(self, group: AttentionGroup) -> Tensor:
+        """``(G, Hkv, nb)``: the group's blocks as rows of the pools viewed as ``(Hkv·blocks, block_size, D)``."""
+        heads, n = self.k.shape[:2]
+        return group.gather_index(heads, n).view(group.tables.shape[0], heads, -1)
 
     def _gather(self, pool: Tensor, group: AttentionGroup, name: str) -> Tensor:
         """A group's blocks, ``(G, Hkv, K, D)``: one ``index_select`` along dim 0 of the pool viewed as
@@ -322,6 +313,37 @@ class PagedKVCache:
         if self.batch is None:
             raise ValueError("a paged cache needs its PagedBatch (cache.batch) set before a forward pass")
         return self.batch
+
+
+def fused_group_attention(k_pool: Tensor, v_pool: Tensor, q: Tensor, index: Tensor, mask: Tensor,
+                          scale: float | None = None, softcap: float | None = None,
+                          sinks: Tensor | None = None) -> Tensor:
+    """The ``math`` backend's formula for a group of one-token rows with the blocks indexed in place, for a compiler:
+    it fuses each gather into the score and value reductions, so the keys and values are read once instead of
+    copied and read again (a backend's matmul needs them copied). ``PagedKVCache.attend`` traces it inside a
+    compiled step, and calls it compiled on its own (``PagedKVCache.fused_attention``) in eager steps.
+
+    Every row has a key (its own position), so no row is empty.
+
+    Shapes: pools ``(Hkv, blocks, block_size, D)``, q ``(G, Hkv, rep·Lq, D)``, index ``(G, Hkv, nb)`` rows of the
+    pools viewed as ``(Hkv·blocks, block_size, D)`` (``AttentionGroup.gather_index``), mask ``(G, 1, rep·Lq,
+    nb·block_size)`` bool, sinks ``(H,)`` -> ``(G, Hkv, rep·Lq, Dv)``.
+    """
+    heads, n, bs, d = k_pool.shape
+    g, _, nb = index.shape
+    k = k_pool.view(heads * n, bs, d)[index]  # (G, Hkv, nb, bs, D), left to the compiler to fuse
+    scores = (q[:, :, :, None, None, :] * k[:, :, None]).sum(-1).flatten(-2)  # (G, Hkv, rep·Lq, K)
+    scores = soft_cap(scores * (d ** -0.5 if scale is None else scale), softcap)
+    scores = scores + additive_mask(mask, scores.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    else:  # the sink is one more column of the softmax, dropped after it (row r·Lq + t is head h·rep + r)
+        rows, rep = q.shape[2], sinks.numel() // heads
+        sink = sinks.float().view(1, heads, rep, 1, 1).expand(g, heads, rep, rows // rep, 1)
+        sink = sink.reshape(g, heads, rows, 1)
+        weights = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+    v = v_pool.view(heads * n, bs, v_pool.shape[-1])[index]  # (G, Hkv, nb, bs, Dv)
+    return (weights.view(g, heads, -1, nb, bs, 1) * v[:, :, None]).sum((-3, -2))
 
 
 def _with_sink_key(k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor, lq: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -31,7 +31,7 @@ from .requests import (
     per_prompt,
     stop_is_per_prompt,
 )
-from .runner import PagedRunner, block_nbytes
+from .runner import PagedRunner, block_nbytes, check_compile
 from .scheduler import Scheduler
 
 
@@ -79,8 +79,11 @@ class Engine:
         max_waiting: requests ``add_request`` queues at most (``QueueFullError`` beyond).
         max_model_len: the context (default ``config.max_len``): prompt + output tokens at most.
         prefix_caching: share full blocks of equal prefixes between requests.
-        compile: run the steps where every row decodes one token through a compiled graph per bucket of rows and
-            blocks (``serving.runner``); the pools are then allocated whole. The first step of each bucket compiles.
+        compile: ``True``: run the steps where every row decodes one token through a compiled graph per bucket of
+            rows and blocks (``serving.runner``; the pools are then allocated whole, and the first step of each
+            bucket compiles), and the attention of one-token rows in the other steps through one compiled graph;
+            ``"attention"``: only that attention graph (compiled at the first step with a decoding row; every step
+            gains, none waits for a bucket); ``False``: nothing compiled.
 
     Raises:
         NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``) or one
@@ -91,7 +94,7 @@ class Engine:
     def __init__(
         self, model: Any, tokenizer: Any = None, *, block_size: int = 16, num_blocks: int | None = None,
         max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 1024,
-        max_model_len: int | None = None, prefix_caching: bool = True, compile: bool = False,  # noqa: A002
+        max_model_len: int | None = None, prefix_caching: bool = True, compile: bool | str = False,  # noqa: A002
         kv_cache_bytes: int | None = None,
     ) -> None:
 
@@ -101,6 +104,7 @@ class Engine:
                 f"Engine serves DecoderLM models; {type(model).__name__} is not supported (use its generate)"
             )
         check_token_head(model, "the engine")
+        check_compile(compile)
         context = model.config.max_len if max_model_len is None else max_model_len
         limits = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                       max_waiting=max_waiting, max_model_len=context)

@@ -5,6 +5,11 @@ With ``compile=True`` the steps whose rows all decode one token run a compiled g
 ``MIN_ROWS``) and each row's block table to a bucket of blocks (powers of two from ``MIN_BLOCKS``), so shapes are
 static and one graph serves every step of a bucket whatever the positions and blocks. Padding rows write to and read
 a scratch block past the allocator's ids; the pools are allocated whole. Steps holding a prefill chunk stay eager.
+
+With ``compile="attention"`` (and in the eager steps of ``compile=True``) only the attention of each group of
+one-token rows is compiled (``blocks.paged_cache.fused_group_attention``, ``FusedAttention``): one graph whose
+row and block counts are dynamic, so every step, a prefill chunk's included, reads each row's keys and values once
+in place instead of gathering copies of them for the backend.
 """
 
 from __future__ import annotations
@@ -15,15 +20,24 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import Tensor
 
 from blocks import get
-from blocks.paged_cache import PagedBatch, PagedLayerCache
+from blocks.paged_cache import PagedBatch, PagedKVCache, PagedLayerCache, fused_group_attention
 from models.generation import compiled
 from models.generation.steps import eval_mode
 
+#: The values of ``compile`` (``PagedRunner``, ``serving.Engine``).
+COMPILE_MODES = (False, True, "attention")
 #: The smallest buckets of the compiled decode step: rows per step and blocks per row.
 MIN_ROWS, MIN_BLOCKS = 8, 4
+
+
+def check_compile(compile: Any) -> None:  # noqa: A002
+    """Raise ``ValueError`` unless ``compile`` is one of ``COMPILE_MODES``."""
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "attention")):
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
 
 
 def bucket(n: int, smallest: int) -> int:
@@ -70,6 +84,27 @@ class BucketedStep:
         return self.compiled[key](model, ids, positions, caches, keep)
 
 
+class FusedAttention:
+    """``fused_group_attention`` compiled for one runner, under a code object of its own (the graphs of one model's
+    shapes are not offered to another's), with the row and block counts of its inputs marked dynamic: one graph
+    serves every group, of one row or one block included. Called as
+    ``fused_group_attention``."""
+
+    def __init__(self) -> None:
+        fn = fused_group_attention
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+        self.compiled = torch.compile(own, backend=compiled.BACKEND)
+
+    def __call__(self, k_pool: Tensor, v_pool: Tensor, q: Tensor, index: Tensor, mask: Tensor,
+                 *args: Any) -> Tensor:
+        for tensor, dims in ((k_pool, (1,)), (v_pool, (1,)), (q, (0,)), (index, (0, 2)), (mask, (0, 3))):
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        # Size-oblivious: a count of 1 is not specialised (no second graph for a group of one row or one block).
+        with fx_config.patch(backed_size_oblivious=True):
+            return self.compiled(k_pool, v_pool, q, index, mask, *args)
+
+
 class PagedRunner:
     """Runs a ``DecoderLM`` on packed rows over its own per-layer paged pools.
 
@@ -80,13 +115,16 @@ class PagedRunner:
         model: the ``DecoderLM``.
         n_blocks: blocks each layer's pool may grow to.
         block_size: positions per block.
-        compile: run decode-only steps through a compiled graph per (rows, blocks) bucket.
+        compile: ``True``: run decode-only steps through a compiled graph per (rows, blocks) bucket, and the
+            attention of one-token rows in the other steps through ``FusedAttention``; ``"attention"``: only the
+            latter (every step stays eager around one compiled attention graph); ``False``: nothing compiled.
 
     Raises:
         NotImplementedError: a positional encoding with an attention bias (ALiBi, T5's relative bias).
     """
 
-    def __init__(self, model: Any, n_blocks: int, block_size: int, compile: bool = False) -> None:  # noqa: A002
+    def __init__(self, model: Any, n_blocks: int, block_size: int, compile: bool | str = False) -> None:  # noqa: A002
+        check_compile(compile)
         probe = torch.zeros(1, 1, dtype=torch.long)
         for positional in (model.positional, *model.layer_positionals.values()):
             if positional.attention_bias(probe, probe) is not None:
@@ -95,16 +133,25 @@ class PagedRunner:
                 )
         self.model, self.block_size, self.n_blocks = model, block_size, n_blocks
         self.step = None
-        if not compile:
+        if compile is not True:
             self.caches = [PagedLayerCache(n_blocks, block_size, paged_kind(layer)) for layer in model.layers]
             self._share_workspace()
+            if compile == "attention":
+                self._fuse_attention()
             return
         # Whole pools with one scratch block (id n_blocks) for padding rows: no growth inside a graph.
         self.caches = [PagedLayerCache(n_blocks + 1, block_size, paged_kind(layer)) for layer in model.layers]
         for layer, cache in zip(model.layers, self.caches, strict=True):
             cache.self_attn.reserve(layer.self_attn, model.embed_tokens.weight)
         self._share_workspace()
+        self._fuse_attention()
         self.step = BucketedStep()
+
+    def _fuse_attention(self) -> None:
+        attention = FusedAttention()
+        for cache in self.caches:
+            if isinstance(cache.self_attn, PagedKVCache):  # latent caches attend their own way
+                cache.self_attn.fused_attention = attention
 
     def _share_workspace(self) -> None:
         workspace: dict[str, Tensor] = {}  # each layer's gathers are consumed before the next layer's
