@@ -296,8 +296,14 @@ def print_table(name: str, model: DecoderLM, requests: list[Request], args: argp
         print(f"| {r.name} | {r.tokens_per_s:.0f} | {engine.tokens_per_s / r.tokens_per_s:.2f}x | "
               f"{percentile(r.ttft, 50):.2f} / {percentile(r.ttft, 99):.2f} | "
               f"{1e3 * statistics.median(r.itl):.0f} / {1e3 * percentile(r.itl, 99):.0f} | {same}/{len(r.tokens)} |")
+    print()
+    references = [r for r in results if not r.name.startswith("engine")]
+    for r in results if references else []:
+        if r.name.startswith("engine"):  # each engine against each reference: (a), (b)
+            ratios = ", ".join(f"{r.tokens_per_s / ref.tokens_per_s:.2f}x {ref.name.split()[0]}" for ref in references)
+            print(f"- {r.name}: {ratios}")
     e = engine.extra
-    print(f"\n- engine: peak {e['peak_seqs']} concurrent requests, {e['preemptions']} preemptions; KV memory at peak "
+    print(f"- engine: peak {e['peak_seqs']} concurrent requests, {e['preemptions']} preemptions; KV memory at peak "
           f"{e['kv_peak'] / 2**20:.1f} MiB (pool allocated {e['kv_pool'] / 2**20:.1f} MiB) vs a contiguous cache of "
           f"{e['peak_seqs']} x {max(len(r.prompt) + r.max_tokens for r in requests)} positions: "
           f"{e['kv_contiguous'] / 2**20:.1f} MiB ({e['kv_peak'] / max(e['kv_contiguous'], 1):.0%})")

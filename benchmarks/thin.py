@@ -17,6 +17,9 @@ FFN 1536, vocabulary 49152) and Qwen3-0.6B (28 layers, d_model 1024, 16 / 8 head
 - *floor*: the distinct weight bytes (a tied head counted once; every weight is read once per step, whatever the
   batch) ÷ the read bandwidth measured by ``benchmarks.compare.read_bandwidth`` (a ``sum`` over 512 MiB, best of
   10) interleaved with the steps, best of the run;
+- *products alone*: the step's linears and head only (``linears_alone``), compiled as the step is and timed
+  on the same weights: the floor the available kernels (inductor's reductions at batch 1, its packed GEMM
+  template at batch 8) leave before anything else in the step;
 - *compile s*: a fresh process with an empty inductor cache times its first ``generate(compile=True)`` call of
   one new step and subtracts its second call: the first-call compile cost a user pays, for the model and for a
   6-layer model of the same widths (the ratio shows what depth costs).
@@ -128,6 +131,33 @@ def measure_steps(model: DecoderLM, batch: int, prompt: int, new: int, reps: int
     return statistics.median(steps), max(bandwidths), first - statistics.median(longs)
 
 
+def linears_alone(model: DecoderLM, h: torch.Tensor) -> torch.Tensor:
+    """The products of a decoding step and nothing else: each layer's linears in order, each fed the layer's latest
+    output of its input width (else the layer's input), the layer's last output added to the residual, then the
+    head. Same weights, same order of reads, no attention, norms or token choice."""
+    for layer in model.layers:
+        latest: dict[int, torch.Tensor] = {}
+        for linear in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
+            latest[linear.out_features] = linear(latest.get(linear.in_features, h))
+        h = h + latest[h.shape[-1]]
+    return model.lm_head(h)
+
+
+def measure_linears(model: DecoderLM, batch: int, reps: int) -> float:
+    """Median seconds of ``linears_alone`` on ``batch`` rows, compiled as the decoding step is (``compile_step``:
+    the 1-row reductions at batch 1, frozen weights and inductor's GEMM template at 2-8 rows)."""
+    step = compiled.compile_step(linears_alone, model, torch.device("cpu"), rows=batch)
+    h = torch.randn(batch, 1, model.config.d_model)
+    with torch.inference_mode():
+        step(model, h)  # compiles
+        times = []
+        for _ in range(max(10, 4 * reps)):
+            start = time.perf_counter()
+            step(model, h)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def compile_seconds(shape: str, layers: int | None, batch: int, prompt: int, quick: bool) -> float:
     """First-call compile cost in a fresh process with an empty inductor cache (see the module docstring)."""
     spec = dict(shape=shape, layers=layers, batch=batch, prompt=prompt, quick=quick)
@@ -158,12 +188,15 @@ def row_thin(shapes: list[str], batches: list[int], prompt: int, new: int, reps:
     table = Table(f"7. Deep, thin decoders: compiled decoding vs the weight-read floor (greedy, {prompt}-token "
                   f"prompt, {new} steps, random weights)",
                   ["shape", "layers", "batch", "weights MiB", "step ms", "floor ms", "÷ floor", "target",
-                   "first-call compile s", f"fresh process: compile s / at {SHALLOW} layers / ratio"])
+                   "products alone ms (÷ floor)", "first-call compile s",
+                   f"fresh process: compile s / at {SHALLOW} layers / ratio"])
     for shape in shapes:
         model = build(shape, quick=quick)
         n_bytes = weight_bytes(model)
         for batch in batches:
             step, bandwidth, compile_s = measure_steps(model, batch, prompt, new, reps)
+            products = measure_linears(model, batch, reps)
+            bandwidth = max(bandwidth, read_bandwidth())
             floor = n_bytes / bandwidth
             probed = "-"
             if batch in probe_batches:
@@ -173,13 +206,18 @@ def row_thin(shapes: list[str], batches: list[int], prompt: int, new: int, reps:
             target = TARGETS.get(batch)
             table.rows.append([shape, str(model.config.n_layers), str(batch), f"{n_bytes / 2**20:.0f}",
                                f"{step * 1e3:.2f}", f"{floor * 1e3:.2f}", f"{step / floor:.2f}x",
-                               "-" if target is None else f"≤ {target}x", f"{compile_s:.1f}", probed])
+                               "-" if target is None else f"≤ {target}x",
+                               f"{products * 1e3:.2f} ({products / floor:.2f}x)", f"{compile_s:.1f}", probed])
         del model
     table.notes.append("step ms = median interval between the starts of consecutive compiled steps inside "
                        "generate(compile=True) (graph, token choice and loop; the eager prefill is not in it), over "
                        "all repetitions.")
     table.notes.append("floor = distinct weight bytes (tied head once; read once per step at any batch) ÷ read "
                        "bandwidth (sum over 512 MiB, best of the run, interleaved with the steps).")
+    table.notes.append("products alone = the step's linears and head only, chained layer by layer on the same "
+                       "weights, compiled as the step is (benchmarks.thin.linears_alone), median of the calls: what "
+                       "the available kernels take for the weight reads and products, before attention, norms, "
+                       "rotary, cache writes, token choice and the loop.")
     table.notes.append("first-call compile s = this process's first call of the shape and batch − a later call "
                        "(the inductor cache starts empty; earlier rows' kernels are in memory); fresh process = a "
                        "new interpreter and an empty inductor cache, first call − second call, for the model and "

@@ -65,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=_positive, default=16)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    serve.add_argument("--compile-attention", action="store_true",
+                       help="attend the decoding rows through one compiled graph (Engine(compile=\"attention\"): "
+                            "a few seconds to compile at the first step; faster steps on larger models)")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine in its own process, which loads the model, so that HTTP never competes "
                             "with it for the GIL (default); --no-engine-process steps it in a thread of the server")
@@ -99,7 +102,8 @@ def serve(args: argparse.Namespace) -> None:
         model = _load(args.model)  # in-process: the thread engine or an embedding model
     app = create_app(model, model.tokenizer, model_name=args.served_model_name or args.model, api_key=args.api_key,
                      engine_process=source, max_num_seqs=args.max_batch, num_blocks=args.kv_blocks,
-                     block_size=args.block_size, kv_cache_bytes=args.kv_cache_memory)
+                     block_size=args.block_size, kv_cache_bytes=args.kv_cache_memory,
+                     compile="attention" if args.compile_attention else False)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

@@ -247,11 +247,14 @@ class RotaryPositionalEncoding(PositionalEncoding):
 
     def _angles(self, positions: Tensor) -> Tensor:
         angles = positions[..., None].float() * self._frequencies(positions)  # (B, L, dim/2), float32
-        return torch.cat([angles, angles], dim=-1)[:, None]  # (B, 1, L, dim)
+        return angles[:, None]  # (B, 1, L, dim/2): the angle of each half's element i
 
     def _rotate_part(self, x: Tensor, angles: Tensor) -> Tensor:
+        # x·cos + rotate_half(x)·sin with the halves written out: one pointwise loop for a compiler, where the
+        # concatenation of a negated half and a copied half is two more loops, each a barrier between threads.
         cos, sin = self._cos_sin(angles, x.dtype)
-        return x * cos + rotate_half(x) * sin
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         angles = self._angles(positions)

@@ -630,3 +630,18 @@ def test_bad_model_sources_and_an_engine_that_cannot_start(setup) -> None:
     with pytest.raises(EngineDeadError, match="max_num_seqs must be a positive integer, got 0"):
         asyncio.run(front.start())
     assert not front.alive and not running(front.pid)
+
+
+def test_zoo_serve_hands_its_engine_options_to_the_engine(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    import uvicorn
+
+    from serving import cli, openai_api
+
+    seen: dict = {}
+    monkeypatch.setattr(openai_api, "create_app", lambda *args, **kwargs: seen.update(kwargs) or "app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(app=app, **kwargs))
+    cli.main(["serve", str(folder), "--compile-attention", "--max-batch", "3", "--port", "8123"])
+    assert seen["compile"] == "attention" and seen["max_num_seqs"] == 3 and seen["app"] == "app"
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 8123
+    cli.main(["serve", str(folder)])
+    assert seen["compile"] is False
