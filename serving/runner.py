@@ -15,7 +15,6 @@ in place instead of gathering copies of them for the backend.
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ MIN_ROWS, MIN_BLOCKS = 8, 4
 
 def check_compile(compile: Any) -> None:  # noqa: A002
     """Raise ``ValueError`` unless ``compile`` is one of ``COMPILE_MODES``."""
-    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "attention")):
+    if not (isinstance(compile, bool) or compile == "attention"):
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
 
 
@@ -78,22 +77,18 @@ class BucketedStep:
                  keep: Tensor) -> Tensor:
         key = (ids.shape[1], caches[0].self_attn.batch.groups[0].tables.shape[1])
         if key not in self.compiled:
-            fn = packed_logits
-            own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
-            self.compiled[key] = torch.compile(own, dynamic=False, backend=compiled.BACKEND)
+            self.compiled[key] = torch.compile(compiled.own_code(packed_logits), dynamic=False,
+                                               backend=compiled.BACKEND)
         return self.compiled[key](model, ids, positions, caches, keep)
 
 
 class FusedAttention:
     """``fused_group_attention`` compiled for one runner, under a code object of its own (the graphs of one model's
     shapes are not offered to another's), with the row and block counts of its inputs marked dynamic: one graph
-    serves every group, of one row or one block included. Called as
-    ``fused_group_attention``."""
+    serves every group, of one row or one block included. Called as ``fused_group_attention``."""
 
     def __init__(self) -> None:
-        fn = fused_group_attention
-        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
-        self.compiled = torch.compile(own, backend=compiled.BACKEND)
+        self.compiled = torch.compile(compiled.own_code(fused_group_attention), backend=compiled.BACKEND)
 
     def __call__(self, k_pool: Tensor, v_pool: Tensor, q: Tensor, index: Tensor, mask: Tensor,
                  *args: Any) -> Tensor:

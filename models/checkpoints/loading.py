@@ -60,8 +60,7 @@ _FILE_FORMATS: dict[str, FileFormat] = {}
 
 
 def register_file_format(
-    suffix: str,
-    name: str,
+    suffix: str, name: str,
     read: Callable[[Path, torch.dtype | None], tuple[Mapping[str, Any], Mapping[str, Tensor], Any]],
     requires: str,
 ) -> None:

@@ -107,6 +107,13 @@ def freezes_weights(model: nn.Module, device: torch.device) -> bool:
             and all(t.is_floating_point() for t in (*model.parameters(), *model.buffers())))
 
 
+def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under a copy of its code object. Dynamo keeps compiled graphs (and its recompile limit) per code
+    object, so what ``torch.compile`` makes of the copy is never offered to another caller of ``fn``, and it is
+    freed with the copy."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 class CompiledStep:
     """A decoding step compiled for one model: call it as the function it wraps.
 
@@ -124,11 +131,9 @@ class CompiledStep:
 
         self.mode = lambda: SmallRowsLinear(max_rows)  # inside the layers' compile regions too
 
-        # A code object of its own: dynamo keeps compiled graphs per code object, so this model's graphs (which
-        # hold its frozen weights) are never offered to another model, or to this model after its weights change,
-        # and they are freed with this object.
-        own = types.FunctionType(traced.__code__.replace(), traced.__globals__, traced.__name__,
-                                 traced.__defaults__, traced.__closure__)
+        # A code object of its own: this model's graphs (which hold its frozen weights) are never offered to another
+        # model, or to this model after its weights change, and they are freed with this object.
+        own = own_code(traced)
         mode = "reduce-overhead" if device.type == "cuda" and BACKEND == "inductor" else None
         self.compiled = torch.compile(own, dynamic=False, backend=BACKEND, mode=mode)
         # Off CUDA, the graph's debug size asserts go too (~150 per step for a model whose weights are inputs).

@@ -201,7 +201,8 @@ def test_compiled_steps_fused_decode_attention_equals_the_backends(monkeypatch: 
                                                                    softcap: float | None, window: int | None,
                                                                    sinks: bool) -> None:
     """Inside a compiled step one-token rows attend by the math formula with the blocks indexed in place
-    (``PagedKVCache._fused``); it equals the gather + backend path (GQA, soft-caps, windows, sinks)."""
+    (``blocks.paged_cache.fused_group_attention``); it equals the gather + backend path (GQA, soft-caps, windows,
+    sinks)."""
     torch.manual_seed(0)
     cache, bs, n_kv = blocks.PagedKVCache(16, 4), 4, 4
     cache.k, cache.v = torch.randn(n_kv, 16, bs, 8), torch.randn(n_kv, 16, bs, 6)
@@ -214,3 +215,22 @@ def test_compiled_steps_fused_decode_attention_equals_the_backends(monkeypatch: 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     got = cache.attend(q, blocks.get("attention_backend", "sdpa"), **kwargs)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_growing_pool_keeps_its_blocks_and_zeroes_the_new_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Growth copies the old blocks and zeroes the new ones, whatever the new memory held (NaN here): a masked slot
+    of a gathered block is still multiplied, and 0 · NaN = NaN."""
+    cache = blocks.PagedKVCache(16, 2)
+    empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *size, **kw: empty(self, *size, **kw).fill_(torch.nan))
+    k, v = torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 5)
+    cache.batch = PagedBatch([(2, 2, [1])], 2)  # blocks 0-1: a pool of 2
+    cache.update(k, v)
+    old_k, old_v = cache.k.clone(), cache.v.clone()
+    cache.batch = PagedBatch([(2, 2, [4])], 2)  # block 4: the pool grows to 5 (not 4: at least double)
+    cache.update(k, v)
+    assert cache.k.shape[1] == 5 and cache.v.shape[1] == 5
+    torch.testing.assert_close(cache.k[:, :2], old_k, rtol=0, atol=0)
+    torch.testing.assert_close(cache.v[:, :2], old_v, rtol=0, atol=0)
+    torch.testing.assert_close(cache.k[:, 4], k[0], rtol=0, atol=0)
+    assert (cache.k[:, 2:4] == 0).all() and (cache.v[:, 2:4] == 0).all()
