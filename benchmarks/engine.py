@@ -4,7 +4,7 @@ continuous batching, on requests of mixed lengths arriving over time.
     python -m benchmarks.engine                  # demo-sized and GPT-2-shaped models (see the README for figures)
     python -m benchmarks.engine --models demo    # one model
     python -m benchmarks.engine --quick          # tiny model, few requests: checks that the script runs
-    python -m benchmarks.engine --models demo --compile   # adds Engine(compile=True) (compiles ~16 graphs first)
+    python -m benchmarks.engine --models demo --compile   # adds Engine(compile=True) (one graph, compiled first)
 
 The workload (seeded): ``--requests`` prompts with lengths uniform in ``--prompt-len`` and output lengths uniform in
 ``--output-len`` (random token ids, random fp32 weights, no EOS, so every request produces exactly its length),
@@ -12,7 +12,7 @@ arriving as a Poisson process of ``--rate`` requests/s. Each system serves the s
 times (relative to its own start), greedily:
 
 - **engine**: ``serving.Engine`` (paged cache, blocks of 16, token budget 512, up to 64 sequences per step); with
-  ``--compile`` also ``Engine(compile=True)``, every bucket of its compiled decode step compiled beforehand;
+  ``--compile`` also ``Engine(compile=True)``, its one graph compiled in the warm-up;
 - **(a) sequential**: each request in arrival order through ``DecoderLM.stream(compile=True)`` — a request starts
   when it has arrived and the previous one has finished;
 - **(b) transformers**: ``continuous_batching_context_manager`` (the engine of ``generate_batch``) with ``sdpa``
@@ -45,7 +45,6 @@ import torch
 
 from models import DecoderLM
 from serving import Engine
-from serving.runner import MIN_BLOCKS, MIN_ROWS
 
 #: The positions every sequential ``stream`` asks for (prompt + new tokens), so that all share one cache bucket.
 SEQUENTIAL_LIMIT = 512
@@ -117,33 +116,17 @@ def wait_until(start: float, at: float) -> None:
         time.sleep(delay)
 
 
-def warm_compiled(engine: Engine, requests: list[Request]) -> None:
-    """Compile every (rows, blocks) bucket the workload can reach with one decode step each (fresh engine)."""
-    bs = engine.allocator.block_size
-    most_blocks = -(-max(len(r.prompt) + r.max_tokens for r in requests) // bs)
-    rows = MIN_ROWS
-    while True:
-        blocks = MIN_BLOCKS
-        while True:
-            table = list(range(blocks))
-            engine.runner.run([0] * rows, [(1, (blocks - 1) * bs + 1, table)] * rows)
-            if blocks >= most_blocks:
-                break
-            blocks *= 2
-        if rows >= min(len(requests), engine.scheduler.max_num_seqs):
-            break
-        rows *= 2
-
-
 def run_engine(model: DecoderLM, requests: list[Request], args: argparse.Namespace, compile: bool | str = False,  # noqa: A002
                logprobs: int | None = None) -> Result:
     engine = Engine(model, block_size=16, max_num_seqs=getattr(args, "max_batch", 64), max_num_batched_tokens=512,
                     compile=compile)
-    if compile is True:
-        started = time.perf_counter()
-        warm_compiled(engine, requests)
-        print(f"(engine compile=True: {time.perf_counter() - started:.0f} s to compile its buckets)")
-    engine.generate([r.prompt for r in requests[:4]], max_tokens=4)  # warm-up
+    started = time.perf_counter()
+    # Warm-up, compiling what ``compile`` asks for: a compiled step's graph of one row (or of rows of one block)
+    # is apart from the graph of several (size-oblivious shapes still tell 1 from 2 or more).
+    for prompts in ([r.prompt for r in requests[:4]], [requests[0].prompt], [[1, 2, 3]], [[1, 2, 3], [4, 5]]):
+        engine.generate(prompts, max_tokens=4)
+    if compile:
+        print(f"(engine compile={compile!r}: warm-up with its compiles {time.perf_counter() - started:.0f} s)")
 
     def run(emit: Callable[[int, list[int]], None], start: float) -> dict[str, Any]:
         index: dict[str, int] = {}
@@ -247,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[Result]]]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", nargs="*", default=[], choices=["sequential", "transformers"])
     parser.add_argument("--compile", action="store_true",
-                        help="also the engine with compile=True (every bucket compiled first: minutes)")
+                        help="also the engine with compile=True (its graph compiled in the warm-up)")
     parser.add_argument("--compile-attention", action="store_true",
                         help='also the engine with compile="attention" (one graph, compiled in the warm-up)')
     parser.add_argument("--quick", action="store_true", help="a tiny model and 8 short requests")

@@ -13,9 +13,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .paged_attention import RaggedRows
+
 #: What one more attention group costs beyond its keys, in gathered key positions (the Python and kernel-launch
 #: time of one more gather and backend call per layer, measured on the CPU, expressed as copied positions).
 GROUP_COST = 2048
+#: The values of ``PagedBatch``'s ``decode``.
+DECODE_MODES = ("split", "one", "ragged")
 
 
 def split_by_length(members: list[tuple[int, int, int, Sequence[int]]], block_size: int,
@@ -104,32 +108,29 @@ class PagedBatch:
             holding positions ``0 .. n_context - 1``.
         block_size: positions per block.
         device: where the index tensors live.
-        pad_rows, pad_blocks, scratch, capacity: static shapes for a compiled decode step — one-token rows only,
-            padded to ``pad_rows`` rows (which write to and read the ``scratch`` block) and ``pad_blocks`` blocks
-            per row; ``capacity`` fixes ``max_block`` (the pool is allocated whole).
+        decode: how the rows of one new token (decoding rows) are attended: ``"split"`` in groups of similar
+            context length (``split_by_length``), each padded to its longest row; ``"one"`` in one such group;
+            ``"ragged"`` without padding, as ``RaggedRows`` (``blocks.paged_attention``).
+        capacity: fixes ``max_block`` (a pool allocated whole, so a compiled step never grows it).
 
     Attributes:
         positions: ``(T,)`` long, the position of each packed token.
         slots: ``(T,)`` long, the pool slot (``block · block_size + offset``) each new key/value is written to.
         last: ``(n_rows,)`` long, the packed index of each row's last token.
         max_block: the highest block id read or written, plus 1.
-        groups: the ``AttentionGroup`` of the decoding rows (split by context length) and of the other rows.
+        groups: the ``AttentionGroup`` of the decoding rows (``decode="split"`` or ``"one"``) and of the other rows.
+        ragged: the decoding rows as ``RaggedRows`` (``decode="ragged"`` and any decoding row), else None.
 
     Raises:
-        ValueError: a row with ``n_query`` outside ``[1, n_context]`` or too few blocks, or rows padding cannot hold.
+        ValueError: a row with ``n_query`` outside ``[1, n_context]`` or too few blocks, or an unknown ``decode``.
     """
 
     def __init__(self, rows: Sequence[tuple[int, int, Sequence[int]]], block_size: int,
-                 device: torch.device | str = "cpu", *, pad_rows: int | None = None, pad_blocks: int | None = None,
-                 scratch: int = 0, capacity: int | None = None) -> None:
+                 device: torch.device | str = "cpu", *, decode: str = "split", capacity: int | None = None) -> None:
         if not rows:
             raise ValueError("a paged batch needs at least one row")
-        if pad_rows is not None:
-            if any(n_query != 1 for n_query, _, _ in rows) or len(rows) > pad_rows:
-                raise ValueError(f"padding needs at most pad_rows={pad_rows} one-token rows")
-            if any(-(-n // block_size) > pad_blocks for _, n, _ in rows):
-                raise ValueError(f"a row needs more than pad_blocks={pad_blocks} blocks")
-            rows = [*rows, *[(1, 1, [scratch])] * (pad_rows - len(rows))]
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         for n_query, n_context, table in rows:
             if not 1 <= n_query <= n_context or len(table) * block_size < n_context:
                 raise ValueError(
@@ -140,7 +141,7 @@ class PagedBatch:
         n_query = torch.tensor([r[0] for r in rows], dtype=torch.long)
         n_context = torch.tensor([r[1] for r in rows], dtype=torch.long)
         used = [-(-r[1] // block_size) for r in rows]
-        width = max(used) if pad_blocks is None else pad_blocks
+        width = max(used)
         # (R, width) block tables, each padded with its row's first block: padding is read (and masked), never
         # another request's block — keys masked out still enter the products, so a NaN there would reach this row.
         tables = torch.tensor([[*t[:u], *[t[0]] * (width - u)] for (_, _, t), u in zip(rows, used, strict=True)],
@@ -154,20 +155,34 @@ class PagedBatch:
         self.positions, self.slots, self.last = positions.to(device), slots.to(device), (ends - 1).to(device)
         # The tables hold only used blocks (padding repeats a row's first): their largest id is the largest used.
         self.max_block = capacity if capacity is not None else int(tables.max()) + 1
-        decode = [(i, 1, r[1], r[2]) for i, r in enumerate(rows) if r[0] == 1]
-        # Padded (compiled) steps keep one static group; a row of several new tokens is a group of its own.
-        kinds = [[m[0] for m in g] for g in split_by_length(decode, block_size)] if pad_blocks is None else \
-            [[m[0] for m in decode]]
-        kinds += [[i] for i, r in enumerate(rows) if r[0] != 1]
+        one_token = [(i, 1, r[1], r[2]) for i, r in enumerate(rows) if r[0] == 1]
+        kinds = [[m[0] for m in g] for g in split_by_length(one_token, block_size)] if decode == "split" else \
+            [[m[0] for m in one_token]] if decode == "one" else []
+        kinds += [[i] for i, r in enumerate(rows) if r[0] != 1]  # a row of several new tokens: a group of its own
         args = (starts, n_query, n_context, tables, device)
-        self.groups = [self._group(members, *args, pad_blocks) for members in kinds if members]
+        self.groups = [self._group(members, *args) for members in kinds if members]
+        self.ragged = None
+        if decode == "ragged" and one_token:
+            self.ragged = self._ragged([m[0] for m in one_token], starts, n_context, tables, used, device,
+                                       whole=len(one_token) == len(rows))
+
+    def _ragged(self, members: list[int], starts: Tensor, n_context: Tensor, tables: Tensor, used: list[int],
+                device: torch.device | str, whole: bool) -> RaggedRows:
+        index = torch.tensor(members, dtype=torch.long)
+        n_blocks = torch.tensor([used[i] for i in members], dtype=torch.long)
+        row = torch.repeat_interleave(torch.arange(len(members)), n_blocks)  # (E,)
+        j = torch.arange(row.numel()) - (n_blocks.cumsum(0) - n_blocks)[row]  # each entry's place in its row
+        layout = torch.full((len(members), int(n_blocks.max())), row.numel(), dtype=torch.long)
+        layout[row, j] = torch.arange(row.numel())
+        return RaggedRows(starts[index].to(device), (n_context[index] - 1).to(device), tables[index][row, j].to(device),
+                          row.to(device), (j * self.block_size).to(device), layout.to(device), whole=whole)
 
     def _group(self, members: list[int], starts: Tensor, n_query: Tensor, n_context: Tensor, tables: Tensor,
-               device: torch.device | str, pad_blocks: int | None) -> AttentionGroup:
+               device: torch.device | str) -> AttentionGroup:
         index = torch.tensor(members, dtype=torch.long)
         nq, nc = n_query[index], n_context[index]
         lq = int(nq.max())
-        nb = pad_blocks or -(-int(nc.max()) // self.block_size)
+        nb = -(-int(nc.max()) // self.block_size)
         offsets = torch.arange(lq)
         valid = offsets < nq[:, None]  # (G, Lq)
         q_index = torch.where(valid, starts[index][:, None] + offsets, 0)

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .backends.common import additive_mask, soft_cap
+from .paged_attention import RaggedRows, ragged_decode_attention
 from .paged_batch import GROUP_COST, AttentionGroup, PagedBatch, split_by_length
 from .registry import get, register
 
-__all__ = ["GROUP_COST", "BlockAllocator", "PagedBatch", "PagedKVCache", "PagedLayerCache", "fused_group_attention",
-           "split_by_length"]
+__all__ = ["GROUP_COST", "BlockAllocator", "PagedBatch", "PagedKVCache", "PagedLayerCache", "RaggedRows",
+           "ragged_decode_attention", "split_by_length"]
 
 
 class BlockAllocator:
@@ -177,9 +177,9 @@ class PagedKVCache:
         #: reused gather buffers by name; the engine's runner shares one dict among its layers (each layer's gathers
         #: are consumed before the next layer's): fresh multi-megabyte buffers every layer cost page faults.
         self.workspace: dict[str, Tensor] = {}
-        #: ``fused_group_attention`` compiled, set by a caller that compiles it (the engine's runner): eager steps
-        #: then attend groups of one-token rows through it instead of gathering their blocks for the backend.
-        self.fused_attention: Callable[..., Tensor] | None = None
+        #: ``ragged_decode_attention`` compiled, set by a caller that compiles it (the engine's runner): eager steps
+        #: attend their ``RaggedRows`` through it (uncompiled it is correct but slow).
+        self.ragged_attention: Callable[..., Tensor] | None = None
 
     @staticmethod
     def numbers_per_position(attention: Any) -> int:
@@ -224,7 +224,8 @@ class PagedKVCache:
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write the packed new keys/values ``(1, Hkv, T, D)`` at the batch's slots; return them unchanged."""
         batch = self._current()
-        if k.shape[0] != 1 or k.shape[2] != batch.n_tokens:
+        # (skipped while compiling: reading the int would specialise a graph with dynamic shapes to one size)
+        if not torch.compiler.is_compiling() and (k.shape[0] != 1 or k.shape[2] != batch.n_tokens):
             raise ValueError(
                 f"a paged cache takes packed keys (1, Hkv, T={batch.n_tokens}, D), got {tuple(k.shape)}"
             )
@@ -250,7 +251,21 @@ class PagedKVCache:
         batch = self._current()
         n_heads, n_kv = q.shape[1], self.k.shape[0]
         rep = n_heads // n_kv
+        ragged = batch.ragged
+        if ragged is not None:  # one-token rows without padding (blocks/paged_attention.py)
+            compiling = torch.compiler.is_compiling()
+            attention = ragged_decode_attention if compiling or self.ragged_attention is None else \
+                self.ragged_attention
+            qr = (q[0] if ragged.whole else q[0][:, ragged.query]).view(n_kv, rep, -1, q.shape[-1])
+            qr = qr.permute(2, 0, 1, 3)  # (R, Hkv, rep, D); apart from a graph in one layout (a graph per layout)
+            qr = qr if compiling else qr.clone(memory_format=torch.contiguous_format)
+            og = attention(self.k, self.v, qr, ragged, scale, softcap, window, sinks)  # (R, Hkv, rep, Dv)
+            og = og.flatten(1, 2).transpose(0, 1)  # (H, R, Dv), a view (the caller transposes it back)
+            if ragged.whole:
+                return og[None]
         out = q.new_zeros((n_heads, q.shape[2], self.v.shape[-1]))  # (H, T, Dv)
+        if ragged is not None:
+            out[:, ragged.query] = og
         for group in batch.groups:
             if group.row is not None:
                 k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (1, Hkv, K, D)
@@ -265,25 +280,14 @@ class PagedKVCache:
             # (H, G, Lq, D) -> (G, Hkv, rep·Lq, D): the query heads of one key/value head side by side.
             qg = q[0][:, group.q_index].view(n_kv, rep, g, lq, -1).permute(2, 0, 1, 3, 4).reshape(g, n_kv, rep * lq, -1)
             mask = group.mask(window, self.block_size, rep)  # (G, 1, rep·Lq, K)
-            if torch.compiler.is_compiling():
-                og = fused_group_attention(self.k, self.v, qg, self._index(group), mask, scale, softcap, sinks)
-            elif self.fused_attention is not None:  # compiled apart: fixed strides keep it to one graph
-                og = self.fused_attention(self.k, self.v, qg.contiguous(), self._index(group), mask.contiguous(),
-                                          scale, softcap, sinks)
-            else:
-                k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (G, Hkv, K, D)
-                bias = None
-                if sinks is not None:
-                    k, v, mask, bias = _with_sink_key(k, v, mask, sinks, lq)
-                og = backend(qg, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)  # (G, Hkv, rep·Lq, Dv)
+            k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (G, Hkv, K, D)
+            bias = None
+            if sinks is not None:
+                k, v, mask, bias = _with_sink_key(k, v, mask, sinks, lq)
+            og = backend(qg, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)  # (G, Hkv, rep·Lq, Dv)
             og = og.view(g, n_kv, rep, lq, -1).permute(1, 2, 0, 3, 4).reshape(n_heads, g, lq, -1)  # (H, G, Lq, Dv)
             out[:, group.flat] = og.flatten(1, 2) if group.dense else og[:, group.valid]
         return out[None]
-
-    def _index(self, group: AttentionGroup) -> Tensor:
-        """``(G, Hkv, nb)``: the group's blocks as rows of the pools viewed as ``(Hkv·blocks, block_size, D)``."""
-        heads, n = self.k.shape[:2]
-        return group.gather_index(heads, n).view(group.tables.shape[0], heads, -1)
 
     def _gather(self, pool: Tensor, group: AttentionGroup, name: str) -> Tensor:
         """A group's blocks, ``(G, Hkv, K, D)``: one ``index_select`` along dim 0 of the pool viewed as
@@ -313,37 +317,6 @@ class PagedKVCache:
         if self.batch is None:
             raise ValueError("a paged cache needs its PagedBatch (cache.batch) set before a forward pass")
         return self.batch
-
-
-def fused_group_attention(k_pool: Tensor, v_pool: Tensor, q: Tensor, index: Tensor, mask: Tensor,
-                          scale: float | None = None, softcap: float | None = None,
-                          sinks: Tensor | None = None) -> Tensor:
-    """The ``math`` backend's formula for a group of one-token rows with the blocks indexed in place, for a compiler:
-    it fuses each gather into the score and value reductions, so the keys and values are read once instead of
-    copied and read again (a backend's matmul needs them copied). ``PagedKVCache.attend`` traces it inside a
-    compiled step, and calls it compiled on its own (``PagedKVCache.fused_attention``) in eager steps.
-
-    Every row has a key (its own position), so no row is empty.
-
-    Shapes: pools ``(Hkv, blocks, block_size, D)``, q ``(G, Hkv, rep·Lq, D)``, index ``(G, Hkv, nb)`` rows of the
-    pools viewed as ``(Hkv·blocks, block_size, D)`` (``AttentionGroup.gather_index``), mask ``(G, 1, rep·Lq,
-    nb·block_size)`` bool, sinks ``(H,)`` -> ``(G, Hkv, rep·Lq, Dv)``.
-    """
-    heads, n, bs, d = k_pool.shape
-    g, _, nb = index.shape
-    k = k_pool.view(heads * n, bs, d)[index]  # (G, Hkv, nb, bs, D), left to the compiler to fuse
-    scores = (q[:, :, :, None, None, :] * k[:, :, None]).sum(-1).flatten(-2)  # (G, Hkv, rep·Lq, K)
-    scores = soft_cap(scores * (d ** -0.5 if scale is None else scale), softcap)
-    scores = scores + additive_mask(mask, scores.dtype)
-    if sinks is None:
-        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    else:  # the sink is one more column of the softmax, dropped after it (row r·Lq + t is head h·rep + r)
-        rows, rep = q.shape[2], sinks.numel() // heads
-        sink = sinks.float().view(1, heads, rep, 1, 1).expand(g, heads, rep, rows // rep, 1)
-        sink = sink.reshape(g, heads, rows, 1)
-        weights = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
-    v = v_pool.view(heads * n, bs, v_pool.shape[-1])[index]  # (G, Hkv, nb, bs, Dv)
-    return (weights.view(g, heads, -1, nb, bs, 1) * v[:, :, None]).sum((-3, -2))
 
 
 def _with_sink_key(k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor, lq: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

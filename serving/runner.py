@@ -1,15 +1,15 @@
 """The model step over a paged cache: one packed forward pass of prefill chunks and decode rows together.
 
-With ``compile=True`` the steps whose rows all decode one token run a compiled graph instead (as
-``generate(compile=True)`` does for one request): the rows are padded to a bucket of rows (powers of two from
-``MIN_ROWS``) and each row's block table to a bucket of blocks (powers of two from ``MIN_BLOCKS``), so shapes are
-static and one graph serves every step of a bucket whatever the positions and blocks. Padding rows write to and read
-a scratch block past the allocator's ids; the pools are allocated whole. Steps holding a prefill chunk stay eager.
+With ``compile=True`` the steps whose rows all decode one token run one compiled graph of the whole step
+(``DynamicStep``, as ``generate(compile=True)`` does for one request), its token, row and block counts dynamic:
+one graph serves every such step, with no padding. Its one-token rows attend without padding
+(``blocks.paged_attention``: one entry per row and block read); the pools are allocated whole, so a graph never
+grows them. Steps holding a prefill chunk stay eager.
 
-With ``compile="attention"`` (and in the eager steps of ``compile=True``) only the attention of each group of
-one-token rows is compiled (``blocks.paged_cache.fused_group_attention``, ``FusedAttention``): one graph whose
-row and block counts are dynamic, so every step, a prefill chunk's included, reads each row's keys and values once
-in place instead of gathering copies of them for the backend.
+With ``compile="attention"`` (and in the eager steps of ``compile=True``) only the attention of the one-token rows
+is compiled (``RaggedAttention``): one graph with dynamic counts, so every step, a prefill chunk's included, reads
+each decoding row's keys and values once, in place, instead of gathering padded copies of them for the backend.
+Latent attention (``paged_latent``) attends its own way: its compiled steps take the one-token rows as one group.
 """
 
 from __future__ import annotations
@@ -23,28 +23,19 @@ import torch.fx.experimental._config as fx_config
 from torch import Tensor
 
 from blocks import get
-from blocks.paged_cache import PagedBatch, PagedKVCache, PagedLayerCache, fused_group_attention
+from blocks.paged_attention import RaggedRows, ragged_decode_attention
+from blocks.paged_cache import PagedBatch, PagedLayerCache
 from models.generation import compiled
 from models.generation.steps import eval_mode
 
 #: The values of ``compile`` (``PagedRunner``, ``serving.Engine``).
 COMPILE_MODES = (False, True, "attention")
-#: The smallest buckets of the compiled decode step: rows per step and blocks per row.
-MIN_ROWS, MIN_BLOCKS = 8, 4
 
 
 def check_compile(compile: Any) -> None:  # noqa: A002
     """Raise ``ValueError`` unless ``compile`` is one of ``COMPILE_MODES``."""
     if not (isinstance(compile, bool) or compile == "attention"):
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
-
-
-def bucket(n: int, smallest: int) -> int:
-    """The smallest power-of-two multiple of ``smallest`` holding ``n``."""
-    size = smallest
-    while size < n:
-        size *= 2
-    return size
 
 
 def packed_logits(model: Any, ids: Tensor, positions: Tensor, caches: list[PagedLayerCache], keep: Tensor) -> Tensor:
@@ -65,39 +56,66 @@ def block_nbytes(model: Any, block_size: int) -> int:
                                       for layer in model.layers)
 
 
-class BucketedStep:
-    """``packed_logits`` compiled once per shape bucket, each under a code object of its own: dynamo keeps its graphs
-    per code object and stops compiling one after ``recompile_limit`` (8) shapes, which a workload's buckets of rows
-    × blocks exceed. Called as ``packed_logits``."""
+def mark_dynamic(*tensors: tuple[Tensor, tuple[int, ...]]) -> None:
+    """Mark the listed dims of each tensor dynamic for ``torch.compile`` (one graph for every size)."""
+    for tensor, dims in tensors:
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def mark_batch(batch: PagedBatch) -> None:
+    """Mark a packed batch's token, row, entry and block counts dynamic."""
+    mark_dynamic((batch.positions, (0,)), (batch.slots, (0,)), (batch.last, (0,)))
+    if batch.ragged is not None:
+        mark_ragged(batch.ragged)
+    for group in batch.groups:
+        mark_dynamic((group.q_index, (0,)), (group.valid, (0,)), (group.flat, (0,)), (group.tables, (0, 1)),
+                     (group.q_pos, (0,)))
+
+
+def mark_ragged(rows: RaggedRows) -> None:
+    mark_dynamic((rows.query, (0,)), (rows.q_pos, (0,)), (rows.block, (0,)), (rows.row, (0,)), (rows.start, (0,)),
+                 (rows.layout, (0, 1)))
+
+
+def compile_dynamic(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled under a code object of its own (the graphs of one runner are not offered to another's), run
+    size-oblivious (``backed_size_oblivious``): a count of 1 is not specialised, so one graph serves every size of
+    the dims marked dynamic."""
+    compiled_fn = torch.compile(compiled.own_code(fn), backend=compiled.BACKEND)
+
+    def run(*args: Any) -> Any:
+        with fx_config.patch(backed_size_oblivious=True):
+            return compiled_fn(*args)
+
+    return run
+
+
+class RaggedAttention:
+    """``ragged_decode_attention`` compiled for one runner with its row, entry and pool-block counts dynamic.
+    Called as ``ragged_decode_attention``."""
 
     def __init__(self) -> None:
-        self.compiled: dict[tuple[int, ...], Callable[..., Tensor]] = {}
+        self.compiled = compile_dynamic(ragged_decode_attention)
+
+    def __call__(self, k_pool: Tensor, v_pool: Tensor, q: Tensor, rows: RaggedRows, *args: Any) -> Tensor:
+        mark_dynamic((k_pool, (1,)), (v_pool, (1,)), (q, (0,)))
+        mark_ragged(rows)
+        return self.compiled(k_pool, v_pool, q, rows, *args)
+
+
+class DynamicStep:
+    """``packed_logits`` of a decode-only step compiled once, its token, row, entry and block counts dynamic: one
+    graph for every step. Called as ``packed_logits``."""
+
+    def __init__(self) -> None:
+        self.compiled = compile_dynamic(packed_logits)
 
     def __call__(self, model: Any, ids: Tensor, positions: Tensor, caches: list[PagedLayerCache],
                  keep: Tensor) -> Tensor:
-        key = (ids.shape[1], caches[0].self_attn.batch.groups[0].tables.shape[1])
-        if key not in self.compiled:
-            self.compiled[key] = torch.compile(compiled.own_code(packed_logits), dynamic=False,
-                                               backend=compiled.BACKEND)
-        return self.compiled[key](model, ids, positions, caches, keep)
-
-
-class FusedAttention:
-    """``fused_group_attention`` compiled for one runner, under a code object of its own (the graphs of one model's
-    shapes are not offered to another's), with the row and block counts of its inputs marked dynamic: one graph
-    serves every group, of one row or one block included. Called as ``fused_group_attention``."""
-
-    def __init__(self) -> None:
-        self.compiled = torch.compile(compiled.own_code(fused_group_attention), backend=compiled.BACKEND)
-
-    def __call__(self, k_pool: Tensor, v_pool: Tensor, q: Tensor, index: Tensor, mask: Tensor,
-                 *args: Any) -> Tensor:
-        for tensor, dims in ((k_pool, (1,)), (v_pool, (1,)), (q, (0,)), (index, (0, 2)), (mask, (0, 3))):
-            for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        # Size-oblivious: a count of 1 is not specialised (no second graph for a group of one row or one block).
-        with fx_config.patch(backed_size_oblivious=True):
-            return self.compiled(k_pool, v_pool, q, index, mask, *args)
+        mark_dynamic((ids, (1,)), (positions, (1,)), (keep, (0,)))
+        mark_batch(caches[0].self_attn.batch)
+        return self.compiled(model, ids, positions, caches, keep)
 
 
 class PagedRunner:
@@ -110,9 +128,10 @@ class PagedRunner:
         model: the ``DecoderLM``.
         n_blocks: blocks each layer's pool may grow to.
         block_size: positions per block.
-        compile: ``True``: run decode-only steps through a compiled graph per (rows, blocks) bucket, and the
-            attention of one-token rows in the other steps through ``FusedAttention``; ``"attention"``: only the
-            latter (every step stays eager around one compiled attention graph); ``False``: nothing compiled.
+        compile: ``True``: run decode-only steps through one compiled graph with dynamic shapes
+            (``DynamicStep``), and the attention of one-token rows in the other steps through ``RaggedAttention``;
+            ``"attention"``: only the latter (every step stays eager around one compiled attention graph);
+            ``False``: nothing compiled.
 
     Raises:
         NotImplementedError: a positional encoding with an attention bias (ALiBi, T5's relative bias).
@@ -127,31 +146,23 @@ class PagedRunner:
                     f"the paged engine does not support attention biases ({type(positional).__name__})"
                 )
         self.model, self.block_size, self.n_blocks = model, block_size, n_blocks
-        self.step = None
-        if compile is not True:
-            self.caches = [PagedLayerCache(n_blocks, block_size, paged_kind(layer)) for layer in model.layers]
-            self._share_workspace()
-            if compile == "attention":
-                self._fuse_attention()
-            return
-        # Whole pools with one scratch block (id n_blocks) for padding rows: no growth inside a graph.
-        self.caches = [PagedLayerCache(n_blocks + 1, block_size, paged_kind(layer)) for layer in model.layers]
-        for layer, cache in zip(model.layers, self.caches, strict=True):
-            cache.self_attn.reserve(layer.self_attn, model.embed_tokens.weight)
-        self._share_workspace()
-        self._fuse_attention()
-        self.step = BucketedStep()
-
-    def _fuse_attention(self) -> None:
-        attention = FusedAttention()
-        for cache in self.caches:
-            if isinstance(cache.self_attn, PagedKVCache):  # latent caches attend their own way
-                cache.self_attn.fused_attention = attention
-
-    def _share_workspace(self) -> None:
+        self.caches = [PagedLayerCache(n_blocks, block_size, paged_kind(layer)) for layer in model.layers]
         workspace: dict[str, Tensor] = {}  # each layer's gathers are consumed before the next layer's
         for cache in self.caches:
             cache.self_attn.workspace = workspace
+        plain = all(paged_kind(layer) == "paged" for layer in model.layers)  # no latent cache
+        # How one-token rows are attended in eager steps (PagedBatch's decode), and in compiled decode-only steps.
+        self.decode = "ragged" if compile and plain else "split"
+        self.compiled_decode = "ragged" if plain else "one"
+        self.step: DynamicStep | None = None
+        if compile and plain:
+            attention = RaggedAttention()
+            for cache in self.caches:
+                cache.self_attn.ragged_attention = attention
+        if compile is True:
+            for layer, cache in zip(model.layers, self.caches, strict=True):  # whole pools: no growth in a graph
+                cache.self_attn.reserve(layer.self_attn, model.embed_tokens.weight)
+            self.step = DynamicStep()
 
     @torch.inference_mode()
     def scrub(self, blocks: Sequence[int]) -> None:
@@ -182,22 +193,18 @@ class PagedRunner:
             ``(n_rows, vocab_size)`` float logits.
         """
         device = self.model.embed_tokens.weight.device
-        step, n_rows, ids = packed_logits, len(rows), list(ids)
+        step, decode = packed_logits, self.decode
         if self.step is not None and all(n_query == 1 for n_query, _, _ in rows):
-            pad_rows = bucket(n_rows, MIN_ROWS)
-            blocks = max(-(-n_context // self.block_size) for _, n_context, _ in rows)
-            batch = PagedBatch(rows, self.block_size, device, pad_rows=pad_rows, pad_blocks=bucket(blocks, MIN_BLOCKS),
-                               scratch=self.n_blocks, capacity=self.n_blocks + 1)
-            step, ids = self.step, ids + [0] * (pad_rows - n_rows)
-        else:
-            batch = PagedBatch(rows, self.block_size, device, capacity=None if self.step is None else self.n_blocks + 1)
+            step, decode = self.step, self.compiled_decode
+        capacity = None if self.step is None else self.n_blocks  # pools allocated whole
+        batch = PagedBatch(rows, self.block_size, device, decode=decode, capacity=capacity)
         for cache in self.caches:
             cache.self_attn.batch = batch
         # eval_mode sets and restores every submodule's flag (a tenth of a small step): only when one is training.
         training = any(m.training for m in self.model.modules())
         with eval_mode(self.model) if training else contextlib.nullcontext():
-            logits = step(self.model, torch.tensor([ids], device=device), batch.positions[None], self.caches,
+            logits = step(self.model, torch.tensor([list(ids)], device=device), batch.positions[None], self.caches,
                           batch.last)
         for cache in self.caches:
             cache.self_attn.batch = None
-        return logits[:n_rows]
+        return logits

@@ -197,24 +197,29 @@ def test_gathers_reuse_one_workspace_and_follow_inference_mode() -> None:
 
 @pytest.mark.parametrize(("n_heads", "softcap", "window", "sinks"),
                          [(4, None, None, False), (8, 30.0, 5, False), (8, None, None, True), (4, 2.0, 6, True)])
-def test_compiled_steps_fused_decode_attention_equals_the_backends(monkeypatch: pytest.MonkeyPatch, n_heads: int,
-                                                                   softcap: float | None, window: int | None,
-                                                                   sinks: bool) -> None:
-    """Inside a compiled step one-token rows attend by the math formula with the blocks indexed in place
-    (``blocks.paged_cache.fused_group_attention``); it equals the gather + backend path (GQA, soft-caps, windows,
-    sinks)."""
+@pytest.mark.parametrize("prefill", [False, True])
+def test_ragged_decode_rows_equal_the_backends(n_heads: int, softcap: float | None, window: int | None, sinks: bool,
+                                               prefill: bool) -> None:
+    """One-token rows attended without padding (``decode="ragged"``, ``blocks.paged_attention``) equal the groups
+    of the gather + backend path (GQA, soft-caps, windows, sinks), beside a prefill chunk's row or alone."""
     torch.manual_seed(0)
     cache, bs, n_kv = blocks.PagedKVCache(16, 4), 4, 4
     cache.k, cache.v = torch.randn(n_kv, 16, bs, 8), torch.randn(n_kv, 16, bs, 6)
     rows = [(1, 13, [3, 0, 7, 9]), (1, 2, [5]), (1, 7, [1, 2]), (1, 16, [4, 6, 8, 10])]
-    cache.batch = PagedBatch(rows, bs, pad_rows=4, pad_blocks=4, capacity=16)
-    q = torch.randn(1, n_heads, 4, 8)
-    logits = torch.randn(n_heads) if sinks else None
-    kwargs = dict(scale=0.3, softcap=softcap, window=window, sinks=logits)
+    rows += [(3, 10, [11, 12, 13])] if prefill else []
+    q = torch.randn(1, n_heads, 4 + 3 * prefill, 8)
+    kwargs = dict(scale=0.3, softcap=softcap, window=window, sinks=torch.randn(n_heads) if sinks else None)
+    cache.batch = PagedBatch(rows, bs)
     want = cache.attend(q, blocks.get("attention_backend", "sdpa"), **kwargs)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    cache.batch = PagedBatch(rows, bs, decode="ragged")
+    assert cache.batch.ragged.whole is not prefill and len(cache.batch.groups) == prefill
     got = cache.attend(q, blocks.get("attention_backend", "sdpa"), **kwargs)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_paged_batch_names_an_unknown_decode_mode() -> None:
+    with pytest.raises(ValueError, match="decode must be one of .*got 'padded'"):
+        PagedBatch([(1, 1, [0])], 4, decode="padded")
 
 
 def test_a_growing_pool_keeps_its_blocks_and_zeroes_the_new_ones(monkeypatch: pytest.MonkeyPatch) -> None:
