@@ -12,7 +12,8 @@ tokens with no padding. ``PagedBatch`` (``blocks.paged_batch``) records where ea
 slot each new key/value is written to, and which blocks each row reads. Attention (``PagedKVCache.attend``)
 gathers each row's keys from its blocks and calls the module's backend on rows padded to the longest query of their
 group: decode rows (one query) form groups by context length and prefill rows another, so a long prefill chunk does
-not pad every decode row to its length.
+not pad every decode row to its length. Compiled, decode rows attend without padding instead, reading their blocks in
+place (``blocks.paged_attention``, a batch built with ``decode="ragged"``).
 """
 
 from __future__ import annotations
@@ -246,7 +247,8 @@ class PagedKVCache:
         ``sinks`` ``(H,)`` (gpt-oss) then become one more key per group, a zero key and value whose additive bias is
         each query row's sink. A row of several new tokens (a prefill chunk) attends alone, ``(1, H, Lq, D)``, over
         its own keys with the bottom-right causal mask (``is_causal``: no mask to build and check per layer).
-        Returns ``(1, H, T, Dv)``.
+        A batch's ``RaggedRows`` (one-token rows, ``decode="ragged"``) attend through ``ragged_decode_attention``
+        (``ragged_attention`` when set, outside a compiled graph). Returns ``(1, H, T, Dv)``.
         """
         batch = self._current()
         n_heads, n_kv = q.shape[1], self.k.shape[0]

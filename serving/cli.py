@@ -65,9 +65,14 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=_positive, default=16)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
-    serve.add_argument("--compile-attention", action="store_true",
-                       help="attend the decoding rows through one compiled graph (Engine(compile=\"attention\"): "
-                            "a few seconds to compile at the first step; faster steps on larger models)")
+    compiled = serve.add_mutually_exclusive_group()
+    compiled.add_argument("--compile", action="store_true",
+                          help="run decode-only steps through one compiled graph with dynamic shapes and the other "
+                               "steps' decoding rows through a compiled attention (Engine(compile=True): the pools are "
+                               "allocated whole; tens of seconds to compile at the first steps)")
+    compiled.add_argument("--compile-attention", action="store_true",
+                          help="attend the decoding rows through one compiled graph (Engine(compile=\"attention\"): "
+                               "a few seconds to compile at the first step)")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine in its own process, which loads the model, so that HTTP never competes "
                             "with it for the GIL (default); --no-engine-process steps it in a thread of the server")
@@ -103,7 +108,7 @@ def serve(args: argparse.Namespace) -> None:
     app = create_app(model, model.tokenizer, model_name=args.served_model_name or args.model, api_key=args.api_key,
                      engine_process=source, max_num_seqs=args.max_batch, num_blocks=args.kv_blocks,
                      block_size=args.block_size, kv_cache_bytes=args.kv_cache_memory,
-                     compile="attention" if args.compile_attention else False)
+                     compile="attention" if args.compile_attention else args.compile)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

@@ -79,11 +79,11 @@ class Engine:
         max_waiting: requests ``add_request`` queues at most (``QueueFullError`` beyond).
         max_model_len: the context (default ``config.max_len``): prompt + output tokens at most.
         prefix_caching: share full blocks of equal prefixes between requests.
-        compile: ``True``: run the steps where every row decodes one token through a compiled graph per bucket of
-            rows and blocks (``serving.runner``; the pools are then allocated whole, and the first step of each
-            bucket compiles), and the attention of one-token rows in the other steps through one compiled graph;
-            ``"attention"``: only that attention graph (compiled at the first step with a decoding row; every step
-            gains, none waits for a bucket); ``False``: nothing compiled.
+        compile: ``True``: run the steps where every row decodes one token through one compiled graph with
+            dynamic row and block counts (``serving.runner``; the pools are then allocated whole, and the first such
+            steps compile: one graph for one row, one for several), and the one-token rows' attention in the other
+            steps through one compiled graph; ``"attention"``: only that attention graph (compiled at the first step
+            with a decoding row); ``False``: nothing compiled.
 
     Raises:
         NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``) or one

@@ -643,5 +643,9 @@ def test_zoo_serve_hands_its_engine_options_to_the_engine(monkeypatch: pytest.Mo
     cli.main(["serve", str(folder), "--compile-attention", "--max-batch", "3", "--port", "8123"])
     assert seen["compile"] == "attention" and seen["max_num_seqs"] == 3 and seen["app"] == "app"
     assert seen["host"] == "127.0.0.1" and seen["port"] == 8123
+    cli.main(["serve", str(folder), "--compile"])
+    assert seen["compile"] is True
     cli.main(["serve", str(folder)])
     assert seen["compile"] is False
+    with pytest.raises(SystemExit):  # one or the other
+        cli.main(["serve", str(folder), "--compile", "--compile-attention"])
