@@ -5,6 +5,7 @@ continuous batching, on requests of mixed lengths arriving over time.
     python -m benchmarks.engine --models demo    # one model
     python -m benchmarks.engine --quick          # tiny model, few requests: checks that the script runs
     python -m benchmarks.engine --models demo --compile   # adds Engine(compile=True) (one graph, compiled first)
+    python -m benchmarks.engine --models demo --step-rows 40   # one decode step of 40 rows, per compile mode
 
 The workload (seeded): ``--requests`` prompts with lengths uniform in ``--prompt-len`` and output lengths uniform in
 ``--output-len`` (random token ids, random fp32 weights, no EOS, so every request produces exactly its length),
@@ -218,6 +219,37 @@ def run_transformers(model: DecoderLM, requests: list[Request], args: argparse.N
     return timed("(b) transformers continuous batching", requests, lambda emit, start: serve(requests, emit, start))
 
 
+def time_steps(model: DecoderLM, args: argparse.Namespace, reps: int = 30) -> dict[str, float]:
+    """Median ms of one decode-only step of ``args.step_rows`` rows (contexts uniform in the workload's prompt +
+    output range, blocks of 16 taken in order), for each ``compile`` mode on its own runner; prints the table."""
+    from serving.runner import PagedRunner
+
+    rng = random.Random(args.seed)
+    contexts = [rng.randint(args.prompt_len[0], args.prompt_len[1] + args.output_len[1])
+                for _ in range(args.step_rows)]
+    tables, first = [], 0
+    for n in contexts:
+        tables.append(list(range(first, first + -(-n // 16))))
+        first += len(tables[-1])
+    medians = {}
+    for mode in (False, "attention", True):
+        runner = PagedRunner(model, first, 16, compile=mode)
+        for n, table in zip(contexts, tables, strict=True):  # fill each row's cache with a prefill
+            runner.run([1] * (n - 1), [(n - 1, n - 1, table)])
+        rows = [(1, n, table) for n, table in zip(contexts, tables, strict=True)]
+        times = []
+        for _ in range(reps + 5):  # the first 5 warm up (and compile)
+            started = time.perf_counter()
+            runner.run([3] * len(rows), rows)
+            times.append(time.perf_counter() - started)
+        medians[repr(mode)] = 1e3 * statistics.median(times[5:])
+    print(f"\n#### one decode step of {args.step_rows} rows, contexts {min(contexts)}-{max(contexts)} "
+          f"(median of {reps})\n\n| compile | ms | vs eager |\n|---|---|---|")
+    for mode, ms in medians.items():
+        print(f"| {mode} | {ms:.2f} | {medians['False'] / ms:.2f}x |")
+    return medians
+
+
 def main(argv: list[str] | None = None) -> list[tuple[str, list[Result]]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["demo", "gpt2"], choices=sorted(SHAPES))
@@ -234,6 +266,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[Result]]]:
     parser.add_argument("--compile-attention", action="store_true",
                         help='also the engine with compile="attention" (one graph, compiled in the warm-up)')
     parser.add_argument("--quick", action="store_true", help="a tiny model and 8 short requests")
+    parser.add_argument("--step-rows", type=int, default=None,
+                        help="instead of the workload: time one decode step of this many rows per compile mode")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.requests, args.prompt_len, args.output_len = ["demo"], 8, (4, 24), (2, 8)
@@ -249,6 +283,9 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[Result]]]:
             {**SHAPES[name], "dropout": 0.0, "attention_dropout": 0.0, "eos_token_id": None, "bos_token_id": None,
              "pad_token_id": None}
         )).eval()
+        if args.step_rows:
+            time_steps(model, args)
+            continue
         requests = workload(args, model.config.vocab_size)
         results = [run_engine(model, requests, args)]
         if args.compile_attention:

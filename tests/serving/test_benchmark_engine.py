@@ -20,3 +20,12 @@ def test_quick_run_reports_every_system_with_equal_tokens(monkeypatch: pytest.Mo
         assert len(result.ttft) == 8 and all(t >= 0 for t in result.ttft)
     assert engine.extra["kv_peak"] > 0
     assert "| engine |" in capsys.readouterr().out
+
+
+def test_step_rows_times_one_decode_step_per_compile_mode(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    monkeypatch.setitem(bench.SHAPES, "demo", dict(bench.SHAPES["demo"]))
+    assert bench.main(["--quick", "--threads", "1", "--step-rows", "5"]) == []
+    out = capsys.readouterr().out
+    assert "one decode step of 5 rows" in out
+    assert all(f"| {mode} |" in out for mode in ("False", "'attention'", "True"))
