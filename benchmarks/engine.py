@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import platform
 import random
@@ -97,6 +98,7 @@ def timed(name: str, requests: list[Request], run: Callable[[Callable[[int, list
     """Run a system; ``run(emit, start)`` calls ``emit(i, new_tokens)`` as request ``i`` gains tokens."""
     tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     stamps: dict[int, list[float]] = {i: [] for i in range(len(requests))}
+    gc.collect()  # what a warm-up's compiles left behind is not collected in the middle of the run
     start = time.perf_counter()
 
     def emit(i: int, new: list[int]) -> None:
