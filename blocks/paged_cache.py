@@ -259,7 +259,8 @@ class PagedKVCache:
             attention = ragged_decode_attention if compiling or self.ragged_attention is None else \
                 self.ragged_attention
             qr = (q[0] if ragged.whole else q[0][:, ragged.query]).view(n_kv, rep, -1, q.shape[-1])
-            qr = qr.permute(2, 0, 1, 3)  # (R, Hkv, rep, D); apart from a graph in one layout (a graph per layout)
+            qr = qr.permute(2, 0, 1, 3)  # (R, Hkv, rep, D)
+            # Outside a graph, standard strides: a one-row view's strides differ and would compile a second graph.
             qr = qr if compiling else qr.clone(memory_format=torch.contiguous_format)
             og = attention(self.k, self.v, qr, ragged, scale, softcap, window, sinks)  # (R, Hkv, rep, Dv)
             og = og.flatten(1, 2).transpose(0, 1)  # (H, R, Dv), a view (the caller transposes it back)
