@@ -34,7 +34,7 @@ COMPILE_MODES = (False, True, "attention")
 
 def check_compile(compile: Any) -> None:  # noqa: A002
     """Raise ``ValueError`` unless ``compile`` is one of ``COMPILE_MODES``."""
-    if not (isinstance(compile, bool) or compile == "attention"):
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "attention")):
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
 
 
@@ -74,6 +74,7 @@ def mark_batch(batch: PagedBatch) -> None:
 
 
 def mark_ragged(rows: RaggedRows) -> None:
+    """Mark the row, entry and width counts of ragged decode rows dynamic."""
     mark_dynamic((rows.query, (0,)), (rows.q_pos, (0,)), (rows.block, (0,)), (rows.row, (0,)), (rows.start, (0,)),
                  (rows.layout, (0, 1)))
 

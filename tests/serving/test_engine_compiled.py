@@ -109,3 +109,5 @@ def test_ragged_attention_compiles_one_graph_for_batches_of_any_size() -> None:
 def test_compile_must_be_a_known_mode() -> None:
     with pytest.raises(ValueError, match="compile must be one of .*got 'yes'"):
         Engine(tiny_model("llama-tiny"), compile="yes")
+    with pytest.raises(ValueError, match="compile must be one of .*got tensor"):  # no element-wise comparison
+        Engine(tiny_model("llama-tiny"), compile=torch.tensor([1, 2]))
