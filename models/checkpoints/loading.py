@@ -124,7 +124,7 @@ def load_pretrained(
         path_or_repo_id = _fetch_gguf(path_or_repo_id, opts)
     single = _single_file(path_or_repo_id)
     allow_missing: frozenset[str] = frozenset()
-    quantization: tuple[str, list[str]] | None = None
+    quantization: tuple[dict[str, str], dict[str, dict[str, Any]]] | None = None
     sentence = None  # a sentence-transformers folder's embedding head options
     if single is not None:
         gguf_file, file_format = single
@@ -178,10 +178,10 @@ def load_pretrained(
     with _skipped_init() if single is not None and not allow_missing else contextlib.nullcontext():
         model = cls(config)
     if quantization is not None:
-        # Give the fresh model the saved model's quantized layers, then load the int8 tensors into them.
-        scheme, layers = quantization
+        # Give the fresh model the saved model's quantized layers, then load the packed tensors into them.
+        layers, scheme_options = quantization
         try:
-            quantized_skeleton(model, scheme, layers)
+            quantized_skeleton(model, layers, scheme_options)
         except ValueError as e:
             raise ValueError(
                 f"{source}: config.json's {QUANTIZATION_KEY!r} entry does not fit {cls.__name__}: {e}"
@@ -346,32 +346,52 @@ def _zoo_class_and_config(
     return cls, config
 
 
-def _quantization(raw: dict[str, Any], source: str) -> tuple[str, list[str]] | None:
-    """The ``(scheme, layer names)`` of ``config.json``'s ``quantization`` entry, or ``None`` when it has none.
+def _quantization(raw: dict[str, Any], source: str) -> tuple[dict[str, str], dict[str, dict[str, Any]]] | None:
+    """The ``(layer name -> scheme, scheme -> options)`` of ``config.json``'s ``quantization`` entry, or ``None``
+    when it has none (see ``models.checkpoints.persistence`` for the two forms).
 
     Checked before any weights are read or downloaded.
 
     Raises:
-        ValueError: a malformed entry (not an object of exactly ``scheme`` and ``modules``), an unknown scheme,
-            or ``modules`` that is not a non-empty list of distinct names.
+        ValueError: a malformed entry (an object of ``scheme`` and a ``modules`` list, or of a ``modules`` object
+            naming each layer's scheme; ``options`` optional), an unknown scheme, ``modules`` that is not a
+            non-empty list of distinct names, or ``options`` that are not objects.
     """
     entry = raw.get(QUANTIZATION_KEY)
     if entry is None:
         return None
     where = f"{source}: config.json's {QUANTIZATION_KEY!r} entry"
-    if not isinstance(entry, dict) or set(entry) != {"scheme", "modules"}:
+    mixed = isinstance(entry, dict) and isinstance(entry.get("modules"), dict)
+    expected = {"modules"} if mixed else {"scheme", "modules"}
+    if not isinstance(entry, dict) or not expected <= set(entry) <= expected | {"options"}:
         got = sorted(entry) if isinstance(entry, dict) else entry
-        raise ValueError(f"{where} must be an object with keys ['modules', 'scheme'], got {got!r}")
-    scheme, layers = entry["scheme"], entry["modules"]
-    schemes = blocks.names("quantization")
-    if scheme not in schemes:
-        raise ValueError(f"{where} names quantization scheme {scheme!r}; this transformer-zoo knows {schemes}")
-    if not isinstance(layers, list) or not layers or not all(isinstance(n, str) and n for n in layers):
-        raise ValueError(f"{where} must list the quantized layers in 'modules' (non-empty strings), got {layers!r}")
-    if len(set(layers)) != len(layers):
-        twice = sorted({n for n in layers if layers.count(n) > 1})
-        raise ValueError(f"{where} lists layers more than once: {twice}")
-    return scheme, layers
+        raise ValueError(f"{where} must be an object with keys ['modules', 'scheme'], got {got!r} (an 'options' "
+                         "object may be added; a mixed model gives a 'modules' object of layer name -> scheme)")
+    layers = entry["modules"]
+    if mixed:
+        if not layers or not all(isinstance(n, str) and n for n in layers):
+            raise ValueError(f"{where} must name the quantized layers in 'modules' (non-empty strings), got "
+                             f"{sorted(layers)[:5]!r}")
+        schemes = set(layers.values())
+    else:
+        if not isinstance(layers, list) or not layers or not all(isinstance(n, str) and n for n in layers):
+            raise ValueError(f"{where} must list the quantized layers in 'modules' (non-empty strings), got "
+                             f"{layers!r}")
+        if len(set(layers)) != len(layers):
+            twice = sorted({n for n in layers if layers.count(n) > 1})
+            raise ValueError(f"{where} lists layers more than once: {twice}")
+        schemes = {entry["scheme"]}
+        layers = dict.fromkeys(layers, entry["scheme"])
+    known = blocks.names("quantization")
+    for scheme in sorted(schemes, key=repr):
+        if scheme not in known:
+            raise ValueError(f"{where} names quantization scheme {scheme!r}; this transformer-zoo knows {known}")
+    options = entry.get("options", {})
+    if not mixed and options:
+        options = {entry["scheme"]: options}
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise ValueError(f"{where} has 'options' {options!r}; expected an object of option names and values")
+    return layers, options
 
 
 def _convert_transformers(

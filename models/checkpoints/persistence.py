@@ -12,10 +12,13 @@ channel) and ``bias``, and ``config.json`` gets a top-level entry beside ``dtype
 
     "quantization": {"scheme": "int8", "modules": ["layers.0.self_attn.q_proj", ..., "lm_head"]}
 
-``scheme`` is a name of ``blocks.names("quantization")`` (its registered layer defines the tensors and the formula
-``w = scale[o] · q[o, i]``); ``modules`` lists the quantized layers, so a partly quantized model loads too. Loading
-builds the model from ``config``, quantizes exactly those layers, then loads the tensors strictly. The entry is
-absent for an unquantized model, so its ``config.json`` is unchanged.
+``scheme`` is a name of ``blocks.names("quantization")`` (its registered layer defines the packed tensors and how
+they unpack); ``modules`` lists the quantized layers, so a partly quantized model loads too; a scheme with options
+adds ``"options": {"group_size": 64, ...}``. A model whose layers mix schemes (a GGUF file's Q4_K and Q6_K tensors)
+records each layer's scheme instead: ``{"modules": {"embed_tokens": "q6_k", "layers.0.self_attn.q_proj": "q4_k",
+...}, "options": {scheme: {...}}}``; an ``nn.Embedding`` named there is a packed table (``QuantizedEmbedding``).
+Loading builds the model from ``config``, quantizes exactly those layers, then loads the tensors strictly. The entry
+is absent for an unquantized model, so its ``config.json`` is unchanged.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 from huggingface_hub import ModelCardData
 
 from blocks.adapters import check_exportable
-from blocks.quantized import quantized_modules, scheme_of
+from blocks.quantized import QuantizedLinear, quantization_options, quantized_modules
 
 from . import files
 from .atomic import write_folder
@@ -179,11 +182,12 @@ class PersistenceMixin:
         quantization = _quantization_entry(self)
         # Quantized weights are buffers, not parameters; they are still the model's weights.
         n_params = sum(p.numel() for p in self.parameters()) + sum(
-            m.in_features * m.out_features for m in self.modules() if scheme_of(m) is not None
+            m.in_features * m.out_features for m in self.modules() if isinstance(m, QuantizedLinear)
         )
         if quantization is not None:
-            n = len(quantization["modules"])
-            dtype += f"; {n} linear layer(s) quantized as `{quantization['scheme']}` (weight-only, see `config.json`)"
+            layers = quantized_modules(self)
+            schemes = ", ".join(f"`{s}`" for s in sorted(set(layers.values())))
+            dtype += f"; {len(layers)} layer(s) quantized as {schemes} (weight-only, see `config.json`)"
         has_tokenizer = (tokenizer if tokenizer is not None else self.tokenizer) is not None
         tokenizer_line = "included (`tokenizer.json`)" if has_tokenizer else "not included"
         # Import from the package when it re-exports the class (``from models import DecoderLM``).
@@ -251,18 +255,22 @@ def _quantization_entry(model: Any) -> dict[str, Any] | None:
     """``config.json``'s ``quantization`` entry for ``model`` (see the module docstring), ``None`` if unquantized.
 
     Raises:
-        ValueError: the model mixes quantization schemes (one entry records one scheme).
+        ValueError: layers of one scheme quantized with different options.
     """
     layers = quantized_modules(model)
     if not layers:
         return None
+    options = quantization_options(model)
     schemes = sorted(set(layers.values()))
     if len(schemes) > 1:
-        raise ValueError(
-            f"cannot save a {type(model).__name__} whose layers mix quantization schemes {schemes}; a checkpoint "
-            "records one scheme: dequantize (model.dequantize()) and quantize it with one scheme"
-        )
-    return {"scheme": schemes[0], "modules": list(layers)}
+        entry: dict[str, Any] = {"modules": layers}
+        if options:
+            entry["options"] = options
+        return entry
+    entry = {"scheme": schemes[0], "modules": list(layers)}
+    if options:
+        entry["options"] = options[schemes[0]]
+    return entry
 
 
 def _dtype_name(model: Any) -> str:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import blocks
-from blocks.quantized import Int8Linear, check_unquantized, quantize_linears, quantized_modules
+from blocks.quantized import Int8Linear, check_unquantized, quantization_options, quantize_linears, quantized_modules
 from models import DecoderLM, DecoderLMConfig, EncoderLM, EncoderLMConfig, Seq2SeqConfig, Seq2SeqTransformer, auto
 from models.checkpoints import atomic, persistence
 from tests.hub.conftest import hub  # noqa: F401  (the in-process Hub fixture)
@@ -270,9 +270,9 @@ def test_malformed_quantization_entries_fail_before_the_weights_are_read(entry, 
 
 def test_quantization_entry_naming_a_layer_that_is_not_linear(tmp_path: Path) -> None:
     folder = tiny("decoder").quantize("int8").save_pretrained(tmp_path / "q")
-    edit_config(folder, quantization={"scheme": "int8", "modules": ["lm_head", "embed_tokens", "nope"]})
-    with pytest.raises(ValueError, match=r"'quantization' entry does not fit DecoderLM: cannot quantize embed_tokens, "
-                                         r"nope: not nn\.Linear layers"):
+    edit_config(folder, quantization={"scheme": "int8", "modules": ["lm_head", "norm", "nope"]})
+    with pytest.raises(ValueError, match=r"'quantization' entry does not fit DecoderLM: cannot quantize nope, "
+                                         r"norm: not nn\.Linear or nn\.Embedding layers"):
         DecoderLM.from_pretrained(folder)
 
 
@@ -304,6 +304,16 @@ def test_export_to_transformers_of_a_quantized_model_names_the_fix(tmp_path: Pat
 
 
 # ------------------------------------------------------------------------------------------ bad input
+class Differs(Int8Linear):
+    """An int8 layer claiming an option ``n`` (to give two layers of one scheme different options)."""
+
+    scheme = "differs"
+
+    def __init__(self, n: int) -> None:
+        super().__init__(4, 2)
+        self._options = {"n": n}
+
+
 def test_bad_input(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ValueError, match="has no quantized layers to dequantize"):
         tiny("decoder").dequantize()
@@ -317,9 +327,11 @@ def test_bad_input(tmp_path: Path, monkeypatch) -> None:
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="to_linear needs a floating dtype, got torch.int8"):
         blocks.get("quantization", "int8").from_linear(nn.Linear(4, 2)).to_linear(torch.int8)
-    # One checkpoint records one scheme: a model mixing two is refused before anything is written.
+    # One checkpoint records one set of options per scheme: layers of one scheme with two are refused before
+    # anything is written.
     model.quantize("int8")
-    monkeypatch.setattr(persistence, "quantized_modules", lambda m: {"lm_head": "int8", "layers.0.ffn.up_proj": "nf4"})
-    with pytest.raises(ValueError, match=r"mix quantization schemes \['int8', 'nf4'\]"):
+    monkeypatch.setattr(persistence, "quantization_options",
+                        lambda m: quantization_options(nn.ModuleList([Differs(1), Differs(2)])))
+    with pytest.raises(ValueError, match=r"layers quantized as 'differs' with different options"):
         model.save_pretrained(tmp_path / "mixed")
     assert not (tmp_path / "mixed").exists()

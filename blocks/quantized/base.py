@@ -1,0 +1,252 @@
+"""The contract every weight-only quantization scheme fulfils (registered under kind ``quantization``).
+
+A scheme is a subclass of ``QuantizedLinear`` registered with ``@register("quantization", name)``. It stores a
+``(out_features, in_features)`` weight as packed tensors and provides, all on the same object:
+
+- **pack** — ``from_float(weight, bias, **options)`` (and ``from_linear``): quantize a float weight;
+- **unpack** — ``unpack(rows=None)``: the float32 weight the packed tensors represent, exactly (the same bits on
+  every call, every device and inside compiled graphs); ``rows`` selects output rows (an embedding's gather);
+- **linear forward** — ``forward(x)`` = ``F.linear(x, unpack(), bias)`` up to float32 rounding, never expanding the
+  whole weight to float32 at once (eager: ``CHUNK_ELEMENTS`` at a time or a packed-weight kernel; compiled: the
+  unpacking is fused into the product's loop);
+- **embedding forward** — ``embed(ids)``: rows of ``unpack()`` gathered (``QuantizedEmbedding`` wraps it);
+- **bytes read** — ``nbytes()``: what one forward reads (the packed tensors and the bias);
+- **state-dict layout** — ``state_names``: the packed tensors, each with ``out_features`` rows first (so an
+  embedding's gather and a row permutation are plain indexing of every tensor), saved and loaded bit-identically;
+  kernel-specific layouts derived from them are caches, never state.
+
+Schemes with options (an int4 group size) take them as keyword arguments of ``__init__`` and ``from_float`` and
+report them in ``options()``; the checkpoint's ``config.json`` records them (``models.checkpoints.persistence``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..small_matmul import MAX_ROWS, small_rows_linear
+
+#: Float32 elements of weight an eager forward unpacks at a time (16 MiB): the most a forward ever holds unpacked.
+CHUNK_ELEMENTS = 1 << 22
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is stored packed by a quantization scheme (subclasses implement ``pack`` and
+    ``decode``; everything else is shared).
+
+    Args:
+        in_features, out_features: as ``nn.Linear``.
+        bias: whether there is a float bias.
+        **options: the scheme's options (see ``options()``).
+
+    A freshly built layer is a skeleton: its packed tensors have their checkpoint shapes and hold zeros until a
+    state dict is loaded (``quantized_skeleton``).
+
+    Shapes: ``(..., in_features)`` -> ``(..., out_features)``.
+    """
+
+    #: the registry name of the scheme (set by subclasses).
+    scheme: ClassVar[str] = ""
+    #: the packed tensors (buffers, ``out_features`` rows first) a checkpoint holds per layer, besides ``bias``.
+    state_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **options: Any) -> None:
+        super().__init__()
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be a positive int, got {value!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self._options = self.check_options(in_features, **options)
+        for name, (shape, dtype) in self.packed_shapes(in_features, out_features, **self._options).items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    # ---- what a scheme implements -------------------------------------------------------------------------------
+
+    @classmethod
+    def check_options(cls, in_features: int, **options: Any) -> dict[str, Any]:
+        """The scheme's options, checked against ``in_features`` and completed with defaults.
+
+        Raises:
+            ValueError: an unknown option or a bad value (named), e.g. a group size that does not divide the width.
+        """
+        if options:
+            raise ValueError(f"quantization scheme {cls.scheme!r} takes no options, got {sorted(options)}")
+        return {}
+
+    @classmethod
+    def packed_shapes(cls, in_features: int, out_features: int, **options: Any) -> dict[str, tuple[tuple, Any]]:
+        """``state_names`` -> (shape, dtype) of a layer of this size."""
+        raise NotImplementedError
+
+    @classmethod
+    def pack(cls, weight: Tensor, **options: Any) -> dict[str, Tensor]:
+        """The packed tensors of a float ``(out, in)`` weight (``options`` already checked)."""
+        raise NotImplementedError
+
+    @classmethod
+    def decode(cls, packed: dict[str, Tensor], in_features: int, **options: Any) -> Tensor:
+        """The float32 ``(rows, in_features)`` weight of packed tensors holding ``rows`` output rows; pure torch, so
+        inductor can fuse it into a product."""
+        raise NotImplementedError
+
+    # ---- shared ----------------------------------------------------------------------------------------------------
+
+    def options(self) -> dict[str, Any]:
+        """The scheme's options (JSON values), as ``config.json`` records them."""
+        return dict(self._options)
+
+    @classmethod
+    def from_float(cls, weight: Tensor, bias: Tensor | None = None, **options: Any) -> QuantizedLinear:
+        """Quantize a float ``(out_features, in_features)`` weight (and keep ``bias`` as it is).
+
+        Raises:
+            ValueError: ``weight`` is not a 2-d floating tensor, has non-finite values, or bad ``options``.
+        """
+        if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+            got = f"{tuple(weight.shape)} {weight.dtype}" if isinstance(weight, Tensor) else type(weight).__name__
+            raise ValueError(f"{cls.__name__}.from_float needs a 2-d floating weight, got {got}")
+        weight = weight.detach()
+        if not bool(torch.isfinite(weight).all()):
+            raise ValueError(f"{cls.__name__}.from_float: the weight {tuple(weight.shape)} has non-finite values; "
+                             "expected finite floats")
+        out_features, in_features = weight.shape
+        layer = cls(in_features, out_features, bias=bias is not None, **options).to(weight.device)
+        packed = cls.pack(weight.float(), **layer._options)
+        for name in cls.state_names:
+            getattr(layer, name).copy_(packed[name])
+        if bias is not None:
+            layer.bias.data = bias.detach().clone()
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **options: Any) -> QuantizedLinear:
+        """Quantize ``linear``'s weight (see ``from_float``).
+
+        Raises:
+            ValueError: ``linear`` is not an ``nn.Linear``, or as ``from_float``.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"from_linear needs an nn.Linear, got {type(linear).__name__}")
+        return cls.from_float(linear.weight, linear.bias, **options)
+
+    def packed(self, rows: Tensor | slice | None = None) -> dict[str, Tensor]:
+        """The packed tensors (``state_names``), restricted to output ``rows`` (indices or a slice) when given."""
+        if rows is None:
+            return {name: getattr(self, name) for name in self.state_names}
+        return {name: getattr(self, name)[rows] for name in self.state_names}
+
+    def unpack(self, rows: Tensor | slice | None = None) -> Tensor:
+        """The float32 weight, ``(out_features, in_features)`` (or the selected output ``rows``), exactly as packed."""
+        return self.decode(self.packed(rows), self.in_features, **self._options)
+
+    def dequantized_weight(self) -> Tensor:
+        """The float32 weight the packed values represent (``unpack()``)."""
+        return self.unpack()
+
+    def nbytes(self) -> int:
+        """Bytes one forward reads: every packed tensor and the bias."""
+        tensors = [getattr(self, name) for name in self.state_names]
+        if self.bias is not None:
+            tensors.append(self.bias)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def linear(self, x: Tensor) -> Tensor:
+        """``x @ unpack().T`` for ``x`` of shape ``(rows, in_features)``, without the bias.
+
+        Compiled and few rows (decoding): the unpacking written inline so that inductor fuses it into the
+        reduction (one pass over the packed bytes). Otherwise the weight is unpacked ``CHUNK_ELEMENTS`` at a time
+        and multiplied by BLAS. Schemes with a packed-weight kernel override this.
+        """
+        if torch.compiler.is_compiling() and x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled():
+            return small_rows_linear(x, self.unpack())
+        step = max(1, CHUNK_ELEMENTS // self.in_features)
+        if step >= self.out_features:
+            return F.linear(x, self.unpack().to(x.dtype))
+        pieces = [F.linear(x, self.unpack(slice(start, start + step)).to(x.dtype))
+                  for start in range(0, self.out_features, step)]
+        return torch.cat(pieces, dim=-1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__} expects inputs (..., {self.in_features}), got {tuple(x.shape)}")
+        rows = x.shape[:-1]
+        y = self.linear(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*rows, self.out_features)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` of the weight, unpacked (an embedding lookup on the packed table).
+
+        Shapes: ``ids (...)`` long -> ``(..., in_features)`` float32.
+        """
+        flat = ids.reshape(-1)
+        return self.unpack(flat).reshape(*ids.shape, self.in_features)
+
+    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
+        """A float ``nn.Linear`` holding ``unpack()`` (and the bias).
+
+        Args:
+            dtype: floating dtype of the new layer (default: the bias's dtype, else float32).
+
+        Raises:
+            ValueError: ``dtype`` is not a floating dtype.
+        """
+        if dtype is None:
+            dtype = self.bias.dtype if self.bias is not None else torch.float32
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"to_linear needs a floating dtype, got {dtype!r}")
+        device = getattr(self, self.state_names[0]).device
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=device,
+                           dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.unpack())
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    def extra_repr(self) -> str:
+        options = "".join(f", {k}={v!r}" for k, v in self._options.items())
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                f"{options}")
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table stored packed: ``forward(ids)`` unpacks only the rows gathered.
+
+    Args:
+        table: the packed ``(num_embeddings, embedding_dim)`` table, a ``QuantizedLinear`` (a head tied to the
+            embedding is the same object, so the two stay tied and are stored once).
+
+    Shapes: ``ids (...)`` -> ``(..., embedding_dim)``.
+    """
+
+    def __init__(self, table: QuantizedLinear) -> None:
+        super().__init__()
+        if not isinstance(table, QuantizedLinear):
+            raise ValueError(f"QuantizedEmbedding needs a QuantizedLinear table, got {type(table).__name__}")
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    @property
+    def weight(self) -> Tensor:
+        """The first packed tensor (for its device; the float table is ``table.unpack()``)."""
+        return getattr(self.table, self.table.state_names[0])
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.table.embed(ids)
+
+    def to_embedding(self, dtype: torch.dtype | None = None) -> nn.Embedding:
+        """A float ``nn.Embedding`` holding the unpacked table."""
+        embedding = nn.Embedding(self.num_embeddings, self.embedding_dim, device=self.weight.device,
+                                 dtype=dtype or torch.float32)
+        with torch.no_grad():
+            embedding.weight.copy_(self.table.unpack())
+        return embedding
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.table.scheme!r}"
