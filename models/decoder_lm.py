@@ -157,8 +157,8 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, Persist
         return out.hidden_states[-1]
 
     def save_gguf(self, path: Any, dtype: str = "F32", **options: Any) -> Any:
-        """Write this model (and ``self.tokenizer``) as a GGUF file llama.cpp runs; see ``models.gguf_export``."""
-        from .gguf_export import save_gguf
+        """Write this model (and ``self.tokenizer``) as a GGUF file llama.cpp runs; see ``models.gguf.export``."""
+        from .gguf.export import save_gguf
 
         return save_gguf(self, path, dtype, **options)
 

@@ -6,7 +6,7 @@ layers for quantized ones and back.
 """
 
 from . import int8  # noqa: F401  (registers the schemes)
-from .base import CHUNK_ELEMENTS, QuantizedEmbedding, QuantizedLinear
+from .base import CHUNK_ELEMENTS, PackedWeight, QuantizedEmbedding, QuantizedLinear
 from .int8 import Int8Linear
 from .surgery import (
     check_unquantized,
@@ -21,7 +21,7 @@ from .surgery import (
 )
 
 __all__ = [
-    "CHUNK_ELEMENTS", "Int8Linear", "QuantizedEmbedding", "QuantizedLinear", "check_unquantized",
+    "CHUNK_ELEMENTS", "Int8Linear", "PackedWeight", "QuantizedEmbedding", "QuantizedLinear", "check_unquantized",
     "dequantize_linears", "quantization_mismatch", "quantization_options", "quantize_linears", "quantized_modules",
     "quantized_skeleton", "scheme_of", "state_names_of",
 ]

@@ -209,6 +209,16 @@ class QuantizedLinear(nn.Module):
                 linear.bias.copy_(self.bias)
         return linear
 
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
+        # model.to(dtype) / model.half() cast floating buffers; packed tensors keep their dtype (a float16 block
+        # scale is part of the format), only their device follows.
+        dtypes = {name: getattr(self, name).dtype for name in self.state_names}
+        super()._apply(fn, recurse)
+        for name, dtype in dtypes.items():
+            if getattr(self, name).dtype != dtype:
+                setattr(self, name, getattr(self, name).to(dtype))
+        return self
+
     def extra_repr(self) -> str:
         options = "".join(f", {k}={v!r}" for k, v in self._options.items())
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -250,3 +260,33 @@ class QuantizedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.table.scheme!r}"
+
+
+class PackedWeight(Tensor):
+    """A meta-device stand-in for a float ``(out, in)`` weight that a file holds packed in a quantization scheme.
+
+    A reader (``models.gguf``) puts one in a state dict where the float weight would be; converters pass it along
+    under its new name like any tensor (it has the float weight's shape and dtype, on the meta device), and the
+    loader then gives the named layer the scheme's packed tensors (``load_state()``) instead of a float weight.
+    An operation on it (a transpose, a concatenation) gives a plain meta tensor, so a converter that changes a
+    weight's values is noticed, and the loader uses ``materialize()`` (the float weight) for that tensor instead.
+
+    Args (of ``make``):
+        shape: the float weight's shape.
+        scheme: a name of ``blocks.names("quantization")``.
+        load_state: returns the scheme's packed tensors (``state_names`` -> tensor) for this weight.
+        materialize: returns the float32 weight (a dequantized copy).
+    """
+
+    # Operations give plain tensors: only the object a reader made carries ``scheme`` and the loaders.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    scheme: str
+    load_state: Any
+    materialize: Any
+
+    @staticmethod
+    def make(shape: tuple[int, ...], scheme: str, load_state: Any, materialize: Any) -> PackedWeight:
+        weight = Tensor._make_subclass(PackedWeight, torch.empty(shape, device="meta"))
+        weight.scheme, weight.load_state, weight.materialize = scheme, load_state, materialize
+        return weight

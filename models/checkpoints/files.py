@@ -24,6 +24,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+import blocks
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -278,3 +280,50 @@ def read_pickle(path: Path) -> dict[str, Tensor]:
         raise ValueError(f"{path} must hold a flat dict of tensor name -> tensor, got {type(state).__name__}")
     return state
 
+
+def quantization_entry(raw: dict[str, Any], source: str) -> tuple[dict[str, str], dict[str, dict[str, Any]]] | None:
+    """The ``(layer name -> scheme, scheme -> options)`` of ``config.json``'s ``quantization`` entry, or ``None``
+    when it has none (see ``models.checkpoints.persistence`` for the two forms).
+
+    Checked before any weights are read or downloaded.
+
+    Raises:
+        ValueError: a malformed entry (an object of ``scheme`` and a ``modules`` list, or of a ``modules`` object
+            naming each layer's scheme; ``options`` optional), an unknown scheme, ``modules`` that is not a
+            non-empty list of distinct names, or ``options`` that are not objects.
+    """
+    entry = raw.get(QUANTIZATION_KEY)
+    if entry is None:
+        return None
+    where = f"{source}: config.json's {QUANTIZATION_KEY!r} entry"
+    mixed = isinstance(entry, dict) and isinstance(entry.get("modules"), dict)
+    expected = {"modules"} if mixed else {"scheme", "modules"}
+    if not isinstance(entry, dict) or not expected <= set(entry) <= expected | {"options"}:
+        got = sorted(entry) if isinstance(entry, dict) else entry
+        raise ValueError(f"{where} must be an object with keys ['modules', 'scheme'], got {got!r} (an 'options' "
+                         "object may be added; a mixed model gives a 'modules' object of layer name -> scheme)")
+    layers = entry["modules"]
+    if mixed:
+        if not layers or not all(isinstance(n, str) and n for n in layers):
+            raise ValueError(f"{where} must name the quantized layers in 'modules' (non-empty strings), got "
+                             f"{sorted(layers)[:5]!r}")
+        schemes = set(layers.values())
+    else:
+        if not isinstance(layers, list) or not layers or not all(isinstance(n, str) and n for n in layers):
+            raise ValueError(f"{where} must list the quantized layers in 'modules' (non-empty strings), got "
+                             f"{layers!r}")
+        if len(set(layers)) != len(layers):
+            twice = sorted({n for n in layers if layers.count(n) > 1})
+            raise ValueError(f"{where} lists layers more than once: {twice}")
+        schemes = {entry["scheme"]}
+        layers = dict.fromkeys(layers, entry["scheme"])
+    known = blocks.names("quantization")
+    for scheme in sorted(schemes, key=repr):
+        if scheme not in known:
+            raise ValueError(f"{where} names quantization scheme {scheme!r}; this transformer-zoo knows {known}")
+    options = entry.get("options", {})
+    if not mixed and options:
+        options = {entry["scheme"]: options}
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise ValueError(f"{where} has 'options' {options!r}; expected an object of option names and values")
+    return layers, options

@@ -23,8 +23,7 @@ from typing import Any, Unpack
 import torch
 from torch import Tensor, nn
 
-import blocks
-from blocks.quantized import quantization_mismatch, quantized_modules, quantized_skeleton
+from blocks.quantized import quantization_mismatch, quantized_modules, quantized_skeleton, state_names_of
 
 from ..convert import registry as converters
 from .architectures import get_architecture
@@ -35,6 +34,7 @@ from .files import (
     is_transformers_config,
     is_zoo_config,
     load_tokenizer,
+    quantization_entry,
     read_json,
     read_weights,
 )
@@ -42,6 +42,7 @@ from .hub import hub_download
 from .locate import checkpoint_files, locate
 from .new_head import with_head
 from .options import LoadOptions, ParsedOptions, parse_options
+from .packed import packed_into_skeleton, with_changed_decoded
 from .sentence_folder import located_json, read_sentence_folder
 
 logger = logging.getLogger(__name__)
@@ -61,12 +62,13 @@ _FILE_FORMATS: dict[str, FileFormat] = {}
 
 def register_file_format(
     suffix: str, name: str,
-    read: Callable[[Path, torch.dtype | None], tuple[Mapping[str, Any], Mapping[str, Tensor], Any]],
+    read: Callable[[Path, torch.dtype | None, bool], tuple[Mapping[str, Any], Mapping[str, Tensor], Any]],
     requires: str,
 ) -> None:
-    """Load local files ending in ``suffix`` with ``read(path, dtype) -> (transformers config dict, state dict under
-    transformers names, tokenizer or None)``, converted like a ``transformers`` checkpoint. ``models.gguf`` registers
-    ``".gguf"``; the format module registers itself, so the loader imports none of them.
+    """Load local files ending in ``suffix`` with ``read(path, dtype, keep_packed) -> (transformers config dict,
+    state dict under transformers names, tokenizer or None)``, converted like a ``transformers`` checkpoint.
+    ``keep_packed``: quantized tensors may come as ``blocks.quantized.PackedWeight`` stand-ins (loaded packed).
+    ``models.gguf`` registers ``".gguf"``; the format module registers itself, so the loader imports none of them.
 
     Args:
         suffix: the file ending, with its dot (``".gguf"``), matched case-insensitively.
@@ -131,8 +133,11 @@ def load_pretrained(
         if opts.revision is not None and opts.gguf_file is None:
             raise ValueError(f"revision={opts.revision!r} only applies to Hub repos, but {gguf_file} is a local file")
         source = str(gguf_file)
-        hf_config, hf_state, tokenizer = _read_single_file(gguf_file, file_format, opts.dtype)
+        hf_config, hf_state, tokenizer = _read_single_file(gguf_file, file_format, opts.dtype, not opts.dequantize)
         cls, config, state, allow_missing = _convert_transformers(hf_config, hf_state, expected_class, source)
+        redo = with_changed_decoded(hf_state, state, source)
+        if redo is not None:  # a converter changed a packed weight: that one loads as float
+            cls, config, state, allow_missing = _convert_transformers(hf_config, redo, expected_class, source)
         del hf_state  # only the converted state is loaded: the reader's dict goes now
     else:
         location = locate(
@@ -143,7 +148,7 @@ def load_pretrained(
             if is_zoo_config(raw):
                 # Config first: a checkpoint of the wrong class is refused before its weights are downloaded.
                 cls, config = _zoo_class_and_config(raw, expected_class, location.source)
-                quantization = _quantization(raw, location.source)
+                quantization = quantization_entry(raw, location.source)
                 files = checkpoint_files(location)
                 state = read_weights(files)
                 # Before the real build: the config may not claim more layers or elements than the weights hold.
@@ -177,6 +182,7 @@ def load_pretrained(
     # All weights given (and assigned, not copied): an uninitialised model's memory is never resident, peak ~1 model.
     with _skipped_init() if single is not None and not allow_missing else contextlib.nullcontext():
         model = cls(config)
+    state = packed_into_skeleton(model, state)
     if quantization is not None:
         # Give the fresh model the saved model's quantized layers, then load the packed tensors into them.
         layers, scheme_options = quantization
@@ -227,6 +233,10 @@ def load_state_into(
     mismatch = quantization_mismatch(model, state)
     if mismatch is not None:
         raise ValueError(f"the weights in {source} do not fit {type(model).__name__}: {mismatch}")
+    # Packed tensors keep their own dtypes (a float16 block scale is part of its format): never cast, never counted
+    # in the model's floating dtype.
+    packed = {f"{name}.{n}" for name in quantized_modules(model)
+              for n in state_names_of(model.get_submodule(name))}
     targets = model.state_dict(keep_vars=True)
     groups: dict[int, list[str]] = {}
     for name, tensor in targets.items():
@@ -268,7 +278,7 @@ def load_state_into(
             f"the weights in {source} do not fit {type(model).__name__} and its config: " + "; ".join(problems)
         )
 
-    floating = [(name, loaded) for name, _, loaded in assignments if loaded.is_floating_point()]
+    floating = [(name, loaded) for name, _, loaded in assignments if loaded.is_floating_point() and name not in packed]
     model_dtype = dtype if dtype is not None else _dominant_dtype([t for _, t in floating])
     if model_dtype is not None:
         model.to(dtype=model_dtype)  # non-persistent float buffers (sinusoid tables) follow the weights
@@ -286,7 +296,7 @@ def load_state_into(
     with torch.no_grad():
         for name, _, loaded in assignments:
             target = targets[name]
-            if loaded.is_floating_point() and model_dtype is not None:
+            if loaded.is_floating_point() and model_dtype is not None and name not in packed:
                 loaded = loaded.to(dtype=model_dtype)
             loaded = loaded.to(device=target.device).contiguous()
             if name.startswith(quantized) and loaded.data_ptr() % _ALIGNMENT:
@@ -344,54 +354,6 @@ def _zoo_class_and_config(
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: config.json does not hold a valid {cls.config_class.__name__}: {e}") from e
     return cls, config
-
-
-def _quantization(raw: dict[str, Any], source: str) -> tuple[dict[str, str], dict[str, dict[str, Any]]] | None:
-    """The ``(layer name -> scheme, scheme -> options)`` of ``config.json``'s ``quantization`` entry, or ``None``
-    when it has none (see ``models.checkpoints.persistence`` for the two forms).
-
-    Checked before any weights are read or downloaded.
-
-    Raises:
-        ValueError: a malformed entry (an object of ``scheme`` and a ``modules`` list, or of a ``modules`` object
-            naming each layer's scheme; ``options`` optional), an unknown scheme, ``modules`` that is not a
-            non-empty list of distinct names, or ``options`` that are not objects.
-    """
-    entry = raw.get(QUANTIZATION_KEY)
-    if entry is None:
-        return None
-    where = f"{source}: config.json's {QUANTIZATION_KEY!r} entry"
-    mixed = isinstance(entry, dict) and isinstance(entry.get("modules"), dict)
-    expected = {"modules"} if mixed else {"scheme", "modules"}
-    if not isinstance(entry, dict) or not expected <= set(entry) <= expected | {"options"}:
-        got = sorted(entry) if isinstance(entry, dict) else entry
-        raise ValueError(f"{where} must be an object with keys ['modules', 'scheme'], got {got!r} (an 'options' "
-                         "object may be added; a mixed model gives a 'modules' object of layer name -> scheme)")
-    layers = entry["modules"]
-    if mixed:
-        if not layers or not all(isinstance(n, str) and n for n in layers):
-            raise ValueError(f"{where} must name the quantized layers in 'modules' (non-empty strings), got "
-                             f"{sorted(layers)[:5]!r}")
-        schemes = set(layers.values())
-    else:
-        if not isinstance(layers, list) or not layers or not all(isinstance(n, str) and n for n in layers):
-            raise ValueError(f"{where} must list the quantized layers in 'modules' (non-empty strings), got "
-                             f"{layers!r}")
-        if len(set(layers)) != len(layers):
-            twice = sorted({n for n in layers if layers.count(n) > 1})
-            raise ValueError(f"{where} lists layers more than once: {twice}")
-        schemes = {entry["scheme"]}
-        layers = dict.fromkeys(layers, entry["scheme"])
-    known = blocks.names("quantization")
-    for scheme in sorted(schemes, key=repr):
-        if scheme not in known:
-            raise ValueError(f"{where} names quantization scheme {scheme!r}; this transformer-zoo knows {known}")
-    options = entry.get("options", {})
-    if not mixed and options:
-        options = {entry["scheme"]: options}
-    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
-        raise ValueError(f"{where} has 'options' {options!r}; expected an object of option names and values")
-    return layers, options
 
 
 def _convert_transformers(
@@ -455,10 +417,10 @@ def _single_file(path_or_repo_id: Any) -> tuple[Path, FileFormat] | None:
 
 
 def _read_single_file(
-    path: Path, file_format: FileFormat, dtype: torch.dtype | None
+    path: Path, file_format: FileFormat, dtype: torch.dtype | None, keep_packed: bool
 ) -> tuple[dict[str, Any], dict[str, Tensor], Any]:
     try:
-        hf_config, state, tokenizer = file_format.read(path, dtype)
+        hf_config, state, tokenizer = file_format.read(path, dtype, keep_packed)
     except ImportError as e:  # the format's packages are an optional extra
         raise ImportError(f"loading {path} needs {file_format.requires}: {e}") from e
     return dict(hf_config), dict(state), tokenizer

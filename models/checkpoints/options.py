@@ -43,6 +43,8 @@ class LoadOptions(TypedDict, total=False):
         head_options: options of the head (``num_labels``, ``id2label``, ``pooling`` ...), merged over the
             checkpoint's when the head stays the same.
         num_labels / id2label: shorthands for those ``head_options``.
+        dequantize: load a quantized single file (a GGUF file's Q8_0 ... Q6_K tensors) as float weights
+            (``dtype``, default float32) instead of keeping its blocks packed (the default).
     """
 
     revision: str | None
@@ -56,6 +58,7 @@ class LoadOptions(TypedDict, total=False):
     head_options: dict[str, Any] | None
     num_labels: int | None
     id2label: dict[Any, str] | None
+    dequantize: bool
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class ParsedOptions:
     gguf_file: str | None = None
     head: str | None = None
     head_options: dict[str, Any] | None = None
+    dequantize: bool = False
 
 
 def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
@@ -93,6 +97,9 @@ def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
     if gguf_file is not None and (not gguf_file.lower().endswith(".gguf") or gguf_file.startswith(("/", "\\"))
                                   or ".." in gguf_file.replace("\\", "/").split("/")):
         raise ValueError(f"gguf_file={gguf_file!r}: expected a relative path to a .gguf file inside the folder or repo")
+    dequantize = options.get("dequantize", False)
+    if not isinstance(dequantize, bool):
+        raise TypeError(f"dequantize must be True or False, got {type(dequantize).__name__} {dequantize!r}")
     head_options = options.get("head_options")
     if head_options is not None and not isinstance(head_options, Mapping):
         raise TypeError(f"head_options must be a dict of head options, got {type(head_options).__name__}")
@@ -112,6 +119,7 @@ def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
         token=token,
         endpoint=options.get("endpoint"),
         gguf_file=gguf_file,
+        dequantize=dequantize,
     )
 
 

@@ -12,7 +12,7 @@ from tokenizers import AddedToken
 import models
 from models.convert import from_transformers
 from models.gguf import read_gguf, read_gguf_tokenizer
-from models.gguf_export import EXPORT_TYPES
+from models.gguf.export import EXPORT_TYPES
 from tests.models.test_gguf_families import FAMILIES, IDS, QUANT, tiny, transformers_from
 from tests.tokenization.test_gguf_pretokenizers import TEXTS
 from tokenization import train_byte_level_bpe

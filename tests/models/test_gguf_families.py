@@ -17,7 +17,7 @@ import transformers
 
 import models
 from models.gguf import read_gguf
-from models.gguf_families import SUPPORTED_ARCHITECTURES
+from models.gguf.families import SUPPORTED_ARCHITECTURES
 
 Q = gguf.GGMLQuantizationType
 

@@ -763,7 +763,7 @@ def test_load_options_are_stated_once(tmp_path: Path) -> None:
     # One list of names everywhere: the TypedDict the three entry points unpack.
     assert set(auto.LoadOptions.__annotations__) == {
         "revision", "device", "dtype", "attention_backend", "token", "endpoint", "gguf_file", "head", "num_labels",
-        "id2label", "head_options",
+        "id2label", "head_options", "dequantize",
     }
 
 
@@ -778,19 +778,20 @@ def test_no_import_cycle_between_auto_persistence_and_gguf() -> None:
     assert "persistence" not in imported("auto") and "checkpoints.persistence" not in imported("auto")
     assert not {m for m in imported("checkpoints.persistence") if "auto" in m}
     assert not {m for m in imported("checkpoints.files") if "auto" in m or "persistence" in m}
-    assert not {m for m in imported("gguf") if "auto" in m}
+    assert not {m for m in imported("gguf.__init__") | imported("gguf.read") if "auto" in m}
     assert not {m for m in imported("checkpoints.loading") if "gguf" in m or "auto" in m}
     assert "loading" in imported("checkpoints.persistence")
 
 
 def _fake_gguf(monkeypatch, calls: list) -> object:
     """A stand-in for models.gguf.read_gguf (written elsewhere) honouring its contract:
-    read_gguf(path, dtype=None) -> (transformers config dict, state dict under transformers names, tokenizer)."""
+    read_gguf(path, dtype=None, keep_packed=False) -> (transformers config dict, state dict under transformers names,
+    tokenizer)."""
     model = tiny("DecoderLM")
     perturb(model)
     tokenizer = object()
 
-    def read_gguf(path, dtype=None):
+    def read_gguf(path, dtype=None, keep_packed=False):
         calls.append((Path(path), dtype))
         state = {f"transformer.{k}": v.to(dtype or v.dtype) for k, v in checkpoint_files.unique_state(model).items()}
         return {"model_type": "toy", "vocab_size": 100}, state, tokenizer

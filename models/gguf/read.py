@@ -1,4 +1,4 @@
-"""Read GGUF files (llama.cpp's format) as ``transformers`` checkpoints (``models.gguf_export`` writes them).
+"""Read GGUF files (llama.cpp's format) as ``transformers`` checkpoints (``models.gguf.export`` writes them).
 
 ``read_gguf(path)`` gives what a ``transformers`` folder of the file's family would hold: the ``config.json`` dict,
 the state dict under that family's names, and the embedded tokenizer. ``models.from_pretrained("model.gguf")``
@@ -10,10 +10,10 @@ What llama.cpp's converter changed is undone:
 - quantized tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K ... Q6_K) are dequantized with the
   ``gguf`` package's reference decoders, one tensor at a time; F32, F16 and BF16 tensors are read as they are;
 - names, llama's q/k row permutation, Gemma's ``1 + w`` norms and GPT-2's transposed ``Conv1D`` weights
-  (``models.gguf_families``);
-- Llama 3.1's ``rope_scaling``, which llama.cpp replaces by a ``rope_freqs`` tensor (``models.gguf_rope``).
+  (``models.gguf.families``);
+- Llama 3.1's ``rope_scaling``, which llama.cpp replaces by a ``rope_freqs`` tensor (``models.gguf.rope``).
 
-The file itself (header, metadata, tensor layout) is read and checked by ``models.gguf_file``; split sets
+The file itself (header, metadata, tensor layout) is read and checked by ``models.gguf.file``; split sets
 (``-00001-of-0000N.gguf``) are read part by part. The ``gguf`` package is an optional extra
 (``pip install transformer-zoo[gguf]``), imported only when a file is read.
 """
@@ -31,11 +31,11 @@ from torch import Tensor
 from tokenization import Tokenizer
 from tokenization.gguf import tokenizer_from_gguf
 
-from .checkpoints.loading import register_file_format
-from .checkpoints.options import parse_dtype
-from .gguf_families import ROPE_FREQS, hf_checkpoint_layout
-from .gguf_file import GGUFArray, GGUFFile, TensorInfo, import_gguf, read_gguf_file
-from .gguf_rope import add_llama3_rope_scaling
+from ..checkpoints.options import parse_dtype
+from .families import ROPE_FREQS, hf_checkpoint_layout
+from .file import GGUFArray, GGUFFile, TensorInfo, import_gguf, read_gguf_file
+from .packed import packable, packed_weight
+from .rope import add_llama3_rope_scaling
 
 #: ggml tensor types read here: plain floats, and every block format the gguf package decodes that
 #: llama.cpp's quantize writes for these models. (Importance-matrix "IQ" and ternary types are not.)
@@ -49,12 +49,12 @@ MAX_SPLITS = 9999
 
 
 def read_gguf(
-    path: str | os.PathLike[str], dtype: str | torch.dtype | None = None
+    path: str | os.PathLike[str], dtype: str | torch.dtype | None = None, *, keep_packed: bool = False
 ) -> tuple[dict[str, Any], dict[str, Tensor], Tokenizer | None]:
     """Read a GGUF file (llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2 or t5) as a ``transformers`` checkpoint.
 
     Every check runs before any tensor is decoded or any array is turned into Python objects: the header's
-    counts, lengths and tensor layout against the file (``models.gguf_file``), then the architecture, tensor
+    counts, lengths and tensor layout against the file (``models.gguf.file``), then the architecture, tensor
     types, the sizes the metadata states against the tensors present, names and shapes, and the tokenizer
     lists' lengths against the vocabulary. Tensors are then decoded one at a time from the memory-mapped file, so
     peak memory is the returned tensors plus a few times the largest tensor; a header that claims more than its
@@ -65,12 +65,15 @@ def read_gguf(
             are read from the same folder).
         dtype: floating dtype of the returned tensors (``torch.dtype`` or a name such as ``"bfloat16"``).
             Default: float32, which holds every F16/BF16 value and every dequantized value exactly.
+        keep_packed: give each 2-d tensor stored in a block format with a registered ``quantization`` scheme
+            (``models.gguf.packed.SCHEMES``) as a ``blocks.quantized.PackedWeight`` that loads the file's blocks
+            (``models.from_pretrained`` does this unless ``dequantize=True``); otherwise every tensor is decoded.
 
     Returns:
         ``(config, state_dict, tokenizer)``: a ``transformers`` ``config.json`` dict of the file's family
         (``model_type``, sizes, epsilons, rope settings, ``tie_word_embeddings``, ``bos/eos/pad_token_id``);
         tensors under that family's ``transformers`` names, with llama.cpp's changes undone (see
-        ``models.gguf_families``); the embedded tokenizer (a ``tokenization.gguf.GGUFTokenizer``), or None when
+        ``models.gguf.families``); the embedded tokenizer (a ``tokenization.gguf.GGUFTokenizer``), or None when
         the file has no vocabulary. Shapes: as the ``transformers`` model stores them.
 
     Raises:
@@ -78,7 +81,7 @@ def read_gguf(
         FileNotFoundError: ``path`` (or a part of its split set) does not exist.
         ValueError: not a GGUF file; a header count, string or array length, tensor dims, type, offset or size
             the file cannot hold (or overlapping tensors); an architecture outside
-            ``models.gguf_families.SUPPORTED_ARCHITECTURES``; a tensor type outside ``SUPPORTED_TYPES``; metadata
+            ``models.gguf.families.SUPPORTED_ARCHITECTURES``; a tensor type outside ``SUPPORTED_TYPES``; metadata
             sizes that disagree with the tensors; unknown, missing, duplicated or mis-shaped tensors; metadata the
             family's config cannot represent; a split set whose parts disagree. The message names the field.
     """
@@ -107,7 +110,13 @@ def read_gguf(
     n_kv = config.get("num_key_value_heads")
     state: dict[str, Tensor] = {}
     for gguf_name, (hf_name, change) in layout.names.items():
-        weight = decode_tensor(gguf, *tensors[gguf_name])
+        file, info = tensors[gguf_name]
+        if keep_packed and packable(info) and change in (None, "permute_q", "permute_k"):
+            heads = config["num_attention_heads"] if change == "permute_q" else n_kv
+            rows = None if change is None else unpermute_rows(torch.arange(info.shape[0]), heads)
+            state[hf_name] = packed_weight(file, info, rows, _materializer(gguf, file, info, rows, target_dtype))
+            continue
+        weight = decode_tensor(gguf, file, info)
         if change == "permute_q":
             weight = unpermute_rows(weight, config["num_attention_heads"])
         elif change == "permute_k":
@@ -118,6 +127,16 @@ def read_gguf(
             weight = weight.T.contiguous()
         state[hf_name] = weight.to(target_dtype)
     return config, state, tokenizer
+
+
+def _materializer(gguf: Any, file: GGUFFile, info: TensorInfo, rows: Tensor | None, dtype: torch.dtype) -> Any:
+    """A function decoding the tensor (rows reordered by ``rows``) to ``dtype``, for ``PackedWeight.materialize``."""
+
+    def materialize() -> Tensor:
+        weight = decode_tensor(gguf, file, info)
+        return (weight if rows is None else weight[rows]).to(dtype)
+
+    return materialize
 
 
 def read_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:
@@ -216,10 +235,3 @@ def permute_rows(weight: Tensor, n_heads: int) -> Tensor:
     rows = weight.shape[0]
     # (H, 2, D/2, ...) -> (H, D/2, 2, ...)
     return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
-
-
-# ``models.from_pretrained("model.gguf")``: read_gguf is looked up when a file is loaded (tests replace it).
-register_file_format(
-    ".gguf", "GGUF", lambda path, dtype: read_gguf(path, dtype=dtype),
-    requires="models.gguf and the gguf package (pip install 'transformer-zoo[gguf]')",
-)

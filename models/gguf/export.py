@@ -31,11 +31,11 @@ from torch import Tensor, nn
 
 from tokenization.gguf import tokenizer_to_gguf
 
-from .checkpoints.atomic import fsync
-from .convert.export import to_transformers
-from .gguf import permute_rows
-from .gguf_file import import_gguf
-from .gguf_rope import llama3_divisors
+from ..checkpoints.atomic import fsync
+from ..convert.export import to_transformers
+from .file import import_gguf
+from .read import permute_rows
+from .rope import llama3_divisors
 
 #: ``dtype`` values: the ggml types the ``gguf`` package can write (it has no K-quant quantizer).
 EXPORT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from .gguf_file import number, size
+from .file import number, size
 
 
 def rope_scaling_from_metadata(metadata: Mapping[str, Any], arch: str = "llama") -> dict[str, Any] | None:

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .gguf_file import meta, number, size, token_id
-from .gguf_rope import rope_scaling_from_metadata
+from .file import meta, number, size, token_id
+from .rope import rope_scaling_from_metadata
 
 #: ``general.architecture`` values read here.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "t5")

@@ -1,0 +1,61 @@
+"""Quantized GGUF tensors kept in their block format: the ``PackedWeight`` stand-ins ``read_gguf`` hands the loader.
+
+A 2-d tensor stored in a block format that ``blocks.quantized.ggml`` implements (``Q8_0``, ``Q4_0`` ... ``Q6_K``)
+is not decoded: the state dict gets a ``PackedWeight`` (a meta-device stand-in of the float weight's shape) that
+the converters pass along under the zoo's name, and the loader gives that layer the scheme's packed tensors, read
+from the file when the layer is loaded. The file's bytes are read with ordinary reads, not through the memory map,
+so the process holds each tensor once (its packed form) and never the mapped pages beside it. Llama's q/k row
+permutation (``read.unpermute_rows``) reorders whole rows of blocks, so it is undone on the packed rows exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import blocks
+from blocks.quantized import PackedWeight
+
+from .file import GGUFFile, TensorInfo
+
+#: GGUF tensor type name -> the ``quantization`` scheme that keeps it packed.
+SCHEMES = {name.upper(): name for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k",
+                                           "q6_k")}
+
+
+def packable(tensor: TensorInfo) -> bool:
+    """Whether ``tensor`` can stay packed: a 2-d tensor in a block format with a registered scheme."""
+    scheme = SCHEMES.get(tensor.type_name)
+    return len(tensor.shape) == 2 and scheme is not None and scheme in blocks.names("quantization")
+
+
+def read_blocks(file: GGUFFile, tensor: TensorInfo) -> Tensor:
+    """The tensor's bytes as a fresh uint8 ``(rows, row bytes)`` tensor (read, not mapped)."""
+    raw = torch.empty(tensor.nbytes, dtype=torch.uint8)
+    with open(file.path, "rb") as f:
+        f.seek(tensor.start)
+        if f.readinto(memoryview(raw.numpy())) != tensor.nbytes:
+            raise ValueError(f"GGUF file {str(file.path)!r} ended inside tensor {tensor.name!r}")
+    return raw.reshape(tensor.shape[0], -1)
+
+
+def packed_weight(file: GGUFFile, tensor: TensorInfo, rows: Tensor | None, materialize: Any) -> PackedWeight:
+    """A ``PackedWeight`` for ``tensor`` (``packable``), its rows reordered by ``rows`` (indices) when given.
+
+    Args:
+        file, tensor: where the blocks are.
+        rows: ``new row i = stored row rows[i]``, or None.
+        materialize: returns the float32 weight (with the same reordering), for a converter that changes it.
+    """
+    scheme = SCHEMES[tensor.type_name]
+    layer_class = blocks.get("quantization", scheme)
+
+    def load_state() -> dict[str, Tensor]:
+        raw = read_blocks(file, tensor)
+        if rows is not None:
+            raw = raw[rows]
+        return layer_class.blocks_to_state(raw)
+
+    return PackedWeight.make(tuple(tensor.shape), scheme, load_state, materialize)
