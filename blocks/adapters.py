@@ -3,17 +3,20 @@
 An adapter is a registered module ``adapter(in_features, out_features, **options)`` whose ``forward(x)`` returns
 the *change* of the layer's output and whose ``delta_weight()`` returns the same change as a weight, so that it
 can be folded into the layer. ``AdaptedLinear`` is the ``nn.Linear`` that carries named adapters and runs the
-active one; ``models.adapters.AdapterMixin`` puts it into a model.
+active one; ``AdaptedQuantizedLinear`` does the same beside a quantized layer (``blocks.quantized``) whose packed
+weights stay packed and frozen (QLoRA); ``models.adapters.AdapterMixin`` puts them into a model.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .quantized import CHUNK_ELEMENTS, QuantizedLinear
 from .registry import register
 
 
@@ -128,6 +131,148 @@ class AdaptedLinear(nn.Linear):
         return layer
 
 
+class _PackedLinear(torch.autograd.Function):
+    """``layer.linear(x)`` (no bias) whose backward reads the packed weight: ``grad_x = grad_y · unpack()``,
+    ``CHUNK_ELEMENTS`` of the weight unpacked at a time. The forward may run a packed-weight kernel that autograd
+    cannot differentiate; nothing is saved for the backward but the layer (the frozen weight needs no input)."""
+
+    @staticmethod
+    def forward(x: Tensor, layer: QuantizedLinear) -> Tensor:  # type: ignore[override]
+        return layer.linear(x)  # autograd is off in here: the kernel need not be differentiable
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, QuantizedLinear], output: Tensor) -> None:
+        ctx.layer = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        layer: QuantizedLinear = ctx.layer
+        step = max(1, CHUNK_ELEMENTS // layer.in_features)
+        grad_x = None
+        for start in range(0, layer.out_features, step):
+            piece = grad[:, start:start + step] @ layer.unpack(slice(start, start + step)).to(grad.dtype)
+            grad_x = piece if grad_x is None else grad_x + piece
+        return grad_x, None
+
+
+class AdaptedQuantizedLinear(nn.Module):
+    """A quantized linear layer with named adapters (QLoRA, Dettmers et al. 2023): ``y = base(x) + adapter(x)``.
+
+    The quantized layer stays as it is under ``base``: packed buffers and a frozen bias, never unpacked as a whole.
+    Gradients reach the layer's input through the unpacked weight (``_PackedLinear``), whatever kernel its forward
+    runs. Adapters are float32 (their input is cast to their dtype, their output to the layer's). They cannot be
+    merged into packed weights (``merge`` raises: the scheme cannot hold ``W + ΔW`` exactly, and rounding it again
+    would change the function); after ``model.dequantize()`` the base is a float ``nn.Linear`` and merging works.
+
+    Args:
+        base: the quantized layer to adapt.
+
+    Raises:
+        ValueError: ``base`` is not a ``QuantizedLinear``.
+
+    Shapes: x ``(..., in_features)`` -> ``(..., out_features)``.
+    """
+
+    def __init__(self, base: QuantizedLinear) -> None:
+        super().__init__()
+        if not isinstance(base, QuantizedLinear):
+            raise ValueError(f"AdaptedQuantizedLinear needs a QuantizedLinear, got {type(base).__name__}")
+        self.base: QuantizedLinear | nn.Linear = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.adapters = nn.ModuleDict()
+        self.active: str | None = None
+        self.merged: str | None = None
+
+    @property
+    def packed(self) -> bool:
+        """Whether the base layer is quantized (its weights packed); ``False`` once ``dequantize()`` replaced it."""
+        return isinstance(self.base, QuantizedLinear)
+
+    def extra_repr(self) -> str:
+        return f"active={self.active!r}, merged={self.merged!r}"
+
+    def _base(self, x: Tensor) -> Tensor:
+        base = self.base
+        if not (self.packed and torch.is_grad_enabled() and x.requires_grad):
+            return base(x)
+        if x.shape[-1] != base.in_features:
+            raise ValueError(f"{type(base).__name__} expects inputs (..., {base.in_features}), got {tuple(x.shape)}")
+        y = _PackedLinear.apply(x.reshape(-1, base.in_features), base)
+        if base.bias is not None:
+            y = y + base.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], base.out_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self._base(x)
+        if self.active is not None and self.merged is None:
+            adapter = self.adapters[self.active]
+            dtype = next(adapter.parameters()).dtype
+            out = out + adapter(x.to(dtype)).to(out.dtype)
+        return out
+
+    def merge(self) -> None:
+        """Add the active adapter's update to the float base's weight (a no-op without one or when merged).
+
+        Raises:
+            ValueError: the base is quantized (see the class docstring).
+        """
+        if self.active is None or self.merged is not None:
+            return
+        if self.packed:
+            raise ValueError(
+                f"cannot merge adapter {self.active!r} into a layer quantized as {self.base.scheme!r}: its packed "
+                "weights cannot hold W + ΔW; keep the adapter beside it, or call model.dequantize() first"
+            )
+        with torch.no_grad():
+            self.base.weight += self.adapters[self.active].delta_weight().to(self.base.weight.dtype)
+        self.merged = self.active
+
+    def unmerge(self) -> None:
+        """Subtract the merged adapter's update from the float base's weight (a no-op when none is merged)."""
+        if self.merged is None:
+            return
+        with torch.no_grad():
+            self.base.weight -= self.adapters[self.merged].delta_weight().to(self.base.weight.dtype)
+        self.merged = None
+
+    def plain(self) -> nn.Module:
+        """The base layer (adapters dropped)."""
+        return self.base
+
+
+#: The layers that carry adapters.
+ADAPTED_LAYERS = (AdaptedLinear, AdaptedQuantizedLinear)
+
+
+def adapter_placement(layer: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Where an adapter of ``layer`` lives: its weight's device and dtype for a float linear layer (adapted or
+    not); the packed tensors' device and float32 for a quantized one (adapted or not).
+
+    Raises:
+        ValueError: ``layer`` is neither a linear nor a quantized linear layer.
+    """
+    if isinstance(layer, AdaptedQuantizedLinear):
+        layer = layer.base
+    if isinstance(layer, QuantizedLinear):
+        return getattr(layer, layer.state_names[0]).device, torch.float32
+    if isinstance(layer, nn.Linear):
+        return layer.weight.device, layer.weight.dtype
+    raise ValueError(f"adapters go beside nn.Linear or quantized linear layers, got {type(layer).__name__}")
+
+
+def adapted(layer: nn.Module) -> nn.Module:
+    """``layer`` ready to carry adapters: an adapted layer as it is, an ``nn.Linear`` as an ``AdaptedLinear``, a
+    quantized layer as an ``AdaptedQuantizedLinear``.
+
+    Raises:
+        ValueError: as ``adapter_placement``.
+    """
+    adapter_placement(layer)
+    if isinstance(layer, ADAPTED_LAYERS):
+        return layer
+    return AdaptedQuantizedLinear(layer) if isinstance(layer, QuantizedLinear) else AdaptedLinear(layer)
+
+
 def check_exportable(model: nn.Module, action: str, *, allow_merged: bool) -> None:
     """Refuse to write a model whose adapters its weights do not hold.
 
@@ -139,7 +284,7 @@ def check_exportable(model: nn.Module, action: str, *, allow_merged: bool) -> No
         ValueError: naming the adapted module and what to call instead (``merge_and_unload()`` or ``save_adapter()``).
     """
     for name, module in model.named_modules():
-        if not isinstance(module, AdaptedLinear) or not len(module.adapters):
+        if not isinstance(module, ADAPTED_LAYERS) or not len(module.adapters):
             continue
         if allow_merged and (module.active is None or module.merged is not None):
             continue

@@ -5,6 +5,8 @@
     zoo serve ./my-model --no-engine-process      # the engine in a thread of the server's process, not its own
     zoo chat ./my-model --temperature 0.7        # a terminal chat: /reset, /system TEXT, /exit; Ctrl-C stops a reply
     zoo generate ./my-model "Once upon a time" --max-tokens 64                     # one completion, streamed
+    zoo generate ./my-model "Once upon a time" --quantize int8    # a float checkpoint's weights quantized on load
+    zoo chat ./model.gguf --dequantize                            # a quantized checkpoint's weights as float32
     zoo embed ./my-embedder "first text" "second text"                             # one JSON vector per line
 """
 
@@ -18,13 +20,23 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def _load(path: str, **options: Any) -> Any:
+def _load(path: str, quantize: str | None = None, dequantize: bool = False, *, prepare: bool = True,
+          **options: Any) -> Any:
+    """``models.from_pretrained(path, **options)`` in eval mode, with ``--quantize`` / ``--dequantize`` checked and,
+    with ``prepare``, applied (``serving.loading``); a refused request or a model without a tokenizer exits with a
+    one-line message."""
     import models
 
-    model = models.from_pretrained(path, **options).eval()
+    from .loading import apply_quantization, check_quantization, load_options
+
+    model = models.from_pretrained(path, **load_options(dequantize, options)).eval()
     if getattr(model, "tokenizer", None) is None:
         raise SystemExit(f"zoo: {path} has no tokenizer (tokenizer.json or a GGUF vocabulary); cannot serve text")
-    return model
+    try:
+        check_quantization(model, path, quantize, dequantize)
+    except ValueError as err:
+        raise SystemExit(f"zoo: {err}") from None
+    return apply_quantization(model, quantize, dequantize) if prepare else model
 
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -47,6 +59,19 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
+
+
+def _quantization_options(command: argparse.ArgumentParser) -> None:
+    """``--quantize SCHEME`` and ``--dequantize`` (one of them at most), shared by the commands that run a model."""
+    import blocks
+
+    schemes = blocks.names("quantization")
+    group = command.add_mutually_exclusive_group()
+    group.add_argument("--quantize", choices=schemes, default=None, metavar="SCHEME",
+                       help=f"quantize a float checkpoint's weights after loading, one of: {', '.join(schemes)} "
+                            "(refused for a checkpoint that is already quantized, e.g. a GGUF file)")
+    group.add_argument("--dequantize", action="store_true",
+                       help="load a quantized checkpoint (a GGUF file, a model saved quantized) as float32 weights")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -82,6 +107,8 @@ def parser() -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help="complete one prompt, streamed to stdout")
     generate.add_argument("model")
     generate.add_argument("prompt")
+    for command in (serve, chat, generate):
+        _quantization_options(command)
     for command in (chat, generate):
         command.add_argument("--max-tokens", type=_positive, default=256)
         command.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -99,12 +126,14 @@ def serve(args: argparse.Namespace) -> None:
     from .openai_api import create_app
 
     source: Any = False
-    # The server process keeps the config and tokenizer only (the weights it reads go to the meta device).
-    model = _load(args.model, device="meta") if args.engine_process else None
+    quantization = dict(quantize=args.quantize, dequantize=args.dequantize)
+    # The server process keeps the config and tokenizer only (the weights it reads go to the meta device); a
+    # refused --quantize is found there, before the engine process starts.
+    model = _load(args.model, device="meta", prepare=False, **quantization) if args.engine_process else None
     if model is not None and getattr(model.config, "head", None) != "embedding":
-        source = ModelSource(path=args.model)  # the engine process loads the weights
+        source = ModelSource(path=args.model, **quantization)  # the engine process loads the weights
     else:
-        model = _load(args.model)  # in-process: the thread engine or an embedding model
+        model = _load(args.model, **quantization)  # in-process: the thread engine or an embedding model
     app = create_app(model, model.tokenizer, model_name=args.served_model_name or args.model, api_key=args.api_key,
                      engine_process=source, max_num_seqs=args.max_batch, num_blocks=args.kv_blocks,
                      block_size=args.block_size, kv_cache_bytes=args.kv_cache_memory,
@@ -149,7 +178,7 @@ def chat(args: argparse.Namespace, stdin: Any = None, stdout: Any = None) -> Non
     from .engine import Engine
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    model = _load(args.model)
+    model = _load(args.model, args.quantize, args.dequantize)
     tok = model.tokenizer
     if getattr(tok, "chat_template", None) is None:
         raise SystemExit(f"zoo: {args.model} has no chat template (chat_template.jinja or tokenizer_config.json)")
@@ -188,7 +217,7 @@ def chat(args: argparse.Namespace, stdin: Any = None, stdout: Any = None) -> Non
 def generate(args: argparse.Namespace, stdout: Any = None) -> None:
     from .engine import Engine
 
-    model = _load(args.model)
+    model = _load(args.model, args.quantize, args.dequantize)
     engine = Engine(model, model.tokenizer, max_num_seqs=1)
     _stream(engine, model.tokenizer.encode(args.prompt), args, stdout or sys.stdout)
 

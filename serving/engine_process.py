@@ -13,10 +13,10 @@ of requests a failed step aborted, and the statistics ``/metrics`` reads. The se
 loop (``loop.add_reader``): no thread, no polling.
 
 The model is built in the engine process from a ``ModelSource``: a checkpoint (folder, Hub id or ``.gguf`` file,
-loaded by ``models.from_pretrained`` with its options) or a picklable factory (``ModelSource.from_model`` makes one
-from a model in memory: its class, config and weights). The process is started with ``spawn`` (a fresh
-interpreter: forking a process that runs torch's thread pools and an event loop is unsafe) and takes as many torch
-threads as the process that starts it has.
+loaded by ``models.from_pretrained`` with its options, then quantized or dequantized as asked: ``serving.loading``)
+or a picklable factory (``ModelSource.from_model`` makes one from a model in memory: its class, config, quantized
+layers and weights). The process is started with ``spawn`` (a fresh interpreter: forking a process that runs
+torch's thread pools and an event loop is unsafe) and takes as many torch threads as the process that starts it has.
 
 Failures: a step that raises fails the requests it held (``EngineStepError``), the engine process goes on. If the
 engine process dies, every request in flight fails with ``EngineDeadError``, new ones are refused with it and
@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from blocks.quantized import quantization_options, quantized_modules, quantized_skeleton
+
 from .async_engine import (
     DeltaStreams,
     EngineDeadError,
@@ -50,12 +52,18 @@ from .async_engine import (
     forget_finished,
 )
 from .engine import Engine, QueueFullError
+from .loading import apply_quantization, check_quantization, check_request, load_model
 from .requests import RequestDelta, TokenLogprob
 
 
-def rebuild_model(cls: type, config: dict[str, Any], weights: bytes) -> Any:
-    """A model of class ``cls`` from its config's ``to_dict()`` and its state dict saved by ``torch.save``."""
+def rebuild_model(cls: type, config: dict[str, Any], weights: bytes, quantized: dict[str, str] | None = None,
+                  quantization: dict[str, dict[str, Any]] | None = None) -> Any:
+    """A model of class ``cls`` from its config's ``to_dict()`` and its state dict saved by ``torch.save``; the layers
+    named in ``quantized`` (name -> scheme, ``blocks.quantized.quantized_modules``) quantized first, with the schemes'
+    ``quantization`` options (``quantization_options``), so that the packed tensors load into them."""
     model = cls(cls.config_class.from_dict(config))
+    if quantized:
+        quantized_skeleton(model, quantized, quantization)
     model.load_state_dict(torch.load(io.BytesIO(weights), weights_only=True))
     return model.eval()
 
@@ -69,16 +77,22 @@ class ModelSource:
         options: ``models.from_pretrained`` options (``dtype``, ``revision``, ``gguf_file`` …).
         factory: a picklable callable without arguments returning the model (a module-level function, or a
             ``functools.partial`` of one).
+        quantize: quantize the loaded float model's weights with this scheme (``blocks.names("quantization")``).
+        dequantize: unpack a quantized model's weights to float32 (see ``serving.loading``).
 
     Raises:
-        ValueError: neither or both of ``path`` and ``factory``, or a factory that is not callable.
+        ValueError: neither or both of ``path`` and ``factory``, a factory that is not callable, an unknown
+            ``quantize`` scheme, or ``quantize`` with ``dequantize``.
     """
 
     path: str | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     factory: Callable[[], Any] | None = None
+    quantize: str | None = None
+    dequantize: bool = False
 
     def __post_init__(self) -> None:
+        check_request(self.quantize, self.dequantize)
         if (self.path is None) == (self.factory is None):
             raise ValueError(f"ModelSource takes a path or a factory, exactly one; got path={self.path!r}, "
                              f"factory={self.factory!r}")
@@ -87,18 +101,20 @@ class ModelSource:
 
     @classmethod
     def from_model(cls, model: Any) -> ModelSource:
-        """A source that rebuilds ``model`` (its class, config and a copy of its weights) in the engine process;
-        for models made in memory (tests, examples). Quantized or adapted models: save them and give the path."""
+        """A source that rebuilds ``model`` (its class, config, quantized layers and a copy of its weights, packed as
+        they are) in the engine process; for models made in memory (tests, examples). Adapted models: merge or save
+        them and give the path."""
         buffer = io.BytesIO()
         torch.save(model.state_dict(), buffer)
-        return cls(factory=functools.partial(rebuild_model, type(model), model.config.to_dict(), buffer.getvalue()))
+        return cls(factory=functools.partial(rebuild_model, type(model), model.config.to_dict(), buffer.getvalue(),
+                                             quantized_modules(model), quantization_options(model)))
 
     def build(self) -> Any:
         if self.path is not None:
-            import models
-
-            return models.from_pretrained(self.path, **self.options)
-        return self.factory()
+            return load_model(self.path, quantize=self.quantize, dequantize=self.dequantize, **self.options)
+        model = self.factory()
+        check_quantization(model, "the factory's model", self.quantize, self.dequantize)
+        return apply_quantization(model, self.quantize, self.dequantize)
 
 
 def pack_delta(delta: RequestDelta) -> tuple:

@@ -49,9 +49,28 @@ def paged_kind(layer: Any) -> str:
     return getattr(layer.self_attn, "paged_cache_kind", "paged")
 
 
+def float_like(model: Any) -> Tensor:
+    """An empty tensor in the dtype and on the device of ``model``'s floating parameters: what its activations and
+    key/value pools take. The most common floating dtype decides; the packed tensors of quantized layers and
+    embeddings (int8 buffers, and no ``weight`` parameter) have no say, so a quantized model's float dtype is found
+    as well as a float model's.
+
+    Raises:
+        ValueError: ``model`` has no floating parameter (nothing tells its float dtype).
+
+    Shapes: ``(0,)``.
+    """
+    floats = [p for p in model.parameters() if p.is_floating_point()]
+    if not floats:
+        raise ValueError(f"this {type(model).__name__} has no floating parameter to take its float dtype and device "
+                         "from; expected a model with float norms, biases or weights")
+    dtypes = [p.dtype for p in floats]
+    return torch.empty(0, dtype=max(set(dtypes), key=dtypes.count), device=floats[0].device)
+
+
 def block_nbytes(model: Any, block_size: int) -> int:
-    """Bytes one paged block of ``block_size`` positions takes over every layer of ``model``, in its dtype."""
-    element = next(model.parameters()).element_size()
+    """Bytes one paged block of ``block_size`` positions takes over every layer of ``model``, in its float dtype."""
+    element = float_like(model).element_size()
     return block_size * element * sum(get("kv_cache", paged_kind(layer)).numbers_per_position(layer.self_attn)
                                       for layer in model.layers)
 
@@ -147,6 +166,8 @@ class PagedRunner:
                     f"the paged engine does not support attention biases ({type(positional).__name__})"
                 )
         self.model, self.block_size, self.n_blocks = model, block_size, n_blocks
+        like = float_like(model)  # not embed_tokens.weight: a quantized embedding's packed table is int8
+        self.device = like.device
         self.caches = [PagedLayerCache(n_blocks, block_size, paged_kind(layer)) for layer in model.layers]
         workspace: dict[str, Tensor] = {}  # each layer's gathers are consumed before the next layer's
         for cache in self.caches:
@@ -162,7 +183,7 @@ class PagedRunner:
                 cache.self_attn.ragged_attention = attention
         if compile is True:
             for layer, cache in zip(model.layers, self.caches, strict=True):  # whole pools: no growth in a graph
-                cache.self_attn.reserve(layer.self_attn, model.embed_tokens.weight)
+                cache.self_attn.reserve(layer.self_attn, like)
             self.step = DynamicStep()
 
     @torch.inference_mode()
@@ -193,7 +214,7 @@ class PagedRunner:
         Returns:
             ``(n_rows, vocab_size)`` float logits.
         """
-        device = self.model.embed_tokens.weight.device
+        device = self.device
         step, decode = packed_logits, self.decode
         if self.step is not None and all(n_query == 1 for n_query, _, _ in rows):
             step, decode = self.step, self.compiled_decode

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 import blocks
-from blocks.adapters import LoRA
+from blocks.adapters import LoRA, adapter_placement
 
 from .peft_names import PeftTargets, Placement, check_pattern, name_map, name_maps
 
@@ -192,7 +192,7 @@ def _zoo_loras(
     model: nn.Module, loras: Mapping[str, tuple[Tensor, Tensor, float]], targets: Mapping[str, str],
     parts_of: Mapping[str, list[tuple[str, Placement]]], dropout: float, source: str,
 ) -> dict[str, LoRA]:
-    linears = dict(model.named_modules())
+    linears = dict(model.named_modules(remove_duplicate=False))
     out: dict[str, LoRA] = {}
     for module, (a, b, scaling) in loras.items():
         target = targets[module]
@@ -218,11 +218,11 @@ def _zoo_loras(
             rank = int(keep.sum())
             if rank == 0:
                 continue  # a block of B that is all zero: this part is not adapted
-            weight = linears[zoo].weight
+            device, dtype = adapter_placement(linears[zoo])  # a quantized layer's: float32
             lora = blocks.build(
                 "adapter", "lora", in_features=p.cols.numel(), out_features=p.rows.numel(), r=rank,
                 alpha=scaling * rank, dropout=dropout,
-            ).to(device=weight.device, dtype=weight.dtype)
+            ).to(device=device, dtype=dtype)
             with torch.no_grad():
                 lora.lora_A.copy_(a[keep][:, p.cols])
                 lora.lora_B.copy_(b[p.rows][:, keep])

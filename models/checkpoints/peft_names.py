@@ -178,11 +178,15 @@ def _product(
 
 
 def _identity(model: nn.Module) -> NameMap:
-    owners = Counter(id(p) for m in model.modules() for p in m.parameters(recurse=False))
+    """The zoo's own names of the model's untied linear layers, read off a float copy built from its config (as
+    ``_probe`` does: the layers of a quantized model are no ``nn.Linear``, and the map is cached per config)."""
+    with torch.device("meta"):
+        probe = type(model)(model.config)
+    owners = Counter(id(p) for m in probe.modules() for p in m.parameters(recurse=False))
     placements = {
         name: Placement(name, False, torch.arange(m.out_features), torch.arange(m.in_features), m.out_features,
                         m.in_features)
-        for name, m in model.named_modules()
+        for name, m in probe.named_modules()
         if isinstance(m, nn.Linear) and owners[id(m.weight)] == 1
     }
     return NameMap(placements, frozenset(placements), None)

@@ -3,10 +3,13 @@
 ``model.add_adapter(kind="lora", r=8, alpha=16, target_modules=["q_proj", "v_proj"])`` freezes the model and puts
 a registered ``adapter`` block (``blocks.adapters``) beside every targeted linear layer, which becomes a
 ``blocks.adapters.AdaptedLinear`` keeping its ``weight`` and ``bias`` (names, Parameter objects and ties
-unchanged). Several named adapters may sit on a model; one runs at a time (``set_adapter``) and exactly that one
-trains. Files use the ``peft`` layout under the module names of the ``transformers`` model the zoo model exports
-to (``save_adapter`` / ``load_adapter`` / ``push_adapter_to_hub`` live in ``models.checkpoints.adapter_files``),
-so ``peft`` reads what the zoo writes and the other way round. This module is module surgery only.
+unchanged). A quantized layer (``model.quantize(...)``, a GGUF file) becomes a
+``blocks.adapters.AdaptedQuantizedLinear`` instead: its packed weights stay packed and frozen, the adapter trains in
+float32 beside it (QLoRA), and merging into it is refused. Several named adapters may sit on a model; one runs at a
+time (``set_adapter``) and exactly that one trains. Files use the ``peft`` layout under the module names of the
+``transformers`` model the zoo model exports to (``save_adapter`` / ``load_adapter`` / ``push_adapter_to_hub`` live
+in ``models.checkpoints.adapter_files``), so ``peft`` reads what the zoo writes and the other way round. This
+module is module surgery only.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 from torch import nn
 
 import blocks
-from blocks.adapters import AdaptedLinear
+from blocks.adapters import ADAPTED_LAYERS, AdaptedQuantizedLinear, adapted, adapter_placement
+from blocks.quantized import QuantizedEmbedding, QuantizedLinear
 
 # The LoRA paper's choice (Hu et al. 2021, §7.1): adapt the query and value projections.
 DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -43,7 +47,8 @@ class AdapterMixin:
         Args:
             kind: a registered ``adapter`` name (``blocks.names("adapter")``), e.g. ``"lora"``.
             target_modules: module names or name suffixes (``["q_proj", "v_proj"]``, ``["layers.0.ffn.up_proj"]``),
-                each of which must match at least one linear layer; or one string: ``"all-linear"`` (every linear
+                each of which must match at least one linear layer (float or quantized: a quantized layer keeps its
+                packed weights, frozen, and its adapter is float32); or one string: ``"all-linear"`` (every linear
                 layer except the output layers ``lm_head``, ``mlm_head.decoder``, ``classifier``) or a regular
                 expression matched against whole module names.
             name: the adapter's name (letters, digits, ``_`` and ``-``; unique on the model).
@@ -62,7 +67,7 @@ class AdapterMixin:
         cls = blocks.get("adapter", kind)
         blocks.check_kwargs(cls, {"in_features": 1, "out_features": 1, **options}, what=f"adapter {kind!r}")
         targets = self._match_targets(target_modules)
-        linears = dict(self.named_modules())
+        linears = dict(self.named_modules(remove_duplicate=False))
         adapters = {
             t: blocks.build("adapter", kind, in_features=linears[t].in_features, out_features=linears[t].out_features,
                             **options)
@@ -124,10 +129,23 @@ class AdapterMixin:
         switching adapters unmerges first. Train only unmerged: a merged adapter does not run, so gets no gradient.
 
         Raises:
-            ValueError: no active adapter.
+            ValueError: no active adapter, or it adapts quantized layers (their packed weights cannot hold the
+                update: keep it unmerged, or ``dequantize()`` the model first); nothing is changed then.
         """
-        if self.active_adapter is None:
+        active = self.active_adapter
+        if active is None:
             raise ValueError(f"no active adapter to merge; the adapters are {self.adapter_names} (see set_adapter)")
+        packed = [name for name, layer in self._adapted_layers()
+                  if isinstance(layer, AdaptedQuantizedLinear) and layer.packed and layer.active == active]
+        if packed:
+            more = f" and {len(packed) - 1} more" if len(packed) > 1 else ""
+            scheme = self.get_submodule(packed[0]).base.scheme
+            raise ValueError(
+                f"cannot merge adapter {active!r}: it adapts {packed[0]!r}{more}, quantized as {scheme!r}, whose "
+                "packed weights cannot hold W + ΔW (quantizing the sum again would change what the model computes); "
+                "keep the adapter unmerged (it runs beside the packed layers), or call model.dequantize() first and "
+                "merge into the float weights"
+            )
         for _, layer in self._adapted_layers():
             layer.merge()
 
@@ -142,6 +160,10 @@ class AdapterMixin:
 
         Returns:
             ``self``.
+
+        Raises:
+            ValueError: the active adapter adapts quantized layers (see ``merge_adapter``; ``set_adapter(None)``
+                first drops the adapters unmerged).
         """
         if self.active_adapter is not None:
             self.merge_adapter()
@@ -152,8 +174,8 @@ class AdapterMixin:
 
     # ------------------------------------------------------------------ helpers (the public three serve
     # ``models.checkpoints.adapter_files``, which reads and writes adapters)
-    def _adapted_layers(self) -> list[tuple[str, AdaptedLinear]]:
-        return [(n, m) for n, m in self.named_modules() if isinstance(m, AdaptedLinear)]
+    def _adapted_layers(self) -> list[tuple[str, nn.Module]]:
+        return [(n, m) for n, m in self.named_modules() if isinstance(m, ADAPTED_LAYERS)]
 
     def adapter_to_save(self, name: str | None) -> str:
         """The adapter ``save_adapter``/``push_adapter_to_hub`` write: ``name``, or the active one when ``None``."""
@@ -174,7 +196,7 @@ class AdapterMixin:
 
     def _match_targets(self, target_modules: str | Sequence[str]) -> list[str]:
         """The names of the linear layers ``target_modules`` selects (see ``add_adapter``), in model order."""
-        linears = [n for n, m in self.named_modules() if isinstance(m, nn.Linear)]
+        linears, owners = self._linear_layers()
         leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
         if isinstance(target_modules, str):
             if target_modules == "all-linear":
@@ -206,13 +228,8 @@ class AdapterMixin:
                 f"target_modules must be a non-empty list of module names, 'all-linear' or a regular expression, "
                 f"got {target_modules!r}"
             )
-        owners: dict[int, list[str]] = {}
-        for module_name, module in self.named_modules(remove_duplicate=False):
-            for param in module.parameters(recurse=False):
-                owners.setdefault(id(param), []).append(module_name)
-        modules = dict(self.named_modules())
         for target in chosen:
-            sharing = [o for o in owners[id(modules[target].weight)] if o != target]
+            sharing = [o for o in owners[target] if o != target]
             if sharing:
                 raise ValueError(
                     f"cannot adapt {target!r}: its weight is tied to {sharing}, so merging an adapter into it would "
@@ -220,16 +237,51 @@ class AdapterMixin:
                 )
         return chosen
 
+    def _linear_layers(self) -> tuple[list[str], dict[str, list[str]]]:
+        """The linear layers adapters may target, in model order — float (``nn.Linear``) and quantized, adapted or
+        not, but not a quantized embedding's packed ``table`` nor the ``base`` inside an adapted quantized layer —
+        and for each, the layer names holding its weight (itself, and any it is tied to)."""
+        modules = list(self.named_modules(remove_duplicate=False))
+        by_name = dict(modules)
+
+        def layer_name(name: str) -> str:  # an embedding's table and an adapted layer's base go by their holder
+            parent, _, leaf = name.rpartition(".")
+            holder = by_name.get(parent)
+            inner = ((leaf == "table" and isinstance(holder, QuantizedEmbedding))
+                     or (leaf == "base" and isinstance(holder, AdaptedQuantizedLinear)))
+            return parent if inner else name
+
+        holders: dict[int, list[str]] = {}  # id of a weight (a Parameter, or a packed layer) -> layer names
+        for module_name, module in modules:
+            keys = [id(p) for p in module.parameters(recurse=False)]
+            if isinstance(module, QuantizedLinear):
+                keys.append(id(module))
+            for key in keys:
+                holders.setdefault(key, [])
+                if layer_name(module_name) not in holders[key]:
+                    holders[key].append(layer_name(module_name))
+        linears, seen, owners = [], set(), {}
+        for module_name, module in modules:
+            if layer_name(module_name) != module_name or id(module) in seen:
+                continue
+            if isinstance(module, (nn.Linear, QuantizedLinear, AdaptedQuantizedLinear)):
+                seen.add(id(module))
+                linears.append(module_name)
+                weight = module.base if isinstance(module, AdaptedQuantizedLinear) else module
+                owners[module_name] = holders[id(weight) if isinstance(weight, QuantizedLinear) else id(weight.weight)]
+        return linears, owners
+
     def install_adapter(self, name: str, adapters: dict[str, nn.Module]) -> None:
-        """Freeze the model, put ``adapters`` (module name -> adapter block) beside their layers, activate ``name``."""
+        """Freeze the model, put ``adapters`` (module name -> adapter block) beside their layers, activate ``name``.
+        A quantized layer's adapter is float32 (``blocks.adapters.adapter_placement``)."""
         self.requires_grad_(False)
-        modules = dict(self.named_modules())
+        modules = dict(self.named_modules(remove_duplicate=False))
         for module_name, adapter in adapters.items():
-            layer = modules[module_name]
-            if not isinstance(layer, AdaptedLinear):
-                layer = AdaptedLinear(layer)
+            layer = adapted(modules[module_name])
+            if layer is not modules[module_name]:
                 self._replace(module_name, layer)
-            adapter.to(device=layer.weight.device, dtype=layer.weight.dtype)
+            device, dtype = adapter_placement(layer)
+            adapter.to(device=device, dtype=dtype)
             layer.adapters[name] = adapter
         self.set_adapter(name)
 
