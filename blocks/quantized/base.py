@@ -241,6 +241,8 @@ class QuantizedEmbedding(nn.Module):
             raise ValueError(f"QuantizedEmbedding needs a QuantizedLinear table, got {type(table).__name__}")
         self.table = table
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        # An empty float tensor that model.to(dtype) casts like the model's floats: the dtype rows come out in.
+        self.register_buffer("dtype_probe", torch.zeros(0), persistent=False)
 
     @property
     def weight(self) -> Tensor:
@@ -248,7 +250,7 @@ class QuantizedEmbedding(nn.Module):
         return getattr(self.table, self.table.state_names[0])
 
     def forward(self, ids: Tensor) -> Tensor:
-        return self.table.embed(ids)
+        return self.table.embed(ids).to(self.dtype_probe.dtype)
 
     def to_embedding(self, dtype: torch.dtype | None = None) -> nn.Embedding:
         """A float ``nn.Embedding`` holding the unpacked table."""

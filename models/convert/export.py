@@ -135,6 +135,9 @@ def _unshared(result: tuple[dict[str, Any], dict[str, Tensor]]) -> tuple[dict[st
     seen: set[int] = set()
     for key, t in state_dict.items():
         t = t.detach().contiguous()
+        if t.device.type == "meta":  # a stand-in (models.gguf.export's packed layers): it has no memory to share
+            out[key] = t
+            continue
         if t.untyped_storage().data_ptr() in seen:
             t = t.clone()  # safetensors refuses tensors that share memory
         seen.add(t.untyped_storage().data_ptr())

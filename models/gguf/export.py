@@ -11,7 +11,10 @@ the model (``models.convert.export.to_transformers``, the family exporters), the
   interleaved rotary layout; Gemma's norms stored as ``1 + w``; GPT-2's ``Conv1D`` weights transposed; Llama 3.1's
   rope scaling as a ``rope_freqs`` tensor;
 - 2-D weight matrices quantized with ``gguf.quants.quantize`` (``dtype``); norms, biases and tensors whose rows
-  are not whole blocks stay F32, as llama.cpp keeps them.
+  are not whole blocks stay F32, as llama.cpp keeps them;
+- layers already held in a GGUF block format (a model loaded from a GGUF file keeps its blocks packed,
+  ``blocks.quantized.ggml``) are written as their blocks, byte for byte, whatever ``dtype`` says: no second
+  rounding. Other quantized layers (``int8``, ``int4``) are unpacked and written as ``dtype``.
 
 The file is written next to its target under a hidden name, flushed and renamed over it (``os.replace``), so a
 save killed at any instant leaves the old file or the new one, never a part.
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from blocks.quantized import QuantizedEmbedding, quantized_modules
 from tokenization.gguf import tokenizer_to_gguf
 
 from ..checkpoints.atomic import fsync
@@ -70,12 +74,13 @@ def save_gguf(model: nn.Module, path: str | os.PathLike[str], dtype: str = "F32"
     if not isinstance(path, (str, os.PathLike)) or not str(path).lower().endswith(".gguf"):
         raise ValueError(f"path={path!r}: expected a path ending in .gguf")
     gguf = import_gguf()
-    config, state = to_transformers(model, model_type)
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    view, packed = export_view(model)
+    config, state = to_transformers(view, model_type)
     kind = config["model_type"]
     if kind not in _ARCH:
         raise ValueError(f"the model exports as transformers model_type={kind!r}, which GGUF files do not carry; "
                          f"expected one of {sorted(_ARCH)} (pass model_type= to pick one)")
-    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     vocab = tokenizer_to_gguf(tokenizer) if tokenizer is not None else None  # its errors before any writing
     arch = _ARCH[kind]
     path = Path(path)
@@ -89,7 +94,7 @@ def save_gguf(model: nn.Module, path: str | os.PathLike[str], dtype: str = "F32"
         if vocab is not None:
             for key, value in vocab.items():
                 _add_value(writer, gguf, key, value)
-        _add_tensors(writer, gguf, kind, arch, config, state, gguf.GGMLQuantizationType[dtype])
+        _add_tensors(writer, gguf, kind, arch, config, state, gguf.GGMLQuantizationType[dtype], packed)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -190,7 +195,7 @@ def _add_ids(writer: Any, c: dict[str, Any]) -> None:
 
 
 def _add_tensors(writer: Any, gguf: Any, kind: str, arch: str, c: dict[str, Any], state: dict[str, Tensor],
-                 qtype: Any) -> None:
+                 qtype: Any, packed: dict[int, Any]) -> None:
     n_layers = c.get("num_hidden_layers", c.get("n_layer"))
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_id, n_layers)
@@ -206,6 +211,17 @@ def _add_tensors(writer: Any, gguf: Any, kind: str, arch: str, c: dict[str, Any]
         if mapped is None:
             raise ValueError(f"no llama.cpp tensor name for {hf_name!r} of a {kind} model")
         gguf_name = f"{mapped}.{suffix}"
+        if tensor.device.type == "meta":  # a layer held in GGUF blocks: its blocks, rows reordered as the floats are
+            layer = packed.get(tensor.storage_offset())
+            if layer is None:
+                raise ValueError(f"the {kind} exporter changes {hf_name}, which this model holds in GGUF blocks; "
+                                 "call model.dequantize() first")
+            raw = layer.to_blocks()
+            if kind in ("llama", "mistral") and mapped.endswith(("attn_q", "attn_k")):
+                heads = c["num_attention_heads"] if mapped.endswith("attn_q") else c["num_key_value_heads"]
+                raw = raw[permute_rows(torch.arange(raw.shape[0]), heads)]
+            writer.add_tensor(gguf_name, raw.contiguous().numpy(), raw_dtype=gguf.GGMLQuantizationType[layer.ggml_type])
+            continue
         weight = tensor.detach().to(torch.float32)
         if kind in ("llama", "mistral") and mapped.endswith(("attn_q", "attn_k")):
             heads = c["num_attention_heads"] if mapped.endswith("attn_q") else c["num_key_value_heads"]
@@ -218,6 +234,46 @@ def _add_tensors(writer: Any, gguf: Any, kind: str, arch: str, c: dict[str, Any]
         if kind == "gpt2" and gguf_name == "token_embd.weight" and "lm_head.weight" not in state:
             _add(writer, gguf, "output.weight", data, qtype, block)  # llama.cpp's GPT-2 has its own output matrix
         _add(writer, gguf, gguf_name, data, qtype, block)
+
+
+def export_view(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
+    """``model`` for ``to_transformers``: ``model`` itself when it holds no quantized layers; otherwise a copy of its
+    structure on the meta device holding its float tensors, where each layer held in GGUF blocks has a meta
+    stand-in weight (told apart by its storage offset, which survives the exporters' renaming, ``detach`` and
+    ``contiguous``) and each other quantized layer its unpacked float weight.
+
+    Returns:
+        ``(the model to export, storage offset -> the packed layer)``.
+    """
+    layers = quantized_modules(model)
+    if not layers:
+        return model, {}
+    with torch.device("meta"):
+        view = type(model)(model.config)
+    prefixes = tuple(f"{name}." for name in layers)
+    floats = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes) or k.endswith(".bias")}
+    view.load_state_dict(floats, strict=False, assign=True)
+    packed: dict[int, Any] = {}
+    stand_ins: dict[int, nn.Parameter] = {}
+    for name in layers:
+        layer = model.get_submodule(name)
+        table = layer.table if isinstance(layer, QuantizedEmbedding) else layer
+        target = view.get_submodule(name)
+        if id(table) not in stand_ins:
+            if hasattr(table, "to_blocks"):
+                offset = _STAND_IN_OFFSET + len(packed)
+                packed[offset] = table
+                weight = torch.empty(0, device="meta").as_strided(
+                    tuple(target.weight.shape), (target.weight.shape[1], 1), offset)
+            else:
+                weight = table.unpack()
+            stand_ins[id(table)] = nn.Parameter(weight, requires_grad=False)
+        target.weight = stand_ins[id(table)]
+    return view, packed
+
+
+#: storage offsets of the stand-ins start here (far beyond any real offset of a meta tensor the exporters make).
+_STAND_IN_OFFSET = 1 << 40
 
 
 def _add(writer: Any, gguf: Any, name: str, data: np.ndarray, qtype: Any, block: int) -> None:
