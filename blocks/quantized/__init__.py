@@ -5,8 +5,9 @@ Schemes: ``int8`` (per output channel), ``int4`` (group-wise), and the GGUF bloc
 layers for quantized ones and back.
 """
 
-from . import int8  # noqa: F401  (registers the schemes)
+from . import int4, int8  # noqa: F401  (registers the schemes)
 from .base import CHUNK_ELEMENTS, PackedWeight, QuantizedEmbedding, QuantizedLinear
+from .int4 import Int4Linear
 from .int8 import Int8Linear
 from .surgery import (
     check_unquantized,
@@ -21,7 +22,7 @@ from .surgery import (
 )
 
 __all__ = [
-    "CHUNK_ELEMENTS", "Int8Linear", "PackedWeight", "QuantizedEmbedding", "QuantizedLinear", "check_unquantized",
-    "dequantize_linears", "quantization_mismatch", "quantization_options", "quantize_linears", "quantized_modules",
-    "quantized_skeleton", "scheme_of", "state_names_of",
+    "CHUNK_ELEMENTS", "Int4Linear", "Int8Linear", "PackedWeight", "QuantizedEmbedding", "QuantizedLinear",
+    "check_unquantized", "dequantize_linears", "quantization_mismatch", "quantization_options", "quantize_linears",
+    "quantized_modules", "quantized_skeleton", "scheme_of", "state_names_of",
 ]

@@ -1,11 +1,23 @@
-"""``int8``: weight-only int8 with one float32 scale per output channel (symmetric, round to nearest).
+"""``int8``: weight-only int8 with one float32 scale per output channel (symmetric), as torchao's
+``Int8WeightOnlyConfig`` quantizes.
 
-``w ≈ scale[o] · q[o, i]`` with ``q`` in [-127, 127]: a quarter of float32's bytes; the error per weight is at
-most ``scale / 2 = max|w[o]| / 254``. State: ``weight_int8`` int8 ``(out, in)``, ``scale`` float32 ``(out,)``.
+Packing is torchao's: ``choose_qparams_affine`` (symmetric, int8 range [-128, 127], so ``scale = max|w[o]| / 127.5``,
+at least float32's eps) and ``quantize_affine`` (``q = clamp(round(w · (1 / scale)), -128, 127)``, half to even).
+``w ≈ scale[o] · q[o, i]``: a quarter of float32's bytes; the error per weight is at most ``scale / 2``. Unpacking is
+torchao's ``dequantize_affine`` bit for bit (``q · scale`` in float32). State: ``weight_int8`` int8 ``(out, in)``,
+``scale`` float32 ``(out,)`` (checkpoints written before torchao packed them, with ``scale = max|w| / 127``, load
+and run unchanged: only packing changed).
+
+torchao is needed to pack (``from_float``), never to load or run a packed layer; ``torchao_primitives`` imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -14,7 +26,52 @@ from torch import Tensor
 
 from ..registry import register
 from ..small_matmul import MAX_ROWS, small_rows_linear
-from .base import QuantizedLinear
+from .base import CHUNK_ELEMENTS, QuantizedLinear
+
+#: What to install for packing (the ``quant`` extra pulls torchao).
+INSTALL_HINT = "pip install 'transformer-zoo[quant]'"
+#: Loggers that warn on torchao's first import (CUDA-only ``.so`` files it cannot load on CPU builds; an Enum
+#: registration torch deprecates): noise for a user who only packs weights.
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+#: Float elements of weight an eager product unpacks at a time (1 MiB of float32, a quarter of CHUNK_ELEMENTS):
+#: the chunk is still in cache when BLAS reads it (SmolLM2's 49152x576 head, one row: 2.7x faster than chunks of
+#: CHUNK_ELEMENTS in benchmarks/quantized_int.py).
+EAGER_CHUNK = min(CHUNK_ELEMENTS, 1 << 18)
+
+
+@contextlib.contextmanager
+def _quiet(names: tuple[str, ...]) -> Iterator[None]:
+    """Raise the named loggers to ERROR for the duration (their levels are restored after)."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def torchao_primitives() -> ModuleType:
+    """``torchao.quantization.quant_primitives``, imported on first use (its load-time warnings silenced).
+
+    Returns:
+        The module (``choose_qparams_affine``, ``quantize_affine``, ``dequantize_affine``, ``MappingType`` ...).
+
+    Raises:
+        ImportError: torchao is not installed (the message says what to install).
+    """
+    name = "torchao.quantization.quant_primitives"
+    if name in sys.modules and sys.modules[name] is not None:
+        return sys.modules[name]
+    try:
+        with _quiet(_IMPORT_NOISE):
+            import torchao.quantization.quant_primitives as primitives
+    except ImportError as e:
+        raise ImportError(f"packing quantized weights needs torchao: {INSTALL_HINT} (loading and running a packed "
+                          "checkpoint does not)") from e
+    return primitives
 
 
 @register("quantization", "int8")
@@ -33,22 +90,38 @@ class Int8Linear(QuantizedLinear):
 
     @classmethod
     def pack(cls, weight: Tensor, **options: Any) -> dict[str, Tensor]:
-        # A row of zeros would give scale 0 and 0 / 0 below; any positive scale represents it exactly.
-        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return {"weight_int8": q, "scale": scale}
+        # Exactly what Int8WeightOnlyConfig (Int8Tensor.from_hp, per row) computes; its eps (float32's) keeps a row
+        # of zeros from dividing by zero.
+        ao = torchao_primitives()
+        # torchao reads a block of all ones as "no reduction" and then reduces over everything: one input per row
+        # gets its qparams from the column twice (the same max|w|).
+        rows = weight if weight.shape[1] > 1 else weight.expand(-1, 2)
+        scale, zero = ao.choose_qparams_affine(
+            rows, ao.MappingType.SYMMETRIC, [1, rows.shape[1]], torch.int8, quant_min=-128, quant_max=127,
+            eps=torch.finfo(torch.float32).eps, scale_dtype=torch.float32, zero_point_dtype=torch.int8, keepdim=True,
+        )
+        q = ao.quantize_affine(weight, [1, weight.shape[1]], scale, zero, torch.int8, quant_min=-128, quant_max=127)
+        return {"weight_int8": q, "scale": scale.reshape(-1)}
 
     @classmethod
     def decode(cls, packed: dict[str, Tensor], in_features: int, **options: Any) -> Tensor:
+        # dequantize_affine's (q - 0) · scale: subtracting the zero point 0 changes no bits.
         return packed["weight_int8"].float() * packed["scale"].float()[:, None]
 
     def linear(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling() and x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled():
             # Inductor fuses the int8 -> float conversion into the reduction: one pass over the int8 weight.
             return small_rows_linear(x, self.weight_int8, scale=self.scale)
-        if x.shape[0] == 1 and x.device.type != "cpu":
-            # The GPU kernel for int8 weights × float activations (no float copy of the weight).
+        if x.shape[0] == 1 and x.device.type != "cpu" and not (x.requires_grad and torch.is_grad_enabled()):
+            # The GPU kernel for int8 weights × float activations (no float copy of the weight; no backward).
             return torch._weight_int8pack_mm(x.contiguous(), self.weight_int8, self.scale.to(x.dtype))
-        # On CPU that kernel is slower than a float copy of this one weight and BLAS, even for one row. The scale is
-        # per output channel, so it applies after the product.
-        return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
+        # On CPU, torch._weight_int8pack_mm is slower than a float copy and BLAS (2x for one row, 10-25x for 16 rows
+        # in benchmarks/quantized_int.py). The copy is made EAGER_CHUNK elements at a time; the scale is per output
+        # channel, so it applies after the product.
+        step = max(1, EAGER_CHUNK // self.in_features)
+        if step >= self.out_features:
+            return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
+        scale = self.scale.to(x.dtype)
+        pieces = [F.linear(x, self.weight_int8[start:start + step].to(x.dtype)) * scale[start:start + step]
+                  for start in range(0, self.out_features, step)]
+        return torch.cat(pieces, dim=-1)

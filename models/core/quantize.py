@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -10,38 +12,44 @@ from blocks.quantized import dequantize_linears, quantize_linears, quantized_mod
 
 
 class QuantizeMixin:
-    """``quantize`` and ``dequantize`` for every family: weight-only int8 decoding (see ``blocks.quantized``).
+    """``quantize`` and ``dequantize`` for every family: weight-only quantization for decoding (int8, group-wise
+    int4, ...; see ``blocks.quantized``).
 
     A quantized model saves, loads and pushes like any other: ``config.json`` records the scheme and the quantized
     layers (see ``models.checkpoints.persistence``), and ``from_pretrained`` quantizes the freshly built model
     before loading.
     """
 
-    def quantize(self, scheme: str = "int8") -> nn.Module:
-        """Store every linear layer's weight as int8 with a float32 scale per output channel, in place.
+    def quantize(self, scheme: str = "int8", **options: Any) -> nn.Module:
+        """Store every linear layer's weight packed by the quantization scheme ``scheme``, in place.
 
-        Meant for inference (decoding reads each weight once per token, so a quarter of the bytes is read);
-        the quantized layers hold buffers, not trainable parameters. A head tied to the embedding gets its own
-        int8 copy; the embedding stays float. Mixture-of-experts routers stay float, as llama.cpp keeps
-        ``ffn_gate_inp``: they are a sliver of the weights, and int8 rounding of their logits changes which
-        experts a token goes to.
+        Meant for inference (decoding reads each weight once per token: ``"int8"`` reads a quarter of float32's
+        bytes, ``"int4"`` about an eighth); the quantized layers hold buffers, not trainable parameters. A head tied
+        to the embedding gets its own packed copy; the embedding stays float. Mixture-of-experts routers stay
+        float, as llama.cpp keeps ``ffn_gate_inp``: they are a sliver of the weights, and rounding their logits
+        changes which experts a token goes to.
 
         Args:
-            scheme: a name of ``blocks.names("quantization")`` (``"int8"``).
+            scheme: a name of ``blocks.names("quantization")`` (``"int8"``, ``"int4"`` ...).
+            **options: the scheme's options, e.g. ``model.quantize("int4", group_size=64, symmetric=True)``;
+                ``config.json`` records them when the model is saved.
 
         Returns:
             The model itself.
 
         Raises:
-            ValueError: unknown ``scheme``.
+            ValueError: unknown ``scheme`` or options, or a layer whose width the options do not allow (an int4 group
+                size that does not divide its ``in_features``: named); nothing is changed then.
+            ImportError: torchao, which packs the weights, is not installed.
         """
         routers = {f"{name}.router" for name, module in self.named_modules() if isinstance(module, MixtureOfExperts)}
         linears = [name for name, module in self.named_modules(remove_duplicate=False)
                    if type(module) is nn.Linear and name not in routers]
-        return quantize_linears(self, scheme, linears)
+        return quantize_linears(self, scheme, linears, **options)
 
     def dequantize(self) -> nn.Module:
-        """Replace every quantized layer by a float ``nn.Linear`` holding ``scale · q``, in place.
+        """Replace every quantized layer by a float ``nn.Linear`` holding the weights it represents (``unpack()``:
+        ``scale · q`` for int8), in place.
 
         The model then computes what the quantized one did, up to float rounding, and can be trained, exported
         to ``transformers`` or quantized again. The float weights are the rounded ones: the original weights are
