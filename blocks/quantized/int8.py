@@ -33,9 +33,9 @@ INSTALL_HINT = "pip install 'transformer-zoo[quant]'"
 #: Loggers that warn on torchao's first import (CUDA-only ``.so`` files it cannot load on CPU builds; an Enum
 #: registration torch deprecates): noise for a user who only packs weights.
 _IMPORT_NOISE = ("torchao", "torch.utils._pytree")
-#: Float elements of weight an eager product unpacks at a time (1 MiB of float32, a quarter of CHUNK_ELEMENTS):
-#: the chunk is still in cache when BLAS reads it (SmolLM2's 49152x576 head, one row: 2.7x faster than chunks of
-#: CHUNK_ELEMENTS in benchmarks/quantized_int.py).
+#: Float elements of weight an eager product unpacks at a time when the weight is split (1 MiB of float32): the
+#: chunk is still in cache when BLAS reads it (SmolLM2's 49152x576 head: 1.2-1.5x faster than chunks of
+#: CHUNK_ELEMENTS, benchmarks/quantized_int.py).
 EAGER_CHUNK = min(CHUNK_ELEMENTS, 1 << 18)
 
 
@@ -115,12 +115,13 @@ class Int8Linear(QuantizedLinear):
         if x.shape[0] == 1 and x.device.type != "cpu" and not (x.requires_grad and torch.is_grad_enabled()):
             # The GPU kernel for int8 weights × float activations (no float copy of the weight; no backward).
             return torch._weight_int8pack_mm(x.contiguous(), self.weight_int8, self.scale.to(x.dtype))
-        # On CPU, torch._weight_int8pack_mm is slower than a float copy and BLAS (2x for one row, 10-25x for 16 rows
-        # in benchmarks/quantized_int.py). The copy is made EAGER_CHUNK elements at a time; the scale is per output
-        # channel, so it applies after the product.
-        step = max(1, EAGER_CHUNK // self.in_features)
-        if step >= self.out_features:
+        # On CPU, torch._weight_int8pack_mm is slower than a float copy and BLAS (1.5-2x for one row, 10-25x for 16
+        # rows in benchmarks/quantized_int.py). A weight of at most CHUNK_ELEMENTS is copied whole (one BLAS call
+        # is faster than several on SmolLM2's 576- and 1536-wide weights), a larger one EAGER_CHUNK elements at a
+        # time; the scale is per output channel, so it applies after the product.
+        if self.out_features * self.in_features <= CHUNK_ELEMENTS:
             return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
+        step = max(1, EAGER_CHUNK // self.in_features)
         scale = self.scale.to(x.dtype)
         pieces = [F.linear(x, self.weight_int8[start:start + step].to(x.dtype)) * scale[start:start + step]
                   for start in range(0, self.out_features, step)]

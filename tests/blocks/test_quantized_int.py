@@ -141,13 +141,16 @@ def test_eager_products_equal_f_linear_on_the_unpacked_weight(rows: int) -> None
         bound = 1e-5 * (x.abs().double() @ layer.unpack().abs().double().T + 1)
         assert ((layer(x).double() - reference).abs() <= bound).all(), layer
         assert layer(x[None]).shape == (1, rows, 33)
+        ids = torch.tensor([[32, 0, 5], [5, 1, 32]])  # an embedding's gather: the rows of unpack()
+        assert torch.equal(layer.embed(ids), layer.unpack()[ids])
 
 
 def test_large_weights_are_multiplied_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     import blocks.quantized.int4 as int4
     import blocks.quantized.int8 as int8
 
-    monkeypatch.setattr(int8, "EAGER_CHUNK", 128 * 4)  # 4 output rows a chunk: 9 chunks of 33 rows
+    monkeypatch.setattr(int8, "CHUNK_ELEMENTS", 128 * 8)  # int8 splits weights larger than this ...
+    monkeypatch.setattr(int8, "EAGER_CHUNK", 128 * 4)  # ... into 4 output rows a chunk: 9 chunks of 33 rows
     monkeypatch.setattr(int4, "EAGER_CHUNK", 128 * 4)
     for layer in layers(0):
         x = torch.randn(5, 128)
