@@ -42,8 +42,9 @@ class QuantizedLinear(nn.Module):
         bias: whether there is a float bias.
         **options: the scheme's options (see ``options()``).
 
-    A freshly built layer is a skeleton: its packed tensors have their checkpoint shapes and hold zeros until a
-    state dict is loaded (``quantized_skeleton``).
+    A freshly built layer is a skeleton: its packed tensors have their checkpoint shapes and are uninitialised (as
+    ``torch.empty``: no memory is touched, so a model built to be loaded costs nothing) until a state dict is
+    loaded (``quantized_skeleton``) or ``from_float`` fills them.
 
     Shapes: ``(..., in_features)`` -> ``(..., out_features)``.
     """
@@ -61,7 +62,7 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self._options = self.check_options(in_features, **options)
         for name, (shape, dtype) in self.packed_shapes(in_features, out_features, **self._options).items():
-            self.register_buffer(name, torch.zeros(shape, dtype=dtype))
+            self.register_buffer(name, torch.empty(shape, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     # ---- what a scheme implements -------------------------------------------------------------------------------

@@ -53,8 +53,9 @@ class QuantizeMixin:
 
         The model then computes what the quantized one did, up to float rounding, and can be trained, exported
         to ``transformers`` or quantized again. The float weights are the rounded ones: the original weights are
-        not recovered. A head that was tied to the embedding keeps its own (dequantized) weights, so
-        ``config.tie_embeddings`` becomes ``False`` and the model saves and loads as an untied one.
+        not recovered. A head quantized apart from its float embedding (``quantize``) keeps its own dequantized
+        weights, so ``config.tie_embeddings`` becomes ``False`` and the model saves and loads as an untied one; a
+        head that is the packed table of a quantized embedding (a GGUF file's tied head) stays tied to it.
 
         Returns:
             The model itself.
@@ -71,18 +72,17 @@ class QuantizeMixin:
         # The model's float dtype, taken from its float parameters (embeddings, norms), so the new layers match it.
         dtypes = [p.dtype for p in self.parameters() if p.is_floating_point()]
         dtype = max(set(dtypes), key=dtypes.count) if dtypes else None
-        untied = self._tied_in_config(list(quantized))
         dequantize_linears(self, dtype)
-        if untied and getattr(self.config, "tie_embeddings", False):
+        if getattr(self.config, "tie_embeddings", False) and self._ties_broken():
             self.config = self.config.replace(tie_embeddings=False)
         return self
 
-    def _tied_in_config(self, layer_names: list[str]) -> bool:
-        """Whether a model built from the config ties the weight of one of ``layer_names`` to another parameter."""
+    def _ties_broken(self) -> bool:
+        """Whether a parameter that a model built from the config shares between names is not shared here."""
         with torch.device("meta"):  # no memory, no initialisation work: only the tying structure is wanted
             fresh = type(self)(self.config)
-        owners: dict[int, int] = {}
-        for _, p in fresh.named_parameters(remove_duplicate=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-        params = dict(fresh.named_parameters(remove_duplicate=False))
-        return any(owners[id(params[f"{name}.weight"])] > 1 for name in layer_names if f"{name}.weight" in params)
+        groups: dict[int, list[str]] = {}
+        for name, p in fresh.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(p), []).append(name)
+        own = dict(self.named_parameters(remove_duplicate=False))
+        return any(len({id(own.get(n)) for n in names}) > 1 for names in groups.values() if len(names) > 1)
