@@ -14,19 +14,30 @@ and their state, per row of ``nb`` blocks (bytes per block in parentheses):
   bit j; ``w = d · (q - 16)`` / ``d · q + m``.
 - ``q2_k`` (84), ``q3_k`` (110), ``q4_k`` (144), ``q5_k`` (176), ``q6_k`` (210): super-blocks of 256 weights with
   a float16 ``d`` (and ``dmin``), 16 or 8 sub-block scales (and minimums) of 4, 6 or 8 bits, and the 2 to 6-bit
-  weights in bit planes, each field kept as bytes in the file's order (``scales``, ``qs``, ``qh``, ``hmask``, ``ql``).
+  weights in bit planes, each field kept as bytes in the file's order (``scales``, ``qs``, ``qh``, ``hmask``,
+  ``ql``), except the 12 bytes of 6-bit scales of ``q3_k``, ``q4_k`` and ``q5_k``, kept one scale a byte (16 bytes:
+  unpacking them inside every product costs more than the 4 extra bytes per 256 weights).
 
 Unpacking (``decode``) equals ``gguf.quants.dequantize`` bit for bit: the same float32 operations in the same
 order (float16 scales converted exactly, one rounding per product, sum or difference, never fused). Packing
 (``from_float``) is ``gguf.quants.quantize`` where the gguf package has a quantizer (``q8_0`` to ``q5_1``); it has
 none for the K-quants, which are only loaded from GGUF files (``from_blocks``).
 
-Kernels: compiled with at most ``MAX_ROWS`` rows, the unpacking is written block-shaped (``decode_blocks``: every
-scale broadcast over a contiguous run of 16 or 32 weights) and fused into a row-outer multiply-reduce, one pass
-over the packed bytes with no float weight written; otherwise the weight is unpacked ``EAGER_CHUNK`` floats at a
-time (so the chunk stays in cache for the product) and multiplied by BLAS. torch's CPU int4 kernel
-(``_weight_int4pack_mm_for_cpu``) does not fit ``q4_0``: its float32 path is scalar (20x slower than BLAS here) and
-its bfloat16 path rounds the activations (error 3e-3), see ``benchmarks/quantized_kernels.py``.
+Products (``linear``; ``benchmarks/quantized_kernels.py`` measures them):
+
+- compiled, at most ``MAX_ROWS`` rows (decoding): the unpacking, written block-shaped (``decode_blocks``: every scale
+  broadcast over a contiguous run of 16 or 32 weights), fused into a row-outer multiply-reduce: one pass over the
+  packed bytes, no float weight written (SmolLM2's shapes, one thread: 0.9-2x the time of ``F.linear`` on the
+  float32 weight, which reads 4-8x more bytes; the float arithmetic per weight, not memory, is the limit);
+- compiled, more rows: chunks of ``CHUNK_ELEMENTS`` unpacked by one fused kernel each, then BLAS;
+- eager: chunks of ``EAGER_CHUNK`` unpacked in the planes order (``BlockLayout``: long contiguous broadcasts), the
+  offsets (minimums) multiplied by per-run sums of the inputs, BLAS. A chain of eager operations writes and reads
+  the chunk several times: 3-10x ``F.linear``'s time for one row, 2-7x for 16 (``q5_0`` / ``q5_1``, whose fifth
+  bits need a shift per weight, are the slowest).
+
+torch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``) computes ``q4_0``'s weights exactly (scale ``d``, zero 0),
+but its float32 path is scalar (10-50x slower than BLAS here) and its bfloat16 path rounds the activations (relative
+error 3e-3), so it is not used.
 
 The fields are reinterpreted in the host's byte order, as the file's little-endian bytes (x86 and ARM hosts).
 """
@@ -46,7 +57,8 @@ from .base import CHUNK_ELEMENTS, QuantizedLinear
 
 #: What to install for packing (the gguf package's quantizers).
 INSTALL_HINT = "pip install 'transformer-zoo[gguf]'"
-#: Floats of weight the eager path unpacks at a time (1 MiB): the chunk is still in cache when BLAS reads it.
+#: Floats of weight the eager path unpacks at a time (4 MiB; measured at 2^14 to 2^22: smaller chunks pay the
+#: operations' fixed costs more often, larger ones fall out of cache).
 EAGER_CHUNK = min(CHUNK_ELEMENTS, 1 << 20)
 #: Weights per K-quant super-block (llama.cpp's QK_K).
 QK_K = 256
@@ -94,11 +106,29 @@ class BlockLayout:
         ``field``."""
         return self.field(t.reshape(self.rows, self.blocks * math.prod(shape)), *shape)
 
+    def word(self, t: Tensor, count: int, k: int) -> Tensor:
+        """Word ``k`` of the ``count`` words per block of a packed field ``(rows, blocks · count)``, broadcast over
+        the block."""
+        return self.small(t.view(self.rows, self.blocks, count)[:, :, k], *([1] * (self.ndim - 2)))
+
+    def index(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """``0, 1, ...`` over the per-block ``shape`` (like ``bits``' shifts), placed against full-rank tensors."""
+        i = _shifts(shape, 1, like)
+        return self.place(i.view(*([1] * (self.ndim - i.dim())), *shape))
+
     def bits(self, t: Tensor, shape: tuple[int, ...], step: int, mask: int) -> Tensor:
         """``(t >> shift) & mask`` with ``shift = step · i``, ``i`` counting 0, 1, ... over the per-block ``shape``
-        (an ``arange``, never a tensor constant: inductor loses constants inside some compiled subgraphs)."""
+        (an ``arange``, never a tensor constant: inductor loses constants inside some compiled subgraphs).
+
+        In the blocks order an 8-bit ``t`` gives float32 (the same integers): ``float(t & (mask << shift)) ·
+        2^-shift``, exact. Compiled, 8-bit shifts are emulated by shuffles (AVX-512 has none), and converting
+        bytes to 32-bit integers goes element by element when inductor takes 32 at a time; masking bytes and
+        converting them to float is vectorised."""
         shift = _shifts(shape, step, t)
-        return (t >> self.place(shift.view(*([1] * (self.ndim - shift.dim())), *shape))) & mask
+        shift = self.place(shift.view(*([1] * (self.ndim - shift.dim())), *shape))
+        if not self.planes and t.element_size() == 1:
+            return _f32(t & (mask << shift)) * (1.0 / _f32(1 << shift))
+        return (t >> shift) & mask
 
 
 def _shifts(shape: tuple[int, ...], step: int, like: Tensor) -> Tensor:
@@ -162,6 +192,10 @@ class GGMLLinear(QuantizedLinear):
     block_shape: ClassVar[tuple[int, ...]] = ()
     #: whether the gguf package can quantize to this format.
     has_quantizer: ClassVar[bool] = True
+    #: fields kept unpacked in the state (their bytes -> ``unpack_field``): name -> state elements per block.
+    unpacked_fields: ClassVar[dict[str, int]] = {}
+    #: the order of ``block_shape``'s dimensions in the compiled product's loops (``fused_block_linear``).
+    fused_order: ClassVar[tuple[int, ...] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -198,7 +232,23 @@ class GGMLLinear(QuantizedLinear):
     @classmethod
     def packed_shapes(cls, in_features: int, out_features: int, **options: Any) -> dict[str, tuple[tuple, Any]]:
         blocks = in_features // cls.block_size
-        return {name: ((out_features, blocks * size // dtype.itemsize), dtype) for name, size, dtype in cls.fields}
+        return {name: ((out_features, blocks * cls._per_block(name)), dtype) for name, _, dtype in cls.fields}
+
+    @classmethod
+    def _per_block(cls, name: str) -> int:
+        """Elements per block of a field's state tensor."""
+        size, dtype = next((size, dtype) for n, size, dtype in cls.fields if n == name)
+        return cls.unpacked_fields.get(name, size // dtype.itemsize)
+
+    @classmethod
+    def unpack_field(cls, name: str, field: Tensor) -> Tensor:
+        """A field of ``unpacked_fields`` from its bytes ``(rows, blocks, size)`` to ``(rows, blocks, n)``."""
+        raise NotImplementedError
+
+    @classmethod
+    def pack_field(cls, name: str, state: Tensor) -> Tensor:
+        """The inverse of ``unpack_field``: ``(rows, blocks, n)`` -> the field's bytes ``(rows, blocks, size)``."""
+        raise NotImplementedError
 
     @classmethod
     def pack(cls, weight: Tensor, **options: Any) -> dict[str, Tensor]:
@@ -265,7 +315,9 @@ class GGMLLinear(QuantizedLinear):
         state, start = {}, 0
         for name, size, dtype in cls.fields:
             field = by_block[:, :, start:start + size].clone(memory_format=torch.contiguous_format)  # a copy
-            state[name] = field.view(dtype).reshape(rows, blocks * size // dtype.itemsize)
+            if name in cls.unpacked_fields:
+                field = cls.unpack_field(name, field)
+            state[name] = field.view(dtype).reshape(rows, blocks * cls._per_block(name))
             start += size
         return state
 
@@ -288,16 +340,18 @@ class GGMLLinear(QuantizedLinear):
                              f"{missing}")
         first = packed[cls.state_names[0]]
         rows = first.shape[0] if first.dim() == 2 else -1
-        blocks = first.shape[1] * first.element_size() // cls.fields[0][1] if first.dim() == 2 else -1
+        blocks = first.shape[1] // cls._per_block(cls.state_names[0]) if first.dim() == 2 else -1
         pieces = []
         for name, size, dtype in cls.fields:
-            t = packed[name]
-            expected = (rows, blocks * size // dtype.itemsize)
+            t, per_block = packed[name], cls._per_block(name)
+            expected = (rows, blocks * per_block)
             if t.dtype != dtype or tuple(t.shape) != expected or blocks < 1:
                 raise ValueError(
-                    f"{cls.ggml_type} packed tensor {name!r}: expected {dtype} of shape (rows, blocks * "
-                    f"{size // dtype.itemsize}) matching the others, {expected}, got {t.dtype} {tuple(t.shape)}")
-            pieces.append(t.contiguous().view(torch.uint8).reshape(rows, blocks, size))
+                    f"{cls.ggml_type} packed tensor {name!r}: expected {dtype} of shape (rows, blocks * {per_block}) "
+                    f"matching the others, {expected}, got {t.dtype} {tuple(t.shape)}")
+            t = t.contiguous().view(rows, blocks, per_block)
+            t = cls.pack_field(name, t) if name in cls.unpacked_fields else t.view(torch.uint8)
+            pieces.append(t.reshape(rows, blocks, size))
         return torch.cat(pieces, dim=2).reshape(rows, blocks * cls.type_size)
 
     @classmethod
@@ -344,17 +398,21 @@ class GGMLLinear(QuantizedLinear):
     def linear(self, x: Tensor) -> Tensor:
         """``x @ unpack().T`` for ``x`` of shape ``(rows, in_features)``, without the bias, computed in float32.
 
-        The weights enter as ``scale · q`` and the offsets (``Codes.scaled``) multiply per-run sums of the inputs.
-        Compiled with at most ``MAX_ROWS`` rows (decoding): fused into a row-outer multiply-reduce
-        (``fused_block_linear``). Otherwise ``EAGER_CHUNK`` floats of weight at a time, decoded in the planes order
-        (``BlockLayout``) and multiplied by BLAS with the inputs taken in that order.
+        Compiled with at most ``MAX_ROWS`` rows and no gradients (decoding): the unpacking fused into a row-outer
+        multiply-reduce (``fused_block_linear``); compiled otherwise: the base class's chunks and BLAS. Eager:
+        ``EAGER_CHUNK`` floats of weight at a time, decoded in the planes order (``BlockLayout``) as ``scale · q``
+        and multiplied by BLAS with the inputs taken in that order; the offsets (``Codes.scaled``) multiply the
+        inputs' per-run sums.
         """
         blocks, n = self.in_features // self.block_size, x.shape[0]
         xf = x.to(torch.float32)
-        if torch.compiler.is_compiling() and n <= MAX_ROWS and not torch.is_grad_enabled():
-            codes = self.codes(self.packed(), BlockLayout(self.out_features, blocks, self.block_shape))
-            weights, offsets = codes.scaled()
-            return fused_block_linear(xf, weights, offsets).to(x.dtype)
+        if torch.compiler.is_compiling():
+            if n > MAX_ROWS or torch.is_grad_enabled():
+                return super().linear(x)  # chunks unpacked by one fused kernel each, then BLAS
+            # The exact weights: offsets multiplied by the runs' input sums would be a second reduction, which
+            # inductor vectorises over runs of 4 to 16 (Q4_K: 5x slower than this).
+            weights = self.decode_blocks(self.packed(), blocks)
+            return fused_block_linear(xf, weights, order=self.fused_order).to(x.dtype)
         layout = BlockLayout(n, blocks, self.block_shape, planes=True)
         xp = layout.place(xf.reshape(n, blocks, *self.block_shape))  # (n, *planes, blocks, run)
         runs = xp.shape[1:-1]
@@ -375,7 +433,8 @@ class GGMLLinear(QuantizedLinear):
         return y.to(x.dtype)
 
 
-def fused_block_linear(x: Tensor, weights: Tensor, offsets: Tensor | None = None) -> Tensor:
+def fused_block_linear(x: Tensor, weights: Tensor, offsets: Tensor | None = None,
+                       order: tuple[int, ...] | None = None) -> Tensor:
     """``x @ W.T`` for ``W = weights + offsets`` given block-shaped (``GGMLLinear.codes(...).scaled()`` in the blocks
     order), written so that inductor computes each weight inside the reduction: for every output row, the input row's
     matching runs times the weights, the blocks' dimensions kept apart so that every scale is loaded once per run,
@@ -386,6 +445,9 @@ def fused_block_linear(x: Tensor, weights: Tensor, offsets: Tensor | None = None
         x: ``(rows, in)`` float32.
         weights: ``(out, blocks, *block_shape)`` float32 with ``blocks · prod(block_shape) = in``.
         offsets: optional float32 per run, broadcastable to ``(out, blocks, *block_shape[:-1], 1)``.
+        order: a permutation of ``block_shape``'s dimensions for the loops: inductor merges two dimensions that
+            every tensor reads contiguously and vectorises 32 weights at a time where the inputs hold float16
+            scales, converting 32 bytes to 32-bit integers one by one (Q4_K: 5x slower than 16 at a time).
 
     Returns:
         ``(rows, out)`` float32.
@@ -399,6 +461,9 @@ def fused_block_linear(x: Tensor, weights: Tensor, offsets: Tensor | None = None
                          f"{tuple(weights.shape)}, got x {tuple(x.shape)}")
     xb = x.reshape(1, x.shape[0], *block_dims)
     dims = tuple(range(2, 2 + len(block_dims)))
+    if order is not None:
+        xb = xb.permute(0, 1, 2, *(3 + i for i in order))
+        weights = weights.permute(0, 1, *(2 + i for i in order))
     y = (xb * weights[:, None]).sum(dims)  # (out, rows)
     if offsets is not None:
         y = y + (xb.sum(-1, keepdim=True) * offsets[:, None]).sum(dims)
@@ -459,11 +524,11 @@ class Q4_1Linear(GGMLLinear):
 
 
 def _five_bits(packed: dict[str, Tensor], layout: BlockLayout) -> Tensor:
-    """The 5-bit integers of ``Q5_0`` / ``Q5_1`` blocks (int32, ``block_shape`` (2, 16)): low nibbles from ``qs`` as
+    """The 5-bit integers of ``Q5_0`` / ``Q5_1`` blocks (``block_shape`` (2, 16)): low nibbles from ``qs`` as
     ``Q4_0``, the fifth bit of weight j from bit j of the block's ``qh`` word."""
-    low = layout.bits(layout.field(packed["qs"], 1, 16).to(torch.int32), (2, 1), 4, 15)
+    low = layout.bits(layout.field(packed["qs"], 1, 16), (2, 1), 4, 15)
     high = layout.bits(layout.field(packed["qh"], 1, 1), (2, 16), 1, 1)
-    return low | (high << 4)
+    return low + high * 16
 
 
 @register("quantization", "q5_0")
@@ -523,15 +588,6 @@ class Q2_KLinear(GGMLLinear):
         return Codes(q, 0, dl, -ml)  # gguf: dl · q - ml
 
 
-def _q3_k_scales(scales: Tensor, rows: int, blocks: int) -> Tensor:
-    """The 16 6-bit scales (offset 32) of ``Q3_K`` blocks, ``(rows, blocks, 16)`` int32: low 4 bits of scale i in
-    byte i % 8 (nibble i // 8), high 2 bits in byte 8 + i % 4 (bits 2·(i // 4))."""
-    s = scales.view(rows, blocks, 12).to(torch.int32)
-    low = ((s[:, :, None, :8] >> _shifts((2, 1), 4, s)) & 15).reshape(rows, blocks, 16)
-    high = ((s[:, :, None, 8:] >> _shifts((4, 1), 2, s)) & 3).reshape(rows, blocks, 16)
-    return (low | (high << 4)) - 32
-
-
 @register("quantization", "q3_k")
 class Q3_KLinear(GGMLLinear):
     """``Q3_K``: 3-bit weights in 16 runs of 16, each with a 6-bit scale (3.4375 bits per weight)."""
@@ -545,34 +601,68 @@ class Q3_KLinear(GGMLLinear):
     #: as ``Q2_K``; the third bit of weight 32·i + j is bit i of ``hmask`` byte j (set: no offset; clear: -4).
     block_shape = (2, 4, 2, 16)
     has_quantizer = False
+    #: the 16 6-bit scales (offset 32) one byte each: unpacking them in every product would cost more than the
+    #: 4 bytes per 256 weights they add (and makes inductor store the products rather than fuse them).
+    unpacked_fields = {"scales": 16}
+
+    @classmethod
+    def unpack_field(cls, name: str, field: Tensor) -> Tensor:
+        # Scale i: low 4 bits in byte i % 8 (nibble i // 8), high 2 bits in byte 8 + i % 4 (bits 2·(i // 4)).
+        low = torch.cat([field[..., :8] & 15, field[..., :8] >> 4], dim=-1)
+        high = torch.cat([(field[..., 8:] >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
+        return low | (high << 4)
+
+    @classmethod
+    def pack_field(cls, name: str, state: Tensor) -> Tensor:
+        low = (state[..., :8] & 15) | ((state[..., 8:] & 15) << 4)
+        high = sum(((state[..., 4 * p:4 * p + 4] >> 4) & 3) << (2 * p) for p in range(4))
+        return torch.cat([low, high.to(torch.uint8)], dim=-1)
 
     @classmethod
     def codes(cls, packed: dict[str, Tensor], layout: BlockLayout) -> Codes:
         low = layout.bits(layout.field(packed["qs"], 2, 1, 2, 16), (4, 1, 1), 2, 3)
         high = layout.bits(layout.field(packed["hmask"], 1, 1, 2, 16), (2, 4, 1, 1), 1, 1)
-        q = low | (high << 2)  # gguf's q + 4, in [0, 7]: -4 where the bit is clear
-        scale = layout.small(_q3_k_scales(packed["scales"], layout.rows, layout.blocks), 2, 4, 2, 1)
-        dl = _f32(layout.field(packed["d"], 1, 1, 1, 1)) * _f32(scale)
+        q = low + high * 4  # gguf's q + 4, in [0, 7]: -4 where the bit is clear
+        scale = _f32(layout.field(packed["scales"], 2, 4, 2, 1)) - 32.0  # gguf: float(scale - 32), exact
+        dl = _f32(layout.field(packed["d"], 1, 1, 1, 1)) * scale
         return Codes(q, 4, dl)  # gguf: (d · scale) · float(low - 4 · (1 - bit))
 
 
 def _k_runs(packed: dict[str, Tensor], q: Tensor, layout: BlockLayout) -> Codes:
-    """``Q4_K`` / ``Q5_K`` weights from their integers ``q`` (``block_shape`` (4, 2, 32)): gguf's
-    ``(d · scale) · q - dmin · min`` per run of 32, with the 8 6-bit scales and minimums unpacked from 12 bytes as
-    llama.cpp's ``get_scale_min_k4``: the first four in the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums), the
-    others' low 4 bits in bytes 8-11 and high 2 bits in the top bits of bytes 0-3 and 4-7."""
-    rows, blocks = layout.rows, layout.blocks
-    s = packed["scales"].view(rows, blocks, 3, 4).to(torch.int32)
-    d, m, md = s[:, :, 0], s[:, :, 1], s[:, :, 2]
-    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)  # (rows, blocks, 8)
-    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
-    scale = _f32(packed["d"].view(rows, blocks, 1)) * _f32(sc)
-    offset = _f32(packed["dmin"].view(rows, blocks, 1)) * _f32(mn)
-    return Codes(q, 0, layout.small(scale, 4, 2, 1), -layout.small(offset, 4, 2, 1))
+    """``Q4_K`` / ``Q5_K`` weights from their integers ``q`` (``block_shape`` (4, 2, 2, 16)): gguf's
+    ``(d · scale) · q - dmin · min`` per run of 32."""
+    scales = packed["scales"].view(layout.rows, layout.blocks, 2, 8)  # 8 scales, then 8 minimums
+    scale = _f32(layout.field(packed["d"], 1, 1, 1, 1)) * _f32(layout.small(scales[:, :, 0], 4, 2, 1, 1))
+    offset = _f32(layout.field(packed["dmin"], 1, 1, 1, 1)) * _f32(layout.small(scales[:, :, 1], 4, 2, 1, 1))
+    return Codes(q, 0, scale, -offset)
+
+
+class _KScales:
+    """The 12 bytes of 6-bit scales and minimums of ``Q4_K`` / ``Q5_K`` kept unpacked, one byte each (8 scales,
+    then 8 minimums): unpacking them in every product would cost more than the 4 bytes per 256 weights they add
+    (and makes inductor store the products rather than fuse them). llama.cpp's ``get_scale_min_k4``: runs 0-3 in
+    the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums); runs 4-7 with their low 4 bits in the nibbles of bytes
+    8-11 and their high 2 bits in the top bits of bytes 0-3 and 4-7."""
+
+    unpacked_fields = {"scales": 16}
+
+    @classmethod
+    def unpack_field(cls, name: str, field: Tensor) -> Tensor:
+        d, m, md = field[..., 0:4], field[..., 4:8], field[..., 8:12]
+        sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
+        mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
+        return torch.cat([sc, mn], dim=-1)
+
+    @classmethod
+    def pack_field(cls, name: str, state: Tensor) -> Tensor:
+        sc, mn = state[..., :8], state[..., 8:]
+        d = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+        m = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+        return torch.cat([d, m, (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], dim=-1)
 
 
 @register("quantization", "q4_k")
-class Q4_KLinear(GGMLLinear):
+class Q4_KLinear(_KScales, GGMLLinear):
     """``Q4_K``: 4-bit weights in 8 runs of 32, each with a 6-bit scale and minimum (4.5 bits per weight)."""
 
     scheme = "q4_k"
@@ -581,17 +671,19 @@ class Q4_KLinear(GGMLLinear):
     type_size = 144
     fields = (("d", 2, torch.float16), ("dmin", 2, torch.float16), ("scales", 12, torch.uint8),
               ("qs", 128, torch.uint8))
-    #: (pair, nibble, weight): run 2·pair + nibble is that nibble of bytes 32·pair .. 32·pair + 31.
-    block_shape = (4, 2, 32)
+    #: (pair, nibble, half, weight): run 2·pair + nibble is that nibble of bytes 32·pair .. 32·pair + 31.
+    block_shape = (4, 2, 2, 16)
+    #: the halves outside the nibbles: the compiled product's loops then convert 16 bytes at a time.
+    fused_order = (0, 2, 1, 3)
     has_quantizer = False
 
     @classmethod
     def codes(cls, packed: dict[str, Tensor], layout: BlockLayout) -> Codes:
-        return _k_runs(packed, layout.bits(layout.field(packed["qs"], 4, 1, 32), (2, 1), 4, 15), layout)
+        return _k_runs(packed, layout.bits(layout.field(packed["qs"], 4, 1, 2, 16), (2, 1, 1), 4, 15), layout)
 
 
 @register("quantization", "q5_k")
-class Q5_KLinear(GGMLLinear):
+class Q5_KLinear(_KScales, GGMLLinear):
     """``Q5_K``: 5-bit weights in 8 runs of 32, each with a 6-bit scale and minimum (5.5 bits per weight)."""
 
     scheme = "q5_k"
@@ -601,14 +693,15 @@ class Q5_KLinear(GGMLLinear):
     fields = (("d", 2, torch.float16), ("dmin", 2, torch.float16), ("scales", 12, torch.uint8),
               ("qh", 32, torch.uint8), ("qs", 128, torch.uint8))
     #: as ``Q4_K``; the fifth bit of weight 32·i + j is bit i of ``qh`` byte j.
-    block_shape = (4, 2, 32)
+    block_shape = (4, 2, 2, 16)
+    fused_order = (0, 2, 1, 3)
     has_quantizer = False
 
     @classmethod
     def codes(cls, packed: dict[str, Tensor], layout: BlockLayout) -> Codes:
-        low = layout.bits(layout.field(packed["qs"], 4, 1, 32), (2, 1), 4, 15)
-        high = layout.bits(layout.field(packed["qh"], 1, 1, 32), (4, 2, 1), 1, 1)
-        return _k_runs(packed, low | (high << 4), layout)
+        low = layout.bits(layout.field(packed["qs"], 4, 1, 2, 16), (2, 1, 1), 4, 15)
+        high = layout.bits(layout.field(packed["qh"], 1, 1, 2, 16), (4, 2, 1, 1), 1, 1)
+        return _k_runs(packed, low + high * 16, layout)
 
 
 @register("quantization", "q6_k")
@@ -632,7 +725,7 @@ class Q6_KLinear(GGMLLinear):
         low = layout.bits(layout.field(packed["ql"], 2, 1, 2, 2, 16), (2, 1, 1, 1), 4, 15)
         high = layout.bits(layout.field(packed["qh"], 2, 1, 1, 2, 16), (2, 2, 1, 1), 2, 3)
         scale = _f32(layout.field(packed["d"], 1, 1, 1, 1, 1)) * _f32(layout.field(packed["scales"], 2, 2, 2, 2, 1))
-        return Codes(low | (high << 4), 32, scale)  # gguf: (d · scale) · float(q - 32)
+        return Codes(low + high * 16, 32, scale)  # gguf: (d · scale) · float(q - 32)
 
 
 #: GGUF tensor type name -> registered scheme name.

@@ -55,14 +55,13 @@ def quantized_blocks(ggml_type: str, rows: int, blocks_per_row: int, seed: int) 
 
 
 @st.composite
-def raw_blocks(draw: st.DrawFn, types: tuple[str, ...] = tuple(TYPES)) -> tuple[str, np.ndarray]:
-    """A format and blocks of it: 1, an odd number or several rows, one to three blocks per row; quantized from
-    floats where gguf can, random valid bytes otherwise (or as well)."""
-    ggml_type = draw(st.sampled_from(types))
+def raw_blocks(draw: st.DrawFn, ggml_type: str) -> np.ndarray:
+    """Blocks of ``ggml_type``: 1, an odd number or several rows, one to three blocks per row; quantized from floats
+    where gguf can, random valid bytes otherwise (or as well)."""
     rows, per_row, seed = draw(st.sampled_from([1, 2, 3, 7, 9])), draw(st.integers(1, 3)), draw(SEEDS)
     if ggml_type in QUANTIZABLE and draw(st.booleans()):
-        return ggml_type, quantized_blocks(ggml_type, rows, per_row, seed)[1]
-    return ggml_type, random_blocks(ggml_type, rows, per_row, seed)
+        return quantized_blocks(ggml_type, rows, per_row, seed)[1]
+    return random_blocks(ggml_type, rows, per_row, seed)
 
 
 def bits(t: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -89,10 +88,11 @@ def test_every_gguf_block_format_is_registered_with_ggufs_sizes() -> None:
 # ---- unpacking -------------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=40)
-@given(case=raw_blocks())
-def test_unpack_equals_gguf_dequantize_bit_for_bit(case: tuple[str, np.ndarray]) -> None:
-    ggml_type, raw = case
+@pytest.mark.parametrize("ggml_type", TYPES)
+@settings(max_examples=15)
+@given(data=st.data())
+def test_unpack_equals_gguf_dequantize_bit_for_bit(ggml_type: str, data: st.DataObject) -> None:
+    raw = data.draw(raw_blocks(ggml_type))
     expected = dequantize(raw, GGMLQuantizationType[ggml_type])
     layer = layer_class(ggml_type).from_blocks(torch.from_numpy(raw))
     assert layer.unpack().dtype == torch.float32
@@ -101,9 +101,11 @@ def test_unpack_equals_gguf_dequantize_bit_for_bit(case: tuple[str, np.ndarray])
     np.testing.assert_array_equal(bits(layer.unpack(rows)), bits(expected[[raw.shape[0] - 1, 0]]))
 
 
-@given(case=raw_blocks())
-def test_blocks_round_trip_byte_for_byte(case: tuple[str, np.ndarray]) -> None:
-    ggml_type, raw = case
+@pytest.mark.parametrize("ggml_type", TYPES)
+@settings(max_examples=10)
+@given(data=st.data())
+def test_blocks_round_trip_byte_for_byte(ggml_type: str, data: st.DataObject) -> None:
+    raw = data.draw(raw_blocks(ggml_type))
     cls = layer_class(ggml_type)
     raw_t = torch.from_numpy(raw.copy())
     state = cls.blocks_to_state(raw_t)
@@ -142,10 +144,12 @@ def test_quantizing_without_gguf_says_what_to_install(monkeypatch: pytest.Monkey
 # ---- products ----------------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=30)
-@given(case=raw_blocks(), n=st.sampled_from([1, 3, 17]), seed=SEEDS)
-def test_eager_linear_equals_linear_on_the_unpacked_weight(case: tuple[str, np.ndarray], n: int, seed: int) -> None:
-    ggml_type, raw = case
+@pytest.mark.parametrize("ggml_type", TYPES)
+@settings(max_examples=10)
+@given(data=st.data(), n=st.sampled_from([1, 3, 17]), seed=SEEDS)
+def test_eager_linear_equals_linear_on_the_unpacked_weight(ggml_type: str, data: st.DataObject, n: int,
+                                                           seed: int) -> None:
+    raw = data.draw(raw_blocks(ggml_type))
     layer = layer_class(ggml_type).from_blocks(torch.from_numpy(raw), bias=torch.randn(raw.shape[0]))
     x = torch.randn(n, layer.in_features, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -168,18 +172,20 @@ def test_compiled_products_and_unpacking() -> None:
     layers = [layer_class(t).from_blocks(torch.from_numpy(random_blocks(t, 5, 256 // layer_class(t).block_size, i)))
               for i, t in enumerate(TYPES)]
 
-    def step(x1: torch.Tensor, x3: torch.Tensor) -> list[torch.Tensor]:
-        # 3 rows for two formats only: the same code as 1 row, and each product compiles for a second.
-        return [out for layer in layers for out in (layer.linear(x1), layer.unpack(), layer.linear(x3)
-                                                    if layer.ggml_type in ("Q5_0", "Q4_K") else None)]
+    def step(x1: torch.Tensor, x3: torch.Tensor, x17: torch.Tensor) -> list[torch.Tensor]:
+        # 3 rows (fused, as 1 row) and 17 (unpacked chunks and BLAS) for two formats only: each product compiles
+        # for a second.
+        return [out for layer in layers for out in (
+            layer.linear(x1), layer.unpack(), *((layer.linear(x3), layer.linear(x17))
+                                                if layer.ggml_type in ("Q5_0", "Q4_K") else (None, None)))]
 
-    x1, x3 = torch.randn(1, 256), torch.randn(3, 256)
+    xs = torch.randn(1, 256), torch.randn(3, 256), torch.randn(17, 256)
     with torch.no_grad():
-        outs = torch.compile(step, backend="inductor", dynamic=False, fullgraph=True)(x1, x3)
+        outs = torch.compile(step, backend="inductor", dynamic=False, fullgraph=True)(*xs)
     for i, layer in enumerate(layers):
-        y1, w, y3 = outs[3 * i:3 * i + 3]
+        y1, w, y3, y17 = outs[4 * i:4 * i + 4]
         np.testing.assert_array_equal(bits(w), bits(layer.unpack()), err_msg=layer.scheme)
-        for x, y in ((x1, y1), (x3, y3)):
+        for x, y in zip(xs, (y1, y3, y17), strict=True):
             if y is not None:
                 assert relative_error(y, x.double() @ w.double().T) < 1e-5, layer.scheme
 
@@ -187,9 +193,11 @@ def test_compiled_products_and_unpacking() -> None:
 # ---- embedding and state -----------------------------------------------------------------------------------------
 
 
-@given(case=raw_blocks(), seed=SEEDS)
-def test_embed_gathers_unpacked_rows(case: tuple[str, np.ndarray], seed: int) -> None:
-    ggml_type, raw = case
+@pytest.mark.parametrize("ggml_type", TYPES)
+@settings(max_examples=5)
+@given(data=st.data(), seed=SEEDS)
+def test_embed_gathers_unpacked_rows(ggml_type: str, data: st.DataObject, seed: int) -> None:
+    raw = data.draw(raw_blocks(ggml_type))
     table = layer_class(ggml_type).from_blocks(torch.from_numpy(raw))
     ids = torch.randint(0, raw.shape[0], (2, 3), generator=torch.Generator().manual_seed(seed))
     embedding = QuantizedEmbedding(table)
