@@ -53,6 +53,7 @@ from torch import Tensor
 
 from ..registry import register
 from ..small_matmul import MAX_ROWS
+from . import cpu_kernels
 from .base import CHUNK_ELEMENTS, QuantizedLinear
 
 #: What to install for packing (the gguf package's quantizers).
@@ -398,13 +399,19 @@ class GGMLLinear(QuantizedLinear):
     def linear(self, x: Tensor) -> Tensor:
         """``x @ unpack().T`` for ``x`` of shape ``(rows, in_features)``, without the bias, computed in float32.
 
-        Compiled with at most ``MAX_ROWS`` rows and no gradients (decoding): the unpacking fused into a row-outer
+        The 32-weight formats, float32 on the CPU, up to ``cpu_kernels.KERNEL_ROWS`` rows without gradients (eager
+        or compiled): the hand-written kernel of ``cpu_kernels``. Otherwise, compiled with at most ``MAX_ROWS``
+        rows and no gradients (decoding): the unpacking fused into a row-outer
         multiply-reduce (``fused_block_linear``); compiled otherwise: the base class's chunks and BLAS. Eager:
         ``EAGER_CHUNK`` floats of weight at a time, decoded in the planes order (``BlockLayout``) as ``scale · q``
         and multiplied by BLAS with the inputs taken in that order; the offsets (``Codes.scaled``) multiply the
         inputs' per-run sums.
         """
         blocks, n = self.in_features // self.block_size, x.shape[0]
+        if n <= cpu_kernels.KERNEL_ROWS and cpu_kernels.usable(self.scheme, x, self.packed()):
+            # One pass over the packed bytes per 8 rows, weights unpacked in registers (see cpu_kernels).
+            packed = self.packed()
+            return cpu_kernels.ggml_mm(x, self.scheme, [packed[name] for name in cpu_kernels.FORMATS[self.scheme]])
         xf = x.to(torch.float32)
         if torch.compiler.is_compiling():
             if n > MAX_ROWS or torch.is_grad_enabled():

@@ -63,8 +63,8 @@ def quantized_skeleton(
 
     What ``from_pretrained`` does to a freshly built model before loading a quantized checkpoint into it: the
     result has the quantized model's structure without the work of quantizing weights that loading replaces
-    anyway (the new layers hold uninitialised memory until then). An ``nn.Linear`` becomes the scheme's ``QuantizedLinear``, an
-    ``nn.Embedding`` a ``QuantizedEmbedding``; a linear layer whose weight is tied to a named embedding's, under
+    anyway (the new layers hold uninitialised memory until then). An ``nn.Linear`` becomes the scheme's
+    ``QuantizedLinear``, an ``nn.Embedding`` a ``QuantizedEmbedding``; a linear layer whose weight is tied to a named embedding's, under
     the same scheme, becomes that embedding's packed table (stored once, as the float weights were).
 
     Args:

@@ -1,0 +1,259 @@
+"""Hand-written CPU products for the 32-weight GGUF block formats (``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``).
+
+Why by hand: decoding one token reads every weight once, so a product should run at memory speed. Nothing
+available does that for these formats with float activations (measured on the SmolLM2-135M shapes, one thread,
+``python -m benchmarks.quantized_kernels``): unpacking to float32 and BLAS is 8-20x the time of reading the packed
+bytes, inductor's fused unpack-and-reduce 2-5x, torch's ``_weight_int4pack_mm_for_cpu`` is scalar for float32 and
+rounds activations to bfloat16 otherwise; llama.cpp's own kernels quantize the activations to 8 bits, which the
+contract forbids (a quantized product equals ``F.linear`` on the unpacked weight up to float32 rounding). This
+module's kernel unpacks each block in registers (exactly as ``decode`` does: the same float32 weight values) and
+multiplies it into up to ``MAX_ROWS`` rows of activations with float32 fused multiply-adds, one pass over the
+packed bytes, output rows split over torch's threads.
+
+The source is compiled on first use with the system's C++ compiler (``torch.utils.cpp_extension.load_inline``,
+``-O3 -march=native``: AVX-512 where the CPU has it, plain loops the compiler vectorises otherwise) into torch's
+extension cache, once per machine and source; ``available()`` is False (and the callers use their own paths)
+when there is no compiler, off x86-64/ARM Linux and macOS, or with ``ZOO_CPU_KERNELS=0``. The products are the
+custom op ``zoo::ggml_mm``, so compiled graphs call them like any other op.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from typing import Any
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger("blocks.quantized")
+
+#: Formats this kernel multiplies, and the packed tensors it reads (their order in the op's ``packed`` list).
+FORMATS: dict[str, tuple[str, ...]] = {
+    "q8_0": ("d", "qs"), "q4_0": ("d", "qs"), "q4_1": ("d", "m", "qs"), "q5_0": ("d", "qh", "qs"),
+    "q5_1": ("d", "m", "qh", "qs"),
+}
+#: Rows multiplied per pass over the weight (more rows are done in passes of this many).
+MAX_ROWS = 8
+#: Rows up to which the layers use the kernel; from there unpacking chunks for BLAS costs less than more passes
+#: (SmolLM2 shapes, one thread: at 16 rows the kernel takes 0.34 ms for 1536 x 576 against 0.38 ms for BLAS on the
+#: float weight alone, and 11 against 25 ms for the 49152 x 576 head).
+KERNEL_ROWS = 32
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum Format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4 };
+
+struct Packed {
+  const at::Half* d; const at::Half* m; const int32_t* qh; const uint8_t* qs;
+  int64_t nb;  // blocks per row
+};
+
+// The 32 weights of block g of row n, as decode() computes them: (q - offset) * d, or d * q + m.
+template <int F>
+static inline void block_values(const Packed& p, int64_t n, int64_t g, float* w) {
+  const float d = static_cast<float>(p.d[n * p.nb + g]);
+  if (F == Q8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(p.qs) + (n * p.nb + g) * 32;
+    for (int j = 0; j < 32; ++j) w[j] = static_cast<float>(q[j]) * d;
+    return;
+  }
+  const uint8_t* q = p.qs + (n * p.nb + g) * 16;
+  const uint32_t h = (F == Q5_0 || F == Q5_1) ? static_cast<uint32_t>(p.qh[n * p.nb + g]) : 0u;
+  for (int j = 0; j < 16; ++j) {
+    int lo = q[j] & 0x0F, hi = q[j] >> 4;
+    if (F == Q5_0 || F == Q5_1) { lo |= ((h >> j) & 1u) << 4; hi |= ((h >> (j + 16)) & 1u) << 4; }
+    if (F == Q4_0) { w[j] = d * static_cast<float>(lo - 8); w[j + 16] = d * static_cast<float>(hi - 8); }
+    else if (F == Q5_0) { w[j] = d * static_cast<float>(lo - 16); w[j + 16] = d * static_cast<float>(hi - 16); }
+    else {
+      const float m = static_cast<float>(p.m[n * p.nb + g]);
+      w[j] = d * static_cast<float>(lo) + m; w[j + 16] = d * static_cast<float>(hi) + m;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// The same values, in two vectors (weights 0-15 and 16-31), with the same float32 operations.
+template <int F>
+static inline void block_vectors(const Packed& p, int64_t n, int64_t g, __m512& w0, __m512& w1) {
+  const __m512 d = _mm512_set1_ps(static_cast<float>(p.d[n * p.nb + g]));
+  if (F == Q8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(p.qs) + (n * p.nb + g) * 32;
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q))), d);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)))), d);
+    return;
+  }
+  const __m128i b = _mm_loadu_si128((const __m128i*)(p.qs + (n * p.nb + g) * 16));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(b, low));
+  __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+  if (F == Q5_0 || F == Q5_1) {
+    const uint32_t h = static_cast<uint32_t>(p.qh[n * p.nb + g]);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    lo = _mm512_mask_add_epi32(lo, static_cast<__mmask16>(h & 0xFFFFu), lo, sixteen);
+    hi = _mm512_mask_add_epi32(hi, static_cast<__mmask16>(h >> 16), hi, sixteen);
+  }
+  if (F == Q4_0 || F == Q5_0) {
+    const __m512i offset = _mm512_set1_epi32(F == Q4_0 ? 8 : 16);
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, offset)));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, offset)));
+  } else {
+    const __m512 m = _mm512_set1_ps(static_cast<float>(p.m[n * p.nb + g]));
+    w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m);
+    w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m);
+  }
+}
+#endif
+
+// y[r, n] = sum_k x[r, k] * w[n, k] for the R rows of x, output rows n0 <= n < n1.
+template <int F, int R>
+static void rows(const float* x, int64_t K, const Packed& p, float* y, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+#if defined(__AVX512F__)
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < p.nb; ++g) {
+      __m512 w0, w1;
+      block_vectors<F>(p, n, g, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * K + 32 * g;
+        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
+        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+#else
+    float acc[R][32] = {};
+    float w[32];
+    for (int64_t g = 0; g < p.nb; ++g) {
+      block_values<F>(p, n, g, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * K + 32 * g;
+        for (int j = 0; j < 32; ++j) acc[r][j] += w[j] * xr[j];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = 0.f;
+      for (int j = 0; j < 32; ++j) s += acc[r][j];
+      y[r * N + n] = s;
+    }
+#endif
+  }
+}
+
+template <int F>
+static void pass(const float* x, int64_t R, int64_t K, const Packed& p, float* y, int64_t N, int64_t n0, int64_t n1) {
+  switch (R) {
+    case 1: rows<F, 1>(x, K, p, y, N, n0, n1); break;
+    case 2: rows<F, 2>(x, K, p, y, N, n0, n1); break;
+    case 3: rows<F, 3>(x, K, p, y, N, n0, n1); break;
+    case 4: rows<F, 4>(x, K, p, y, N, n0, n1); break;
+    case 5: rows<F, 5>(x, K, p, y, N, n0, n1); break;
+    case 6: rows<F, 6>(x, K, p, y, N, n0, n1); break;
+    case 7: rows<F, 7>(x, K, p, y, N, n0, n1); break;
+    default: rows<F, 8>(x, K, p, y, N, n0, n1); break;
+  }
+}
+
+torch::Tensor ggml_mm(torch::Tensor x, int64_t format, std::vector<torch::Tensor> packed) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-d float32 tensor");
+  x = x.contiguous();
+  const int64_t R = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "in_features must be a multiple of 32");
+  const torch::Tensor& qs = packed.back();
+  const int64_t N = qs.size(0);
+  Packed p{packed[0].data_ptr<at::Half>(), nullptr, nullptr, static_cast<const uint8_t*>(qs.data_ptr()), K / 32};
+  if (format == Q4_1 || format == Q5_1) p.m = packed[1].data_ptr<at::Half>();
+  if (format == Q5_0) p.qh = packed[1].data_ptr<int32_t>();
+  if (format == Q5_1) p.qh = packed[2].data_ptr<int32_t>();
+  auto y = torch::empty({R, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Output rows are split over torch's threads; rows of x go in passes of up to 8 (one read of the weight each).
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = 0; r0 < R; r0 += 8) {
+      const int64_t r = std::min<int64_t>(8, R - r0);
+      const float* xr = xp + r0 * K;
+      float* yr = yp + r0 * N;
+      switch (format) {
+        case Q8_0: pass<Q8_0>(xr, r, K, p, yr, N, n0, n1); break;
+        case Q4_0: pass<Q4_0>(xr, r, K, p, yr, N, n0, n1); break;
+        case Q4_1: pass<Q4_1>(xr, r, K, p, yr, N, n0, n1); break;
+        case Q5_0: pass<Q5_0>(xr, r, K, p, yr, N, n0, n1); break;
+        default: pass<Q5_1>(xr, r, K, p, yr, N, n0, n1); break;
+      }
+    }
+  });
+  return y;
+}
+"""
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _extension() -> Any:
+    """The compiled extension (built or loaded from torch's cache on the first call), or None when it cannot be."""
+    with _LOCK:
+        if "module" not in _STATE:
+            _STATE["module"] = None
+            if os.environ.get("ZOO_CPU_KERNELS", "1") != "0":
+                # -march=native: the name carries the CPU's flags, so a cache shared between machines never hands
+                # one a binary built for another.
+                key = hashlib.sha256((_SOURCE + _cpu_flags() + torch.__version__).encode()).hexdigest()[:16]
+                try:
+                    from torch.utils.cpp_extension import load_inline
+
+                    _STATE["module"] = load_inline(
+                        f"zoo_ggml_kernels_{key}", cpp_sources=_SOURCE, functions=["ggml_mm"],
+                        extra_cflags=["-O3", "-march=native"], verbose=False,
+                    )
+                except Exception as e:  # no compiler, headers or a supported CPU: the callers' own paths run
+                    logger.warning("the CPU kernels for GGUF blocks could not be built (%s); using the slower "
+                                   "unpack-and-multiply paths", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return _STATE["module"]
+
+
+def available() -> bool:
+    """Whether the kernels are built (building them on the first call)."""
+    return _extension() is not None
+
+
+@torch.library.custom_op("zoo::ggml_mm", mutates_args=())
+def ggml_mm(x: Tensor, scheme: str, packed: list[Tensor]) -> Tensor:
+    """``x @ unpack().T`` for a layer of a ``FORMATS`` scheme, from its packed tensors (``FORMATS[scheme]`` order).
+
+    Shapes: ``x (rows, in)`` float32, packed tensors with ``out`` rows -> ``(rows, out)`` float32.
+    """
+    return _extension().ggml_mm(x, list(FORMATS).index(scheme), packed)
+
+
+@ggml_mm.register_fake
+def _(x: Tensor, scheme: str, packed: list[Tensor]) -> Tensor:
+    return x.new_empty(x.shape[0], packed[-1].shape[0])
+
+
+def usable(scheme: str, x: Tensor, packed: dict[str, Tensor]) -> bool:
+    """Whether ``ggml_mm`` can multiply ``x`` by these packed tensors: a format it knows, float32 on the CPU, no
+    gradient wanted, packed tensors in their file dtypes, and the kernel built (built here on an eager call; a
+    compiled graph uses it when an eager call has built it: decoding prefills eagerly first)."""
+    return (scheme in FORMATS and x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] % 32 == 0
+            and not (torch.is_grad_enabled() and x.requires_grad) and packed["d"].dtype == torch.float16
+            and all(packed[name].device.type == "cpu" and packed[name].is_contiguous() for name in FORMATS[scheme])
+            and (_STATE.get("module") is not None if torch.compiler.is_compiling() else available()))

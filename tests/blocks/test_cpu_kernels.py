@@ -1,0 +1,68 @@
+"""The hand-written CPU products of the 32-weight GGUF formats (``blocks.quantized.cpu_kernels``): each equals
+``F.linear`` on the layer's unpacked weight (itself ``gguf.quants.dequantize`` bit for bit, tested in
+``test_quantized_ggml.py``) up to float32 rounding, for any rows (passes of 8) and widths, eagerly and inside a
+compiled graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import blocks
+from blocks.quantized import cpu_kernels
+
+
+def close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Within float32 rounding of the sum: |y - x·w| <= 1e-5 · (|x|·|w|), element-wise."""
+    reference = F.linear(x.double(), w.double())
+    bound = F.linear(x.abs().double(), w.abs().double())
+    return bool(((y.double() - reference).abs() <= 1e-5 * bound + 1e-30).all())
+
+
+def test_the_kernels_are_built_here() -> None:
+    # The test machine has a C++ compiler: the kernels must build (a failure is a bug, not a reason to skip).
+    assert cpu_kernels.available()
+
+
+@pytest.mark.parametrize("scheme", sorted(cpu_kernels.FORMATS))
+@settings(max_examples=6)
+@given(out=st.integers(1, 70), blocks_per_row=st.integers(1, 5), rows=st.integers(1, 19), seed=st.integers(0, 99))
+def test_kernel_equals_linear_on_the_unpacked_weight(scheme: str, out: int, blocks_per_row: int, rows: int,
+                                                     seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, 32 * blocks_per_row, generator=gen) * 0.05
+    layer = blocks.get("quantization", scheme).from_float(weight)
+    x = torch.randn(rows, 32 * blocks_per_row, generator=gen)
+    packed = [getattr(layer, name) for name in cpu_kernels.FORMATS[scheme]]
+    y = cpu_kernels.ggml_mm(x, scheme, packed)
+    assert y.shape == (rows, out) and close(y, x, layer.unpack())
+    # A layer's own forward takes the kernel for float32 inputs without gradients.
+    with torch.no_grad():
+        assert torch.equal(layer(x), y)
+
+
+def test_the_kernel_inside_a_compiled_graph_and_its_limits() -> None:
+    layer = blocks.get("quantization", "q4_1").from_float(torch.randn(40, 64) * 0.1)
+    x = torch.randn(3, 64)
+    packed = dict(layer.packed())
+    assert cpu_kernels.usable("q4_1", x, packed)
+    assert not cpu_kernels.usable("q4_1", x.bfloat16(), packed)  # float32 only
+    assert not cpu_kernels.usable("q6_k", x, packed)  # not a format of the kernel
+    with torch.enable_grad():
+        assert not cpu_kernels.usable("q4_1", x.requires_grad_(), packed)  # no backward
+    x = x.detach()
+    compiled = torch.compile(lambda t: cpu_kernels.ggml_mm(t, "q4_1", [packed["d"], packed["m"], packed["qs"]]),
+                             backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), cpu_kernels.ggml_mm(x, "q4_1", [packed["d"], packed["m"], packed["qs"]]))
+
+
+def test_a_wide_head_and_many_rows() -> None:
+    # 3 passes of up to 8 rows over a 2000-row weight split over threads: every output written once.
+    layer = blocks.get("quantization", "q8_0").from_float(torch.randn(2000, 96) * 0.02)
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((21, 96)).astype(np.float32))
+    y = cpu_kernels.ggml_mm(x, "q8_0", [layer.d, layer.qs])
+    assert close(y, x, layer.unpack())
