@@ -14,7 +14,8 @@ The source is compiled on first use with the system's C++ compiler (``torch.util
 ``-O3 -march=native``: AVX-512 where the CPU has it, plain loops the compiler vectorises otherwise) into torch's
 extension cache, once per machine and source; ``available()`` is False (and the callers use their own paths)
 when there is no compiler, off x86-64/ARM Linux and macOS, or with ``ZOO_CPU_KERNELS=0``. The products are the
-custom op ``zoo::ggml_mm``, so compiled graphs call them like any other op.
+dispatcher op ``zoo_ggml::ggml_mm`` (registered by the compiled library, with a fake kernel for tracing), so
+eager and compiled calls reach it without Python in between.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#ifndef PREFETCH
+#define PREFETCH 2048
 #endif
 
 enum Format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4 };
@@ -118,18 +123,41 @@ template <int F, int R>
 static void rows(const float* x, int64_t K, const Packed& p, float* y, int64_t N, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
 #if defined(__AVX512F__)
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < p.nb; ++g) {
+    // Four independent accumulators per row (two blocks at a time, each block's two halves apart): one chain of
+    // dependent FMAs would hold a row to one FMA latency per 16 weights, below memory speed.
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r) for (int a = 0; a < 4; ++a) acc[r][a] = _mm512_setzero_ps();
+    int64_t g = 0;
+    // Bytes per block of qs; the weights are read as one stream over the rows, fetched PREFETCH bytes ahead
+    // (the hardware's prefetcher alone keeps too few lines in flight for the few loads per block).
+    const int64_t bytes = (F == Q8_0) ? 32 : 16;
+    const char* stream = reinterpret_cast<const char*>(p.qs) + n * p.nb * bytes;
+    for (; g + 1 < p.nb; g += 2) {
+      _mm_prefetch(stream + g * bytes + PREFETCH, _MM_HINT_T0);
+      __m512 w0, w1, w2, w3;
+      block_vectors<F>(p, n, g, w0, w1);
+      block_vectors<F>(p, n, g + 1, w2, w3);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * K + 32 * g;
+        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xr + 32), acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xr + 48), acc[r][3]);
+      }
+    }
+    if (g < p.nb) {
       __m512 w0, w1;
       block_vectors<F>(p, n, g, w0, w1);
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * K + 32 * g;
-        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
-        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
+        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
       }
     }
-    for (int r = 0; r < R; ++r) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+      y[r * N + n] = _mm512_reduce_add_ps(sum);
+    }
 #else
     float acc[R][32] = {};
     float w[32];
@@ -163,9 +191,9 @@ static void pass(const float* x, int64_t R, int64_t K, const Packed& p, float* y
   }
 }
 
-torch::Tensor ggml_mm(torch::Tensor x, int64_t format, std::vector<torch::Tensor> packed) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-d float32 tensor");
-  x = x.contiguous();
+torch::Tensor ggml_mm(const torch::Tensor& input, int64_t format, at::TensorList packed) {
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == torch::kFloat32, "x must be a 2-d float32 tensor");
+  const torch::Tensor x = input.contiguous();
   const int64_t R = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "in_features must be a multiple of 32");
   const torch::Tensor& qs = packed.back();
@@ -194,6 +222,10 @@ torch::Tensor ggml_mm(torch::Tensor x, int64_t format, std::vector<torch::Tensor
   });
   return y;
 }
+
+// A dispatcher op (not a Python binding): compiled graphs and eager calls reach it without Python in between.
+TORCH_LIBRARY(zoo_ggml, m) { m.def("ggml_mm(Tensor x, int format, Tensor[] packed) -> Tensor"); }
+TORCH_LIBRARY_IMPL(zoo_ggml, CPU, m) { m.impl("ggml_mm", &ggml_mm); }
 """
 
 _LOCK = threading.Lock()
@@ -220,10 +252,10 @@ def _extension() -> Any:
                 try:
                     from torch.utils.cpp_extension import load_inline
 
-                    _STATE["module"] = load_inline(
-                        f"zoo_ggml_kernels_{key}", cpp_sources=_SOURCE, functions=["ggml_mm"],
-                        extra_cflags=["-O3", "-march=native"], verbose=False,
-                    )
+                    load_inline(f"zoo_ggml_kernels_{key}", cpp_sources=_SOURCE, extra_cflags=["-O3", "-march=native"],
+                                is_python_module=False, verbose=False)
+                    torch.library.register_fake("zoo_ggml::ggml_mm")(_fake)
+                    _STATE["module"] = torch.ops.zoo_ggml
                 except Exception as e:  # no compiler, headers or a supported CPU: the callers' own paths run
                     logger.warning("the CPU kernels for GGUF blocks could not be built (%s); using the slower "
                                    "unpack-and-multiply paths", str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -235,17 +267,19 @@ def available() -> bool:
     return _extension() is not None
 
 
-@torch.library.custom_op("zoo::ggml_mm", mutates_args=())
 def ggml_mm(x: Tensor, scheme: str, packed: list[Tensor]) -> Tensor:
-    """``x @ unpack().T`` for a layer of a ``FORMATS`` scheme, from its packed tensors (``FORMATS[scheme]`` order).
+    """``x @ unpack().T`` for a layer of a ``FORMATS`` scheme, from its packed tensors (``FORMATS[scheme]`` order):
+    the op ``zoo_ggml::ggml_mm`` (``available()`` must have built it).
 
     Shapes: ``x (rows, in)`` float32, packed tensors with ``out`` rows -> ``(rows, out)`` float32.
     """
-    return _extension().ggml_mm(x, list(FORMATS).index(scheme), packed)
+    return torch.ops.zoo_ggml.ggml_mm(x, _FORMAT_IDS[scheme], packed)
 
 
-@ggml_mm.register_fake
-def _(x: Tensor, scheme: str, packed: list[Tensor]) -> Tensor:
+_FORMAT_IDS = {scheme: i for i, scheme in enumerate(FORMATS)}
+
+
+def _fake(x: Tensor, format: int, packed: list[Tensor]) -> Tensor:  # noqa: A002 - the op's argument name
     return x.new_empty(x.shape[0], packed[-1].shape[0])
 
 
