@@ -63,9 +63,9 @@ def _positive(text: str) -> int:
 
 def _quantization_options(command: argparse.ArgumentParser) -> None:
     """``--quantize SCHEME`` and ``--dequantize`` (one of them at most), shared by the commands that run a model."""
-    import blocks
+    from blocks.quantized import packable_schemes
 
-    schemes = blocks.names("quantization")
+    schemes = packable_schemes()
     group = command.add_mutually_exclusive_group()
     group.add_argument("--quantize", choices=schemes, default=None, metavar="SCHEME",
                        help=f"quantize a float checkpoint's weights after loading, one of: {', '.join(schemes)} "

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import blocks
-from blocks.quantized import quantized_modules
+from blocks.quantized import packable_schemes, quantized_modules
 
 
 def check_request(quantize: str | None, dequantize: bool) -> None:
@@ -23,8 +22,9 @@ def check_request(quantize: str | None, dequantize: bool) -> None:
         raise ValueError(f"dequantize must be True or False, got {dequantize!r}")
     if quantize is not None and dequantize:
         raise ValueError("quantize and dequantize exclude each other; expected one of them at most")
-    if quantize is not None and quantize not in blocks.names("quantization"):
-        raise ValueError(f"unknown quantization scheme {quantize!r}; expected one of {blocks.names('quantization')}")
+    if quantize is not None and quantize not in packable_schemes():
+        raise ValueError(f"unknown quantization scheme {quantize!r}; expected one of {packable_schemes()} (the "
+                         "GGUF K-quants are read from GGUF files, not packed here)")
 
 
 def check_quantization(model: Any, source: str, quantize: str | None, dequantize: bool) -> None:

@@ -12,6 +12,7 @@ from .int8 import Int8Linear
 from .surgery import (
     check_unquantized,
     dequantize_linears,
+    packable_schemes,
     quantization_mismatch,
     quantization_options,
     quantize_linears,
@@ -23,6 +24,7 @@ from .surgery import (
 
 __all__ = [
     "CHUNK_ELEMENTS", "Int4Linear", "Int8Linear", "PackedWeight", "QuantizedEmbedding", "QuantizedLinear",
-    "check_unquantized", "dequantize_linears", "quantization_mismatch", "quantization_options", "quantize_linears",
+    "check_unquantized", "dequantize_linears", "packable_schemes", "quantization_mismatch", "quantization_options",
+    "quantize_linears",
     "quantized_modules", "quantized_skeleton", "scheme_of", "state_names_of",
 ]

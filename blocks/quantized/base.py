@@ -53,6 +53,8 @@ class QuantizedLinear(nn.Module):
     scheme: ClassVar[str] = ""
     #: the packed tensors (buffers, ``out_features`` rows first) a checkpoint holds per layer, besides ``bias``.
     state_names: ClassVar[tuple[str, ...]] = ()
+    #: whether ``from_float`` can pack a float weight (the GGUF K-quants are only loaded from files).
+    has_quantizer: ClassVar[bool] = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **options: Any) -> None:
         super().__init__()
@@ -211,13 +213,14 @@ class QuantizedLinear(nn.Module):
         return linear
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantizedLinear:
-        # model.to(dtype) / model.half() cast floating buffers; packed tensors keep their dtype (a float16 block
-        # scale is part of the format), only their device follows.
-        dtypes = {name: getattr(self, name).dtype for name in self.state_names}
+        # model.to(dtype) / model.half() cast floating buffers; packed tensors keep their dtype and values (a float16
+        # block scale is part of the format; through bfloat16 and back it would be rounded), only their device follows.
+        before = {name: getattr(self, name) for name in self.state_names}
         super()._apply(fn, recurse)
-        for name, dtype in dtypes.items():
-            if getattr(self, name).dtype != dtype:
-                setattr(self, name, getattr(self, name).to(dtype))
+        for name, tensor in before.items():
+            after = getattr(self, name)
+            if after.dtype != tensor.dtype:
+                setattr(self, name, tensor.to(after.device))
         return self
 
     def extra_repr(self) -> str:

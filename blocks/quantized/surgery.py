@@ -64,8 +64,9 @@ def quantized_skeleton(
     What ``from_pretrained`` does to a freshly built model before loading a quantized checkpoint into it: the
     result has the quantized model's structure without the work of quantizing weights that loading replaces
     anyway (the new layers hold uninitialised memory until then). An ``nn.Linear`` becomes the scheme's
-    ``QuantizedLinear``, an ``nn.Embedding`` a ``QuantizedEmbedding``; a linear layer whose weight is tied to a named embedding's, under
-    the same scheme, becomes that embedding's packed table (stored once, as the float weights were).
+    ``QuantizedLinear``, an ``nn.Embedding`` a ``QuantizedEmbedding``; a linear layer whose weight is tied to a
+    named embedding's, under the same scheme, becomes that embedding's packed table (stored once, as the float
+    weights were).
 
     Args:
         module: the model.
@@ -105,6 +106,11 @@ def quantized_skeleton(
     for name, layer in built.items():
         module.set_submodule(name, layer)
     return module
+
+
+def packable_schemes() -> list[str]:
+    """The schemes whose ``from_float`` packs float weights (``quantize_linears`` / ``model.quantize`` take them)."""
+    return [name for name in names("quantization") if get("quantization", name).has_quantizer]
 
 
 def _scheme_class(scheme: str) -> type[QuantizedLinear]:

@@ -22,7 +22,7 @@ import transformers
 
 import blocks
 from blocks.adapters import AdaptedLinear, AdaptedQuantizedLinear
-from blocks.quantized import Int8Linear, QuantizedLinear
+from blocks.quantized import Int8Linear, QuantizedLinear, packable_schemes
 from models import DecoderLM
 from models.convert import save_transformers
 from tests.serving.test_engine_quantized import quantize_tied
@@ -73,7 +73,7 @@ def _quiet() -> None:
         yield
 
 
-@pytest.mark.parametrize("scheme", blocks.names("quantization"))
+@pytest.mark.parametrize("scheme", packable_schemes())
 def test_adapted_layer_output_and_input_gradient_follow_the_unpacked_weight(
     scheme: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
