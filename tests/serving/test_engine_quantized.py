@@ -16,8 +16,8 @@ from models import DecoderLM
 from models.generation import compiled
 from models.generation.speculative import speculative_decode
 from serving import Engine
-from serving.engine_process import ModelSource
 from serving.engine import kv_block_nbytes
+from serving.engine_process import ModelSource
 from serving.runner import float_like
 
 from .test_engine import MAX_TOKENS, alone, prompts, run_staggered, tiny_model
