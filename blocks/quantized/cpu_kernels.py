@@ -97,6 +97,21 @@ static inline void block_vectors(const Packed& p, int64_t n, int64_t g, __m512& 
     return;
   }
   const __m128i b = _mm_loadu_si128((const __m128i*)(p.qs + (n * p.nb + g) * 16));
+  if (F == Q4_0 || F == Q4_1) {
+    // The block's 16 possible weights in one vector (d · (i - 8), or d · i + m: the values decode computes), looked
+    // up by nibble: vpermps reads the low 4 bits of each 32-bit index, so the low nibbles need no mask.
+    const __m512 codes = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 table;
+    if (F == Q4_0) {
+      table = _mm512_mul_ps(d, _mm512_sub_ps(codes, _mm512_set1_ps(8.0f)));
+    } else {
+      table = _mm512_add_ps(_mm512_mul_ps(d, codes), _mm512_set1_ps(static_cast<float>(p.m[n * p.nb + g])));
+    }
+    const __m512i bytes = _mm512_cvtepu8_epi32(b);
+    w0 = _mm512_permutexvar_ps(bytes, table);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    return;
+  }
   const __m128i low = _mm_set1_epi8(0x0F);
   __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(b, low));
   __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low));

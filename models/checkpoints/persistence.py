@@ -6,9 +6,10 @@
 at any revision; ``model.push_to_hub(repo_id)`` uploads the same folder in one commit. All Hub traffic goes
 through ``huggingface_hub``.
 
-Quantized models (``model.quantize("int8")``, see ``blocks.quantized``) are saved as they are: the safetensors
-file holds each quantized layer's ``weight_int8`` (int8, one byte per weight), ``scale`` (float32, one per output
-channel) and ``bias``, and ``config.json`` gets a top-level entry beside ``dtype``::
+Quantized models (``model.quantize("int8")``, a GGUF file loaded packed; see ``blocks.quantized``) are saved as
+they are: the safetensors file holds each quantized layer's packed tensors (its scheme's ``state_names``, e.g.
+``weight_int8`` and ``scale`` for int8, ``d`` and ``qs`` for q8_0) and ``bias``, and ``config.json`` gets a
+top-level entry beside ``dtype``::
 
     "quantization": {"scheme": "int8", "modules": ["layers.0.self_attn.q_proj", ..., "lm_head"]}
 
@@ -76,7 +77,7 @@ class PersistenceMixin:
         Returns:
             The folder's path.
 
-        A quantized model is saved quantized (int8 weights, one byte each) and ``config.json`` records the scheme
+        A quantized model is saved quantized (its packed tensors) and ``config.json`` records the schemes
         and the quantized layers (see the module docstring); ``from_pretrained`` rebuilds it quantized.
 
         Raises:
@@ -101,7 +102,7 @@ class PersistenceMixin:
         """Load a checkpoint of this class from a local folder, a ``.gguf`` file or a Hub repo (any revision).
 
         The weights must fit the config exactly: missing, unexpected or mis-shaped tensors are an error. A quantized
-        checkpoint (``config.json`` has a ``quantization`` entry) gives a quantized model with the saved int8 weights.
+        checkpoint (``config.json`` has a ``quantization`` entry) gives a quantized model with the saved packed tensors.
         Checkpoints written by ``transformers`` (and GGUF files) are converted when ``models.convert`` supports
         them. The keyword arguments (``revision``, ``device``, ``dtype``, ``attention_backend``, ``token``,
         ``endpoint``) are those of ``models.auto.LoadOptions``.
