@@ -34,7 +34,8 @@ import torch.nn.functional as F
 import blocks
 from benchmarks.compare import Table
 from benchmarks.quantized_int import timed
-from blocks.quantized.ggml import SCHEMES, GGMLLinear
+from blocks.quantized.ggml import GGMLLinear
+from blocks.quantized.ggml_formats import SCHEMES
 
 #: (out, in) of SmolLM2-135M's products.
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]

@@ -5,7 +5,7 @@ Schemes: ``int8`` (per output channel), ``int4`` (group-wise), and the GGUF bloc
 layers for quantized ones and back.
 """
 
-from . import ggml, int4, int8  # noqa: F401  (registers the schemes)
+from . import ggml_formats, int4, int8  # noqa: F401  (registers the schemes)
 from .base import CHUNK_ELEMENTS, PackedWeight, QuantizedEmbedding, QuantizedLinear
 from .int4 import Int4Linear
 from .int8 import Int8Linear

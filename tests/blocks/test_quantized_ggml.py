@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import blocks
 from blocks.quantized import QuantizedEmbedding
-from blocks.quantized.ggml import SCHEMES, GGMLLinear
+from blocks.quantized.ggml import GGMLLinear
+from blocks.quantized.ggml_formats import SCHEMES
 from tests.strategies import SEEDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -160,8 +161,10 @@ def test_eager_linear_equals_linear_on_the_unpacked_weight(ggml_type: str, data:
 
 def test_eager_linear_works_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     import blocks.quantized.ggml as ggml
+    from blocks.quantized import cpu_kernels
 
     monkeypatch.setattr(ggml, "EAGER_CHUNK", 64)  # two rows of 32 per chunk: three chunks, the last one short
+    monkeypatch.setattr(cpu_kernels, "usable", lambda *args: False)  # the chunked path, not the kernel
     layer = layer_class("Q4_1").from_blocks(torch.from_numpy(random_blocks("Q4_1", 5, 1, seed=3)))
     x = torch.randn(2, 32)
     assert relative_error(layer.linear(x), x.double() @ layer.unpack().double().T) < 1e-5
