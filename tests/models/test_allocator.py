@@ -38,7 +38,9 @@ def faults_per_step(imports: str) -> int:
 def test_import_keeps_freed_memory_mapped():
     pages = (96 << 20) // 4096  # the step's 96 MiB in 4 KiB pages
     assert faults_per_step("models") < pages // 20  # kept: (nearly) nothing faulted again
-    assert faults_per_step("torch") > pages // 2  # glibc's defaults (torch alone): most pages fault again
+    # glibc's defaults (torch alone): a large share of the pages fault again. Alone it measured 24545 per step; inside
+    # the full suite (2 workers, 2026-11-27) 10125 twice, the dynamic trim threshold having kept part of the heap.
+    assert faults_per_step("torch") > pages // 4
 
 
 @pytest.mark.parametrize("environ", [
