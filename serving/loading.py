@@ -65,13 +65,9 @@ def apply_quantization(model: Any, quantize: str | None, dequantize: bool) -> An
 
 
 def load_options(dequantize: bool, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` for ``models.from_pretrained``, with ``dequantize=True`` when it takes that option (so a quantized
-    checkpoint loads as float32 without its packed form being built first)."""
-    from models.checkpoints.options import LoadOptions
-
-    if dequantize and "dequantize" in LoadOptions.__annotations__:
-        return {**options, "dequantize": True}
-    return dict(options)
+    """``options`` for ``models.from_pretrained``, with ``dequantize=True`` when asked (a GGUF file then loads as
+    float32 without its packed form being built first)."""
+    return {**options, "dequantize": True} if dequantize else dict(options)
 
 
 def load_model(path: str, *, quantize: str | None = None, dequantize: bool = False, **options: Any) -> Any:

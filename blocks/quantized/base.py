@@ -21,6 +21,7 @@ report them in ``options()``; the checkpoint's ``config.json`` records them (``m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -166,12 +167,18 @@ class QuantizedLinear(nn.Module):
         """
         if torch.compiler.is_compiling() and x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled():
             return small_rows_linear(x, self.unpack())
-        step = max(1, CHUNK_ELEMENTS // self.in_features)
-        if step >= self.out_features:
-            return F.linear(x, self.unpack().to(x.dtype))
-        pieces = [F.linear(x, self.unpack(slice(start, start + step)).to(x.dtype))
-                  for start in range(0, self.out_features, step)]
-        return torch.cat(pieces, dim=-1)
+        return self.in_chunks(CHUNK_ELEMENTS, lambda a, b: F.linear(x, self.unpack(slice(a, b)).to(x.dtype)))
+
+    def in_chunks(self, elements: int, product: Callable[[int, int], Tensor]) -> Tensor:
+        """``product(start, stop)`` (the outputs ``start:stop`` of a product) over consecutive runs of output rows
+        holding at most ``elements`` weights (at least one row each), concatenated: the most of the weight an eager
+        product unpacks at a time.
+
+        Shapes: each ``product`` ``(rows, stop - start)`` -> ``(rows, out_features)``.
+        """
+        step = max(1, elements // self.in_features)
+        pieces = [product(start, min(start + step, self.out_features)) for start in range(0, self.out_features, step)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:

@@ -97,17 +97,6 @@ class GGMLLinear(QuantizedLinear):
         if sum(size for _, size, _ in cls.fields) != cls.type_size:
             raise TypeError(f"{cls.__name__}: the fields {cls.fields} do not add up to {cls.type_size} bytes")
 
-    def _apply(self, fn: Any, recurse: bool = True) -> GGMLLinear:
-        # model.to(dtype) casts floating buffers: the float16 scales would go through that dtype and back (lossy for
-        # bfloat16), so they keep their values and only follow the device.
-        before = {name: getattr(self, name) for name in self.state_names}
-        super()._apply(fn, recurse)
-        for name, tensor in before.items():
-            after = getattr(self, name)
-            if after is not tensor and tensor.is_floating_point():
-                setattr(self, name, tensor.to(after.device))
-        return self
-
     # ---- the contract -------------------------------------------------------------------------------------------
 
     @classmethod
@@ -301,9 +290,9 @@ class GGMLLinear(QuantizedLinear):
         inputs' per-run sums.
         """
         blocks, n = self.in_features // self.block_size, x.shape[0]
-        if n <= cpu_kernels.KERNEL_ROWS and cpu_kernels.usable(self.scheme, x, self.packed()):
+        packed = self.packed()
+        if n <= cpu_kernels.KERNEL_ROWS and cpu_kernels.usable(self.scheme, x, packed):
             # One pass over the packed bytes per 8 rows, weights unpacked in registers (see cpu_kernels).
-            packed = self.packed()
             return cpu_kernels.ggml_mm(x, self.scheme, [packed[name] for name in cpu_kernels.FORMATS[self.scheme]])
         xf = x.to(torch.float32)
         if torch.compiler.is_compiling():
@@ -311,23 +300,22 @@ class GGMLLinear(QuantizedLinear):
                 return super().linear(x)  # chunks unpacked by one fused kernel each, then BLAS
             # The exact weights: offsets multiplied by the runs' input sums would be a second reduction, which
             # inductor vectorises over runs of 4 to 16 (Q4_K: 5x slower than this).
-            weights = self.decode_blocks(self.packed(), blocks)
+            weights = self.decode_blocks(packed, blocks)
             return fused_block_linear(xf, weights, order=self.fused_order).to(x.dtype)
         layout = BlockLayout(n, blocks, self.block_shape, planes=True)
         xp = layout.place(xf.reshape(n, blocks, *self.block_shape))  # (n, *planes, blocks, run)
         runs = xp.shape[1:-1]
         sums = xp.sum(-1).view(n, -1)  # (n, planes · blocks): what each run's offset multiplies
         xp = xp.view(n, self.in_features)
-        step = max(1, EAGER_CHUNK // self.in_features)
-        pieces = []
-        for start in range(0, self.out_features, step):
-            packed = self.packed(slice(start, start + step))
-            rows = packed[self.state_names[0]].shape[0]
-            codes = self.codes(packed, BlockLayout(rows, blocks, self.block_shape, planes=True))
+
+        def product(start: int, stop: int) -> Tensor:
+            rows = stop - start
+            layout = BlockLayout(rows, blocks, self.block_shape, planes=True)
+            codes = self.codes(self.packed(slice(start, stop)), layout)
             weights, offsets = codes.scaled(integer_zero=True)
             y = F.linear(xp, weights.reshape(rows, self.in_features))
             if offsets is not None:
                 y = y + F.linear(sums, offsets.expand(rows, *runs, 1).reshape(rows, -1))
-            pieces.append(y)
-        y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-        return y.to(x.dtype)
+            return y
+
+        return self.in_chunks(EAGER_CHUNK, product).to(x.dtype)

@@ -141,10 +141,7 @@ class Int4Linear(QuantizedLinear):
             packed, scales_and_zeros = self._kernel_weights(x.dtype)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, self.group_size, scales_and_zeros)
             return y[:, :self.out_features]
-        step = max(1, EAGER_CHUNK // self.in_features)
-        pieces = [F.linear(x, self._unpack_rows(start, start + step).to(x.dtype))
-                  for start in range(0, self.out_features, step)]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+        return self.in_chunks(EAGER_CHUNK, lambda a, b: F.linear(x, self._unpack_rows(a, b).to(x.dtype)))
 
     def _unpack_rows(self, start: int, stop: int) -> Tensor:
         """``unpack()[start:stop]`` (the same bits as ``decode``), written in place into one buffer: fewer passes

@@ -121,8 +121,5 @@ class Int8Linear(QuantizedLinear):
         # time; the scale is per output channel, so it applies after the product.
         if self.out_features * self.in_features <= CHUNK_ELEMENTS:
             return F.linear(x, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
-        step = max(1, EAGER_CHUNK // self.in_features)
         scale = self.scale.to(x.dtype)
-        pieces = [F.linear(x, self.weight_int8[start:start + step].to(x.dtype)) * scale[start:start + step]
-                  for start in range(0, self.out_features, step)]
-        return torch.cat(pieces, dim=-1)
+        return self.in_chunks(EAGER_CHUNK, lambda a, b: F.linear(x, self.weight_int8[a:b].to(x.dtype)) * scale[a:b])
