@@ -16,7 +16,7 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -74,23 +74,29 @@ def _quantization_options(command: argparse.ArgumentParser) -> None:
                        help="load a quantized checkpoint (a GGUF file, a model saved quantized) as float32 weights")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    serve.add_argument("model")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-batch", type=_positive, default=16, help="sequences decoded together at most")
-    kv = serve.add_mutually_exclusive_group()
+def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
+    """Add ``serve``, ``chat``, ``generate`` and ``embed`` to the subparsers ``sub`` of the ``zoo`` command.
+
+    Args:
+        sub: what ``ArgumentParser.add_subparsers`` returned.
+
+    Returns:
+        Each added command's name and the function that runs it on the parsed arguments.
+    """
+    serve_parser = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    serve_parser.add_argument("model")
+    serve_parser.add_argument("--host", default="127.0.0.1")
+    serve_parser.add_argument("--port", type=int, default=8000)
+    serve_parser.add_argument("--max-batch", type=_positive, default=16, help="sequences decoded together at most")
+    kv = serve_parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
                     help="KV cache memory, e.g. 512MiB or 2GiB (default: --max-batch full contexts)")
     kv.add_argument("--kv-blocks", type=_positive, default=None,
                     help="KV cache size in blocks of --block-size positions instead of --kv-cache-memory")
-    serve.add_argument("--block-size", type=_positive, default=16)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
-    compiled = serve.add_mutually_exclusive_group()
+    serve_parser.add_argument("--block-size", type=_positive, default=16)
+    serve_parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    serve_parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    compiled = serve_parser.add_mutually_exclusive_group()
     compiled.add_argument("--compile", action="store_true",
                           help="run decode-only steps through one compiled graph with dynamic shapes and the other "
                                "steps' decoding rows through a compiled attention (Engine(compile=True): the pools are "
@@ -98,24 +104,31 @@ def parser() -> argparse.ArgumentParser:
     compiled.add_argument("--compile-attention", action="store_true",
                           help="attend the decoding rows through one compiled graph (Engine(compile=\"attention\"): "
                                "a few seconds to compile at the first step)")
-    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+    serve_parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine in its own process, which loads the model, so that HTTP never competes "
                             "with it for the GIL (default); --no-engine-process steps it in a thread of the server")
-    chat = sub.add_parser("chat", help="chat with a model in the terminal (/reset, /system TEXT, /exit)")
-    chat.add_argument("model")
-    chat.add_argument("--system", default=None, help="a system message")
-    generate = sub.add_parser("generate", help="complete one prompt, streamed to stdout")
-    generate.add_argument("model")
-    generate.add_argument("prompt")
-    for command in (serve, chat, generate):
+    chat_parser = sub.add_parser("chat", help="chat with a model in the terminal (/reset, /system TEXT, /exit)")
+    chat_parser.add_argument("model")
+    chat_parser.add_argument("--system", default=None, help="a system message")
+    generate_parser = sub.add_parser("generate", help="complete one prompt, streamed to stdout")
+    generate_parser.add_argument("model")
+    generate_parser.add_argument("prompt")
+    for command in (serve_parser, chat_parser, generate_parser):
         _quantization_options(command)
-    for command in (chat, generate):
+    for command in (chat_parser, generate_parser):
         command.add_argument("--max-tokens", type=_positive, default=256)
         command.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         command.add_argument("--seed", type=int, default=None)
-    embed = sub.add_parser("embed", help="embed texts (a model with an embedding head): one JSON list per line")
-    embed.add_argument("model")
-    embed.add_argument("texts", nargs="+")
+    embed_parser = sub.add_parser("embed", help="embed texts (a model with an embedding head): one JSON list per line")
+    embed_parser.add_argument("model")
+    embed_parser.add_argument("texts", nargs="+")
+    return {"serve": serve, "chat": chat, "generate": generate, "embed": embed}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The parser of these commands alone (``cli.main.parser`` is the whole ``zoo`` command)."""
+    p = argparse.ArgumentParser(prog="zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_commands(p.add_subparsers(dest="command", required=True))
     return p
 
 
@@ -232,8 +245,11 @@ def embed(args: argparse.Namespace, stdout: Any = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    {"serve": serve, "chat": chat, "generate": generate, "embed": embed}[args.command](args)
+    """Run one of these commands (as ``python -m serving.cli``); ``zoo`` itself is ``cli.main.main``."""
+    p = argparse.ArgumentParser(prog="zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    handlers = add_commands(p.add_subparsers(dest="command", required=True))
+    args = p.parse_args(argv)
+    handlers[args.command](args)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from importlinter.contracts.independence import IndependenceContract
 from importlinter.contracts.layers import LayersContract
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("blocks", "tokenization", "models", "training", "serving", "benchmarks")
+PACKAGES = ("blocks", "tokenization", "models", "training", "serving", "cli", "benchmarks")
 CONTRACT_TYPES = {
     cls.type_name: cls for cls in (LayersContract, ForbiddenContract, IndependenceContract, AcyclicSiblingsContract)
 }
