@@ -37,6 +37,8 @@ def checked(build: Any, value: Any, param: str) -> Constraint:
         constraint.check()
     except ValueError as err:
         raise APIError(400, f"{param}: {err}", param=param, code="invalid_schema") from None
+    except ImportError as err:  # the structured extra is not installed
+        raise APIError(400, f"{param}: {err}", param=param, code="unsupported") from None
     return constraint
 
 

@@ -28,10 +28,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import llguidance
-import llguidance.torch as llg_torch
 import torch
-from llguidance.gbnf_to_lark import any_to_lark
 from torch import Tensor
 
 #: The kinds of constraint, as ``Constraint.kind``.
@@ -42,6 +39,21 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 #: Compiled constraints kept per process (least recently used dropped first).
 CACHE_SIZE = 256
+
+
+def library() -> Any:
+    """The ``llguidance`` module, imported on first use (the ``structured`` extra).
+
+    Raises:
+        ImportError: llguidance is not installed, with the command that installs it.
+    """
+    try:
+        import llguidance
+        import llguidance.gbnf_to_lark
+        import llguidance.torch
+    except ImportError as err:
+        raise ImportError("constrained decoding needs llguidance: pip install 'transformer-zoo[structured]'") from err
+    return llguidance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,15 +125,15 @@ class Constraint:
     def grammar_text(self) -> str:
         """The constraint as an llguidance grammar (JSON text)."""
         if self.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(self.value, overrides=JSON_OPTIONS)
+            return library().LLMatcher.grammar_from_json_schema(self.value, overrides=JSON_OPTIONS)
         if self.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+            return library().LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if self.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(self.value)
+            return library().LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":
             # JSON string literals are Lark string literals: every character of an option is taken as it is.
-            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in self.value))
-        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(self.value))
+            return library().LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in self.value))
+        return library().LLMatcher.grammar_from_lark(library().gbnf_to_lark.any_to_lark(self.value))
 
     def check(self) -> None:
         """Validate the constraint (no tokenizer needed).
@@ -133,7 +145,7 @@ class Constraint:
             text = self.grammar_text()
         except (ValueError, TypeError) as err:
             raise ValueError(f"invalid {self.kind}: {err}") from None
-        error = llguidance.LLMatcher.validate_grammar(text)
+        error = library().LLMatcher.validate_grammar(text)
         if error and not error.startswith("WARNING"):
             raise ValueError(f"invalid {self.kind}: {error.strip()}")
 
@@ -141,12 +153,12 @@ class Constraint:
 class ConstraintState:
     """One decoded row's position in its constraint's grammar."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
 
     def fill(self, bitmask: Tensor, row: int = 0) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (int32, bit ``j % 32`` of word ``j // 32``)."""
-        llg_torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        library().torch.fill_next_token_bitmask(self.matcher, bitmask, row)
 
     def advance(self, token: int) -> None:
         """Take the chosen token.
@@ -200,7 +212,7 @@ _LOCK = threading.Lock()
 _EXECUTOR: list[Any] = []
 
 
-def vocabulary(tokenizer: Any, vocab_size: int, eos: int) -> llguidance.LLTokenizer:
+def vocabulary(tokenizer: Any, vocab_size: int, eos: int) -> Any:
     """llguidance's view of ``tokenizer`` (a ``tokenization.Tokenizer`` or a ``tokenizers.Tokenizer``) for a model
     of ``vocab_size`` logits ending with ``eos``; built once per tokenizer object (~0.4 s for 49k tokens).
 
@@ -217,7 +229,7 @@ def vocabulary(tokenizer: Any, vocab_size: int, eos: int) -> llguidance.LLTokeni
         size = backend.get_vocab_size(with_added_tokens=True)
         if size > vocab_size:
             raise ValueError(f"the tokenizer has {size} tokens but the model only {vocab_size} logits")
-        per_tokenizer[key] = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        per_tokenizer[key] = library().LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
     return per_tokenizer[key]
 
 
@@ -247,7 +259,7 @@ def compile_constraint(constraint: Constraint | CompiledConstraint, tokenizer: A
             _COMPILED.move_to_end(key)
             return _COMPILED[key][1]
     constraint.check()
-    matcher = llguidance.LLMatcher(vocab, constraint.grammar_text(), log_level=0)
+    matcher = library().LLMatcher(vocab, constraint.grammar_text(), log_level=0)
     if matcher.is_error():
         raise ValueError(f"invalid {constraint.kind}: {matcher.get_error()}")
     compiled = CompiledConstraint(constraint, matcher, vocab_size)
@@ -277,8 +289,8 @@ def fill_bitmasks(states: Sequence[ConstraintState | None], bitmask: Tensor) -> 
         states[rows[0][1]].fill(bitmask, rows[0][1])
     elif rows:
         if not _EXECUTOR:
-            _EXECUTOR.append(llguidance.LLExecutor())
-        llg_torch.fill_next_token_bitmask_par(_EXECUTOR[0], rows, bitmask)
+            _EXECUTOR.append(library().LLExecutor())
+        library().torch.fill_next_token_bitmask_par(_EXECUTOR[0], rows, bitmask)
 
 
 def allowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:

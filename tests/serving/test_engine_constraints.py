@@ -22,7 +22,7 @@ from tokenization import Tokenizer, train_byte_level_bpe
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "name": {"enum": ["bob", "ann"]}},
           "required": ["id", "name"], "additionalProperties": False}
-REGEX = r"[a-c]{2,4}-\d{2}"
+REGEX = r"[a-c]{2,4}-[0-9]{2}"
 
 
 @pytest.fixture(scope="module")
