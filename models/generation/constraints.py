@@ -49,8 +49,7 @@ def library() -> Any:
     """
     try:
         import llguidance
-        import llguidance.gbnf_to_lark
-        import llguidance.torch
+        import llguidance.gbnf_to_lark  # (not llguidance.torch: it imports torch._dynamo, seconds, for nothing here)
     except ImportError as err:
         raise ImportError("constrained decoding needs llguidance: pip install 'transformer-zoo[structured]'") from err
     return llguidance
@@ -158,7 +157,10 @@ class ConstraintState:
 
     def fill(self, bitmask: Tensor, row: int = 0) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (int32, bit ``j % 32`` of word ``j // 32``)."""
-        library().torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        target = bitmask[row]
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not target.is_contiguous():
+            raise ValueError(f"bitmask must be a contiguous int32 CPU tensor, got {bitmask.dtype} on {bitmask.device}")
+        self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
 
     def advance(self, token: int) -> None:
         """Take the chosen token.
@@ -290,7 +292,9 @@ def fill_bitmasks(states: Sequence[ConstraintState | None], bitmask: Tensor) -> 
     elif rows:
         if not _EXECUTOR:
             _EXECUTOR.append(library().LLExecutor())
-        library().torch.fill_next_token_bitmask_par(_EXECUTOR[0], rows, bitmask)
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+            raise ValueError(f"bitmask must be a contiguous int32 CPU tensor, got {bitmask.dtype} on {bitmask.device}")
+        _EXECUTOR[0].unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 def allowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:
