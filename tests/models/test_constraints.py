@@ -16,12 +16,14 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 from models import DecoderLM
+from models.generation import constraints
 from models.generation.constraints import (
     Constraint,
     RowConstraints,
     allowed_tokens,
     apply_bitmask,
     compile_constraint,
+    fill_bitmasks,
     new_bitmask,
 )
 from models.generation.sampling import SamplingParams
@@ -163,3 +165,20 @@ def test_compiled_constraints_are_cached(lm) -> None:
     rows = RowConstraints([first.start(), None], model.config.vocab_size)
     masked = rows.mask(torch.zeros(2, model.config.vocab_size))
     assert bool(torch.isinf(masked[0]).any()) and not bool(torch.isinf(masked[1]).any())
+
+
+def test_the_thread_pool_fills_the_same_masks_as_one_row_at_a_time(lm, monkeypatch) -> None:
+    model, tok = lm
+    vocab = model.config.vocab_size
+    compiled = compile_constraint(Constraint.regex(r"[a-c]{2,5}-[0-9]{3}"), tok, vocab, tok.eos_token_id)
+    states = [compiled.start() for _ in range(4)]
+    for i, text in enumerate(["", "ab", "abc-", "abc-12"]):
+        for token in tok.encode(text, add_special_tokens=False):
+            states[i].advance(token)
+    serial, pooled = new_bitmask(5, vocab), new_bitmask(5, vocab)
+    fill_bitmasks([*states, None], serial)
+    monkeypatch.setattr(constraints, "PARALLEL_ROWS", 2)
+    monkeypatch.setattr(constraints, "PARALLEL_CPUS", 1)
+    fill_bitmasks([*states, None], pooled)
+    assert torch.equal(serial, pooled) and bool((pooled[4] == -1).all())  # the free row stays all-allowed
+    assert len({tuple(row.tolist()) for row in pooled[:4]}) == 4

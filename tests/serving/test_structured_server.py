@@ -6,6 +6,7 @@ streamed and not), ``logit_bias`` bans, and every OpenAI field honoured or refus
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from models import DecoderLM
+from serving import cli
 from serving.engine import Engine
 from serving.openai_api import create_app
 from serving.structured import template_messages
@@ -193,3 +195,21 @@ def test_bookkeeping_fields_are_accepted_and_unknown_keys_ignored(served) -> Non
     response = httpx.post(f"{served[2].url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                           json={"model": "tiny", "prompt": "hi", "suffix": "end"}, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "suffix"
+
+
+def test_zoo_generate_and_chat_with_a_regex_or_a_json_schema(served, tmp_path) -> None:
+    model, tok, _ = served
+    model.save_pretrained(tmp_path / "m", tokenizer=tok)
+    schema = tmp_path / "pet.json"
+    schema.write_text(json.dumps({**Pet.model_json_schema(), "additionalProperties": False}))
+    out = io.StringIO()
+    cli.generate(cli.parser().parse_args(["generate", str(tmp_path / "m"), "hello", "--max-tokens", "12",
+                                          "--regex", "[0-9]{3}-[a-z]{2}"]), stdout=out)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}\n", out.getvalue())
+    out = io.StringIO()
+    cli.chat(cli.parser().parse_args(["chat", str(tmp_path / "m"), "--max-tokens", "40", "--json-schema",
+                                      str(schema)]), stdin=io.StringIO("a pet?\nanother?\n"), stdout=out)
+    answers = [line.removeprefix("> ") for line in out.getvalue().split("\n")[:2]]
+    assert all(isinstance(Pet.model_validate_json(a), Pet) for a in answers)
+    with pytest.raises(SystemExit, match="invalid regex"):
+        cli.main(["generate", str(tmp_path / "m"), "x", "--regex", "a("])
