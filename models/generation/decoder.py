@@ -80,7 +80,8 @@ class DecoderLMGenerationMixin:
             constraint: a ``models.generation.constraints.Constraint`` (JSON schema, regex, grammar, choice) every
                 row's output must match, or a list with one per row (None: that row is free): the logits of the
                 tokens that cannot continue a match are masked at every step; a row ends with EOS once its match is
-                complete (or after ``max_new_tokens``, unfinished). Not with ``draft_model``.
+                complete (or after ``max_new_tokens``, unfinished). With ``draft_model``, the draft proposes only
+                allowed tokens and the target checks them on its masked distribution.
             tokenizer: the tokenizer a ``constraint`` is compiled for (default ``self.tokenizer``).
 
         Returns:
@@ -89,8 +90,8 @@ class DecoderLMGenerationMixin:
         Raises:
             ValueError: bad ids or mask, right padding, ``temperature <= 0`` with sampling, ``top_p`` outside
                 (0, 1], ``top_k < 1``, ``repetition_penalty <= 0``, token ids outside the vocabulary, or a
-                prompt + ``max_new_tokens`` longer than learned positions can represent (``max_len``), an invalid
-                ``constraint`` or one given with ``draft_model``.
+                prompt + ``max_new_tokens`` longer than learned positions can represent (``max_len``), or an invalid
+                ``constraint``.
 
         Shapes: ``input_ids (B, L)`` -> ``(B, L + n)``.
         """
@@ -98,16 +99,14 @@ class DecoderLMGenerationMixin:
             self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
             eos_token_id, pad_token_id, generator, sampling, compile,
         )
-        if constraint is not None and draft_model is not None:
-            raise ValueError("constraint and draft_model together are not supported: speculative decoding does not "
-                             "check draft tokens against a constraint; drop one of them")
         constraints = self._row_constraints(constraint, tokenizer, request)
         if draft_model is not None:
             check_draft(self, draft_model, num_draft_tokens, request)
             if compile:
                 check_compilable(draft_model)  # the draft's one-token step is what compiles
+            state = None if constraints is None else constraints.states[0]  # one row (check_draft)
             with eval_mode(self), eval_mode(draft_model):
-                return speculative_steps(self, draft_model, request, int(num_draft_tokens)).sequences
+                return speculative_steps(self, draft_model, request, int(num_draft_tokens), state).sequences
         # Tokens are collected, not written into a (B, L + max_new_tokens) buffer: generation may stop at EOS
         # long before max_new_tokens, which may be huge.
         with eval_mode(self):

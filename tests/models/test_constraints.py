@@ -136,8 +136,6 @@ def test_rows_with_and_without_constraints_and_bad_arguments(lm) -> None:
         model.generate(prompt, constraint=[None], tokenizer=tok)
     with pytest.raises(ValueError, match="tokenizer"):
         model.generate(prompt, constraint=Constraint.json_object())
-    with pytest.raises(ValueError, match="draft_model"):
-        model.generate(prompt, constraint=Constraint.json_object(), tokenizer=tok, draft_model=model)
     with pytest.raises(ValueError, match="choice"):
         Constraint.choice([])
 
@@ -182,3 +180,32 @@ def test_the_thread_pool_fills_the_same_masks_as_one_row_at_a_time(lm, monkeypat
     fill_bitmasks([*states, None], pooled)
     assert torch.equal(serial, pooled) and bool((pooled[4] == -1).all())  # the free row stays all-allowed
     assert len({tuple(row.tolist()) for row in pooled[:4]}) == 4
+
+
+@pytest.mark.parametrize("compile_draft", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_speculative_decoding_checks_draft_tokens_against_the_constraint(lm, compile_draft: bool,
+                                                                          graph_backend: None) -> None:
+    model, tok = lm
+    torch.manual_seed(5)
+    draft = DecoderLM.from_preset("tiny", vocab_size=model.config.vocab_size, d_model=32, n_heads=4, n_layers=1,
+                                  d_ff=64, max_len=256, eos_token_id=tok.eos_token_id).eval()
+    with torch.no_grad():  # a draft that agrees with the target often, but not always
+        draft.embed_tokens.weight.copy_(model.embed_tokens.weight)
+        draft.lm_head.weight.copy_(model.lm_head.weight)
+    prompt = torch.tensor([[5, 6, 7]])
+    schema = {"type": "array", "items": {"enum": ["red", "green", 7]}, "minItems": 2, "maxItems": 6}
+    for c in (Constraint.json_schema(schema), Constraint.regex(r"[a-c]{2,9}-[0-9]{1,3}")):
+        plain = model.generate(prompt, max_new_tokens=40, constraint=c, tokenizer=tok)
+        for k in (1, 3, 5):
+            fast = model.generate(prompt, max_new_tokens=40, constraint=c, tokenizer=tok, draft_model=draft,
+                                  num_draft_tokens=k, compile=compile_draft)
+            assert torch.equal(fast, plain)  # greedy: identical, rejected proposals rolled back
+        for seed in range(3):
+            out = model.generate(prompt, max_new_tokens=40, constraint=c, tokenizer=tok, draft_model=draft,
+                                 num_draft_tokens=3, do_sample=True, generator=torch.Generator().manual_seed(seed))
+            text, ended = new_tokens(model, out, 3, tok)[0]
+            assert ended
+            if c.kind == "regex":
+                assert re.fullmatch(c.value, text)
+            else:
+                jsonschema.validate(json.loads(text), schema)
