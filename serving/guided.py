@@ -85,10 +85,12 @@ def guided_logits(logits: Tensor, scheduled: list[tuple[Sequence, int]]) -> Tens
         if seq.spec.logit_bias:
             ids, biases = zip(*seq.spec.logit_bias, strict=True)
             out[row, list(ids)] += torch.tensor(biases, device=out.device)
-    guided = [(row, seq.guide) for row, seq in choosing if seq.guide is not None]
-    if guided:
-        bitmask = new_bitmask(len(guided), logits.shape[-1])
-        fill_bitmasks([state for _, state in guided], bitmask)
-        rows = torch.tensor([row for row, _ in guided], device=out.device)
-        out[rows] = apply_bitmask(out[rows], bitmask)
+    states: list[Any] = [None] * len(scheduled)
+    for row, seq in choosing:
+        states[row] = seq.guide
+    if any(state is not None for state in states):
+        # One bitmask for the whole batch (free rows stay all-allowed) and one masked_fill: few kernels per step.
+        bitmask = new_bitmask(len(states), logits.shape[-1])
+        fill_bitmasks(states, bitmask)
+        out = apply_bitmask(out, bitmask)
     return out

@@ -13,7 +13,10 @@
 Fields: ``model``, ``messages`` / ``prompt``, ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0:
 greedy; default 1, sampling, as OpenAI), ``top_p``, ``top_k``, ``n``, ``stop``, ``seed``, ``logprobs`` /
 ``top_logprobs``, ``presence_penalty`` / ``frequency_penalty`` (OpenAI's definition: over the tokens the request
-has generated, not the prompt). Unknown fields are ignored, as OpenAI's server does. Errors have OpenAI's shape
+has generated, not the prompt), ``logit_bias``, ``response_format`` / ``structured_outputs`` and ``tools`` /
+``tool_choice`` / ``parallel_tool_calls`` (``serving.structured``, docs/structured-outputs.md). OpenAI-defined fields
+the server does not honour are a 400 naming them (``serving.openai_fields``); keys OpenAI does not define are
+ignored. Errors have OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (malformed JSON included) or a prompt longer
 than the context, 401 for a missing or wrong API key, 404 for an unknown model, 503 when the engine's waiting queue
 is full, the model is not loaded or the engine process has died (in-flight requests then fail with 500).
@@ -367,7 +370,8 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
         if body.echo:
             raise APIError(400, "echo=true is not supported by this server", param="echo")
-        constraint = response_constraint(None, body.structured_outputs)
+        # response_format is a chat field; honoured here too (as vLLM does) rather than ignored.
+        constraint = response_constraint((body.model_extra or {}).get("response_format"), body.structured_outputs)
         return await run(prompts, body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
                          chat=False, constraint=constraint)
 

@@ -86,6 +86,9 @@ def test_structured_outputs_regex_choice_and_grammar_on_both_endpoints(client) -
     done = client.completions.create(model="tiny", prompt="hello", max_tokens=10, temperature=1.0, n=3, seed=2,
                                      extra_body={"structured_outputs": {"choice": ["sunny", "rain"]}})
     assert {c.text for c in done.choices} <= {"sunny", "rain"}
+    done = client.completions.create(model="tiny", prompt="hello", max_tokens=40, temperature=0,
+                                     extra_body={"response_format": {"type": "json_object"}})
+    assert done.choices[0].text.startswith("{")
     grammar = 'start: "(" NUM ")"\nNUM: /[0-9]{1,3}/'
     done = client.completions.create(model="tiny", prompt="hello", max_tokens=10, temperature=0,
                                      extra_body={"structured_outputs": {"grammar": grammar}})
