@@ -41,8 +41,8 @@ class RequestOutput:
         prompt_token_ids: the prompt's ids.
         token_ids: the new tokens (a stop token is included; the text of a stop string is not).
         text: the new tokens decoded (without a stop string or special tokens); ``""`` without a tokenizer.
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (the logits were NaN; the step API
-            reports it, ``Engine.generate`` raises ``ValueError``).
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (the logits were NaN, or choosing the
+            request's token failed; the step API reports it, ``Engine.generate`` raises ``ValueError``).
         logprobs: one ``TokenLogprob`` per new token when ``logprobs`` was asked, else None.
     """
 

@@ -104,6 +104,8 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         budget.tick(f"a call of {name}")
         method = getattr(__obj, "__wrapped__", __obj)  # str.format comes wrapped by the sandbox
         if isinstance(method, types.BuiltinMethodType) and not isinstance(method.__self__, types.ModuleType):
+            if method.__name__ == "join" and args and not hasattr(args[0], "__len__"):
+                args = (list(args[0]), *args[1:])  # a generator: measured before it is joined
             check_method(method, args, kwargs, budget)
         return budget.charge(super().call(__context, __obj, *args, **kwargs), f"a call of {name}")
 

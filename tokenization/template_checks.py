@@ -86,8 +86,7 @@ def _check_filter(name: str, args: tuple, kwargs: dict, budget: Budget) -> None:
         budget.size(len(text) + (text.count(old) if old else len(text) + 1) * len(new), what)
     elif name == "join":
         sep = str(kwargs.get("d", args[1] if len(args) > 1 else ""))
-        items = value if isinstance(value, (list, tuple)) else []
-        budget.size(deep_size(value, budget.bounds.chars)[0] + len(sep) * len(items), what)
+        budget.size(deep_size(value, budget.bounds.chars)[0] + len(sep) * len(value), what)
     elif name == "format":
         check_format(str(value), values[1:], "the filter format (%)")
     elif name == "sum":
@@ -110,6 +109,8 @@ def bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
         if budget is None:  # compile-time folding of constants: done at render time instead, under a budget
             raise TemplateLimitError(f"the filter {name} runs while rendering only")
         budget.tick(f"the filter {name}")
+        if name == "join" and len(args) > skip and not hasattr(args[skip], "__len__"):
+            args = (*args[:skip], list(args[skip]), *args[skip + 1:])  # a generator: measured before it is joined
         _check_filter(name, args[skip:], kwargs, budget)
         return budget.charge(func(*args, **kwargs), f"the filter {name}")
 
@@ -170,7 +171,7 @@ def check_method(method: Any, args: tuple, kwargs: dict, budget: Budget) -> None
         count = owner.count(old) if old else len(owner) + 1
         budget.size(len(owner) + count * len(new), what)
     elif name == "join":
-        items = list(values[0]) if values else []
+        items = values[0] if values else []
         budget.size(deep_size(items, budget.bounds.chars)[0] + len(owner) * len(items), what)
     elif name == "translate":
         table = values[0] if values else {}

@@ -212,8 +212,11 @@ class SamplingParams:
             # and the softmax to NaN, while shifted ones go to -inf except the maximum (sampling tends to greedy
             # decoding, as it should). The maximum stays exactly 0 even when the temperature underflows to 0 in
             # float32 (0 / 0 would be NaN).
+            # A temperature beyond float32's range (1e300) would be inf, and a shift that overflowed to -inf over inf
+            # is NaN: it is clamped to the largest finite float32 (the limit is the same: a flat distribution).
             shifted = scores - scores.amax(dim=-1, keepdim=True)
-            scores = torch.where(shifted == 0, 0.0, shifted / self.temperature)
+            temperature = min(self.temperature, torch.finfo(scores.dtype).max)
+            scores = torch.where(shifted == 0, 0.0, shifted / temperature)
         if self.top_k is not None:
             scores = top_k_filter(scores, self.top_k)
         if self.top_p is not None:
