@@ -358,7 +358,9 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise APIError(400, f"{model_name!r} has no chat template: use /v1/completions", param="messages")
         try:
-            ids = tok.apply_chat_template(flatten_content(body.messages), add_generation_prompt=True)
+            # In a worker thread: a template that runs to its time limit (a second) does not stall the event loop.
+            ids = await asyncio.to_thread(tok.apply_chat_template, flatten_content(body.messages),
+                                          add_generation_prompt=True)
         except ValueError as err:
             raise APIError(400, f"messages: {err}", param="messages") from err
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
