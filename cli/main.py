@@ -11,9 +11,10 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from serving import bench as bench_commands
 from serving import cli as serving_commands
 
-COMMAND_GROUPS: tuple[Any, ...] = (serving_commands,)
+COMMAND_GROUPS: tuple[Any, ...] = (serving_commands, bench_commands)
 
 
 def parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], None]]]:

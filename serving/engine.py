@@ -20,6 +20,7 @@ from models.generation.requests import check_token_head
 from models.generation.sampling import has_nan, nan_rows
 from models.generation.steps import refuse_longrope_switch
 
+from .kv_budget import engine_cache_blocks
 from .requests import (
     IncrementalText,
     RequestDelta,
@@ -70,8 +71,9 @@ class Engine:
         tokenizer: encodes string prompts and decodes outputs and stop strings (``tokenization.Tokenizer`` or
             anything with ``encode(text)`` and ``decode(ids, skip_special_tokens=True)``); optional.
         block_size: positions per cache block.
-        num_blocks: blocks in the cache (default: ``max_num_seqs`` full contexts); the pool grows as blocks are
-            first used, up to this many.
+        num_blocks: blocks in the cache (default: ``max_num_seqs`` full contexts, at most half the memory available
+            at start: ``serving.kv_budget``); the pools grow as blocks are first used, up to this many, in compiled
+            steps too.
         kv_cache_bytes: the cache's memory instead of ``num_blocks``: as many blocks as fit in this many bytes
             (``kv_block_nbytes``: keys and values of every layer, in the model's dtype).
         max_num_seqs: sequences in one step at most.
@@ -79,11 +81,11 @@ class Engine:
         max_waiting: requests ``add_request`` queues at most (``QueueFullError`` beyond).
         max_model_len: the context (default ``config.max_len``): prompt + output tokens at most.
         prefix_caching: share full blocks of equal prefixes between requests.
-        compile: ``True``: run the steps where every row decodes one token through one compiled graph with
-            dynamic row and block counts (``serving.runner``; the pools are then allocated whole, and the first such
-            steps compile: one graph for one row, one for several), and the one-token rows' attention in the other
-            steps through one compiled graph; ``"attention"``: only that attention graph (compiled at the first step
-            with a decoding row); ``False``: nothing compiled.
+        compile: ``True``: run the steps where every row decodes one token through a compiled graph with
+            dynamic row and block counts (``serving.runner``; the first such steps compile: one graph for one row,
+            ``serving.single_row``, as ``generate(compile=True)``'s, one for several), and the one-token rows'
+            attention in the other steps through one compiled graph; ``"attention"``: only that attention graph
+            (compiled at the first step with a decoding row); ``False``: nothing compiled.
 
     Raises:
         NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``) or one
@@ -114,8 +116,9 @@ class Engine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if kv_cache_bytes is not None:
             num_blocks = blocks_in_memory(model, kv_cache_bytes, block_size, num_blocks)
-        if num_blocks is None:
-            num_blocks = max_num_seqs * -(-context // block_size)
+        if num_blocks is None:  # the KV cache's default limit: serving.kv_budget (the pools grow up to it with use)
+            num_blocks = engine_cache_blocks(model, block_size, max_num_seqs, context,
+                                             kv_block_nbytes(model, block_size))
         if context < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt and one new token), got {context}")
         self.model, self.tokenizer = model, tokenizer
