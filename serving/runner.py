@@ -101,17 +101,17 @@ def mark_ragged(rows: RaggedRows) -> None:
                  (rows.layout, (0, 1)))
 
 
-def compile_dynamic(fn: Callable[..., Any]) -> Callable[..., Any]:
+def compile_dynamic(fn: Callable[..., Any], regions: bool = False) -> Callable[..., Any]:
     """``fn`` compiled under a code object of its own (the graphs of one runner are not offered to another's), run
     size-oblivious (``backed_size_oblivious``): a count of 1 is not specialised, so one graph serves every size of
-    the dims marked dynamic; each decoder layer structure is traced and compiled once
+    the dims marked dynamic; with ``regions``, each decoder layer structure is traced and compiled once
     (``models.core.stack.repeated_layer_regions``)."""
     compiled_fn = torch.compile(compiled.own_code(fn), backend=compiled.BACKEND)
 
     def run(*args: Any) -> Any:
         # Every decoder layer of one structure is one nested compile region: a 30-layer model's step compiles about
         # as fast as a one-layer model's (its weights are graph inputs).
-        with fx_config.patch(backed_size_oblivious=True), stack.repeated_layer_regions(True):
+        with fx_config.patch(backed_size_oblivious=True), stack.repeated_layer_regions(regions):
             return compiled_fn(*args)
 
     return run
@@ -132,10 +132,11 @@ class RaggedAttention:
 
 class DynamicStep:
     """``packed_logits`` of a decode-only step compiled once, its token, row, entry and block counts dynamic: one
-    graph for every step. Called as ``packed_logits``."""
+    graph for every step. Called as ``packed_logits``. ``regions``: compile each decoder layer structure once
+    (``compile_dynamic``; not for latent attention, whose batch holds aliasing index tensors)."""
 
-    def __init__(self) -> None:
-        self.compiled = compile_dynamic(packed_logits)
+    def __init__(self, regions: bool = False) -> None:
+        self.compiled = compile_dynamic(packed_logits, regions)
 
     def __call__(self, model: Any, ids: Tensor, positions: Tensor, caches: list[PagedLayerCache],
                  keep: Tensor) -> Tensor:
@@ -191,7 +192,7 @@ class PagedRunner:
             for cache in self.caches:
                 cache.self_attn.ragged_attention = attention
         if compile is True:  # the pools grow between steps (``grow_pools``): a graph takes them as inputs
-            self.step, self.single = DynamicStep(), SingleRowStep()
+            self.step, self.single = DynamicStep(regions=plain), SingleRowStep(regions=plain)
 
     @torch.inference_mode()
     def scrub(self, blocks: Sequence[int]) -> None:

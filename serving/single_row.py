@@ -7,7 +7,8 @@ one one-token row as ``generate(compile=True)`` compiles its batch-1 step (``mod
 
 - every product goes through ``blocks.small_matmul.SmallRowsLinear(1)`` (one fused pass over each weight);
 - the weights are graph inputs and every decoder layer of one structure is one nested compile region
-  (``models.core.stack.repeated_layer_regions``): a 30-layer model compiles about as fast as a one-layer model;
+  (``models.core.stack.repeated_layer_regions``): a 30-layer model compiles about as fast as a one-layer model
+  (not with latent attention: its layers are inlined);
 - the block counts (the row's blocks read, and the pools' blocks, which grow between steps) are dynamic
   (size-oblivious): one graph serves the whole life of the engine, whatever the row's length or the pool's size.
 
@@ -71,13 +72,18 @@ class SingleRowStep:
     """``single_row_logits`` compiled once for one runner: called as ``serving.runner.packed_logits`` on a step of
     exactly one row of one new token.
 
+    Args:
+        regions: compile each decoder layer structure once (``models.core.stack.repeated_layer_regions``); the
+            runner leaves it off for latent attention, whose batch holds aliasing index tensors that a region
+            cannot take.
+
     Raises:
         ValueError: a call with more than one token.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, regions: bool = True) -> None:
         self.compiled = torch.compile(compiled.own_code(single_row_logits), backend=compiled.BACKEND)
-        self.calls = 0
+        self.regions, self.calls = regions, 0
 
     def __call__(self, model: Any, ids: Tensor, positions: Tensor, caches: list[PagedLayerCache],
                  keep: Tensor) -> Tensor:
@@ -87,5 +93,5 @@ class SingleRowStep:
         mark_row_blocks(caches[0].self_attn.batch)
         self.calls += 1
         with fx_config.patch(backed_size_oblivious=True), torch._inductor.config.patch(OPTIONS), \
-                stack.repeated_layer_regions(True, one_row_mode):
+                stack.repeated_layer_regions(self.regions, one_row_mode):
             return self.compiled(model, ids, positions, caches, keep)

@@ -1,7 +1,8 @@
-"""``Engine(compile=True)`` on a deep, thin model: a lone decoding row runs the single-row graph
-(``serving.single_row``, as ``generate(compile=True)``), several rows the batched graph, and a run of many batch
-shapes compiles each graph once; the pools grow with the blocks in use; tokens and step logits equal the eager
-engine's and each request's alone (compiled with ``aot_eager``, as the other compiled-engine tests are)."""
+"""``Engine(compile=True)``: a lone decoding row runs the single-row graph (``serving.single_row``, as
+``generate(compile=True)``), several rows the batched graph, and a run of many batch shapes compiles each graph once,
+on 2 layers and (slow) on 30, SmolLM2-135M's depth; the pools grow with the blocks in use; tokens and step logits
+equal the eager engine's and each request's alone (compiled with ``aot_eager``, as the other compiled-engine tests
+are)."""
 
 from __future__ import annotations
 
@@ -23,25 +24,26 @@ LENGTHS = [(5, 9), (13, 14), (3, 6), (22, 11), (9, 12)]
 ARRIVALS = {0: [0], 12: [1, 2], 15: [3], 20: [4]}
 
 
-def deep_thin_model() -> DecoderLM:
-    """30 layers of width 16: the depth of SmolLM2-135M, a test's size."""
+def thin_model(n_layers: int) -> DecoderLM:
+    """``n_layers`` layers of width 16 (30: the depth of SmolLM2-135M at a test's size)."""
     torch.manual_seed(0)
-    model = DecoderLM.from_preset("qwen3-tiny", n_layers=30, d_model=16, n_heads=2, n_kv_heads=1, d_head=8, d_ff=32,
-                                  vocab_size=97).eval()
+    model = DecoderLM.from_preset("qwen3-tiny", n_layers=n_layers, d_model=16, n_heads=2, n_kv_heads=1, d_head=8,
+                                  d_ff=32, vocab_size=97).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0)
     return model
 
 
-@pytest.fixture(scope="module")
-def run() -> Iterator[dict[str, Any]]:
+# 2 layers in the quick run; 30 (each layer one nested compile region: traced once) in the slow one.
+@pytest.fixture(scope="module", params=[2, pytest.param(30, marks=pytest.mark.slow)], ids=lambda n: f"{n}-layers")
+def run(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     """One staggered run on a compiled engine and on an eager one (logprobs: the step logits' top 5)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(compiled, "BACKEND", "aot_eager")
         torch._dynamo.reset()
         counters.clear()
-        model = deep_thin_model()
+        model = thin_model(request.param)
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n, _ in LENGTHS]
         outputs, engines = {}, {}
@@ -68,9 +70,9 @@ def test_a_lone_request_decodes_through_the_single_row_graph_with_the_batched_to
                                        torch.tensor([b.logprob, *b.top.values()]), rtol=0, atol=1e-4)
 
 
-def test_a_30_layer_model_compiles_each_graph_once_for_every_batch_shape(run: dict[str, Any]) -> None:
+def test_each_graph_compiles_once_for_every_batch_shape(run: dict[str, Any]) -> None:
     """Single row, several rows and the eager steps' ragged attention: three graphs, no recompile, whatever the
-    row, block and pool sizes of the run's steps."""
+    row, block and pool sizes of the run's steps (on 30 layers in the slow run)."""
     assert run["graphs"] == 3
     assert run["frames"].get("total") == 3
 
