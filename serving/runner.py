@@ -1,10 +1,11 @@
 """The model step over a paged cache: one packed forward pass of prefill chunks and decode rows together.
 
-With ``compile=True`` the steps whose rows all decode one token run one compiled graph of the whole step
-(``DynamicStep``, as ``generate(compile=True)`` does for one request), its token, row and block counts dynamic:
-one graph serves every such step, with no padding. Its one-token rows attend without padding
-(``blocks.paged_attention``: one entry per row and block read); the pools are allocated whole, so a graph never
-grows them. Steps holding a prefill chunk stay eager.
+With ``compile=True`` the steps whose rows all decode one token run a compiled graph of the whole step: a step of
+one row (a lone request) the single-row graph (``serving.single_row.SingleRowStep``, as ``generate(compile=True)``
+compiles its batch-1 step), a step of several rows ``DynamicStep``, its token, row and block counts dynamic: one
+graph serves every such step, with no padding. Its one-token rows attend without padding
+(``blocks.paged_attention``: one entry per row and block read). A graph never grows the pools: the runner grows them
+before it runs (``grow_pools``), and their block count is a dynamic input. Steps holding a prefill chunk stay eager.
 
 With ``compile="attention"`` (and in the eager steps of ``compile=True``) only the attention of the one-token rows
 is compiled (``RaggedAttention``): one graph with dynamic counts, so every step, a prefill chunk's included, reads
@@ -109,8 +110,8 @@ def compile_dynamic(fn: Callable[..., Any], regions: bool = False) -> Callable[.
     compiled_fn = torch.compile(compiled.own_code(fn), backend=compiled.BACKEND)
 
     def run(*args: Any) -> Any:
-        # Every decoder layer of one structure is one nested compile region: a 30-layer model's step compiles about
-        # as fast as a one-layer model's (its weights are graph inputs).
+        # With regions, every decoder layer of one structure is one nested compile region: a 30-layer model's step
+        # compiles about as fast as a one-layer model's (its weights are graph inputs).
         with fx_config.patch(backed_size_oblivious=True), stack.repeated_layer_regions(regions):
             return compiled_fn(*args)
 
