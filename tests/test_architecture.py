@@ -192,7 +192,7 @@ FROM_IMPORT = re.compile(r"^\s*from ((?:models|blocks|training|serving|tokenizat
 
 def documented_names() -> list[str]:
     """Every ``pkg.module.name`` in backticks and every ``from pkg import a, b`` line of the README and docs/."""
-    names = {m.group(1) for m in DOTTED.finditer(README)}
+    names = {m.group(1) for m in DOTTED.finditer(README) if not m.group(1).endswith(".py")}  # `cli.py` is a file
     for m in FROM_IMPORT.finditer(README):
         names.update(f"{m.group(1)}.{n.strip()}" for n in m.group(2).split(",") if n.strip())
     return sorted(names)
