@@ -123,3 +123,12 @@ def test_the_blocks_page_lists_every_registered_block() -> None:
                for kind in blocks.kinds()}
     assert len(rows) >= 12
     assert {k: v for k, v in missing.items() if v} == {}, "add these to the table of docs/blocks.md"
+
+
+def test_the_readme_links_resolve() -> None:
+    """The README is not part of the site (the strict build does not see it): its relative links are checked here."""
+    text = (ROOT / "README.md").read_text()
+    targets = [m[1] for m in re.finditer(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+://|#", m[1])]
+    assert len(targets) >= 10
+    missing = [t for t in targets if not (ROOT / t.split("#")[0]).exists()]
+    assert missing == []
