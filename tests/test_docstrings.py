@@ -5,7 +5,7 @@ The rule (docs/contributing.md, "Docstrings"), read from the source with ``ast``
 - public: no part of the module's path and not the name itself starts with an underscore; methods of public classes
   count, ``__init__`` through its class; properties, ``@overload`` stubs and other dunder methods do not, and neither
   does a method without a docstring of its own that overrides a documented method of a base class in these packages,
-  ``extra_repr``/``reset_parameters`` (torch's hooks), or a ``forward`` whose class docstring has the ``Shapes:`` line;
+  one of torch's hooks (``TORCH_HOOKS``), or a ``forward`` whose class docstring has the ``Shapes:`` line;
 - a docstring at all;
 - ``Args:`` when it takes parameters besides ``self``/``cls`` (the strict docs build checks that the names it
   documents exist); a dataclass documents its fields under ``Attributes:`` or ``Args:``; a class's parameters are its
@@ -32,8 +32,9 @@ PACKAGES = ("blocks", "models", "tokenization", "training", "serving", "cli")
 TODO = ROOT / "tests" / "docstring_todo.txt"
 SECTION = re.compile(r"^\s*(Args|Arguments|Parameters|Attributes|Returns|Yields|Raises|Shapes?)\s*:", re.M)
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
-#: ``nn.Module`` methods a module overrides to customise torch's own behaviour; torch documents them.
-TORCH_HOOKS = frozenset({"extra_repr", "reset_parameters"})
+#: Methods a class overrides to customise torch's own behaviour (``nn.Module``'s, ``autograd.Function``'s); torch
+#: documents them.
+TORCH_HOOKS = frozenset({"extra_repr", "reset_parameters", "backward", "setup_context"})
 
 
 @dataclass(frozen=True)
