@@ -110,7 +110,8 @@ class BucketKVCache:
     that a compiled graph would specialise on — one graph serves every step and every prompt length of the bucket.
 
     Args:
-        k, v: ``(B, Hkv, bucket, D)`` buffers (written in place).
+        k: the keys' ``(B, Hkv, bucket, D)`` buffer (written in place).
+        v: the values' ``(B, Hkv, bucket, D)`` buffer (written in place).
         index: ``(1,)`` long, the slot of the next write (shared by all layers).
     """
 

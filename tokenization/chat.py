@@ -174,7 +174,8 @@ def render_chat(
         add_generation_prompt: end with the header that opens the assistant's turn.
         continue_final_message: leave the final message open for the model to continue (not with
             ``add_generation_prompt``).
-        tools, documents: JSON schemas of tools and ``{"title", "text"}`` documents, for templates that use them.
+        tools: JSON schemas of tools, for templates that use them.
+        documents: ``{"title", "text"}`` documents, for templates that use them.
         context: further names for the template (the special tokens, ``enable_thinking`` …).
 
     Raises:

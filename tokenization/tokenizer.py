@@ -138,8 +138,12 @@ class Tokenizer:
         none are added) or the text.
 
         Args:
-            messages, add_generation_prompt, continue_final_message, tools, documents: see
-                ``tokenization.chat.render_chat``.
+            messages: the conversation, ``{"role", "content"}`` dicts (see ``tokenization.chat.render_chat``).
+            add_generation_prompt: end with the start of an assistant turn.
+            continue_final_message: leave the last message open, for the model to continue.
+            tools: JSON schemas of tools, for templates that use them.
+            documents: ``{"title", "text"}`` documents, for templates that use them.
+            tokenize: return token ids (True) or the rendered text (False).
             chat_template: a template to use instead of the tokenizer's own.
             context: further names for the template; the special tokens (``bos_token``, ``eos_token`` …) are
                 there already.

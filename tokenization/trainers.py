@@ -45,7 +45,9 @@ def train_bpe(
         min_frequency: pairs seen fewer times are not merged.
         special_tokens: role -> token, overriding ``DEFAULT_SPECIAL_TOKENS`` (None drops a role).
         extra_special_tokens: more special tokens, after the roles' tokens.
-        unicode_form, lowercase, strip_accents: normalisation (see ``build_normalizer``).
+        unicode_form: Unicode normal form ("NFC", "NFKC" ...) or None (see ``build_normalizer``).
+        lowercase: lowercase the text (see ``build_normalizer``).
+        strip_accents: strip accents (see ``build_normalizer``).
         template: post-processing family: "encoder", "decoder", "seq2seq" or "none".
         show_progress: the Rust trainer's progress bar.
 

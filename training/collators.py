@@ -26,10 +26,13 @@ class MLMCollator:
 
     Args:
         tokenizer: encodes text examples and supplies the ids below (optional for id examples).
-        pad_token_id, mask_token_id, vocab_size, special_ids: override or replace the tokenizer's.
+        pad_token_id: the padding id (default: the tokenizer's).
+        mask_token_id: the ``[MASK]`` id (default: the tokenizer's).
+        vocab_size: the range random replacements are drawn from (default: the tokenizer's).
+        special_ids: ids never masked (default: the tokenizer's special tokens).
         mlm_probability: the share of tokens (or words) chosen.
-        mask_replace_prob, random_replace_prob: the shares of chosen tokens replaced by ``[MASK]`` and by
-            a random token; the rest stay unchanged.
+        mask_replace_prob: the share of chosen tokens replaced by ``[MASK]``.
+        random_replace_prob: the share of chosen tokens replaced by a random token; the rest stay unchanged.
         whole_word_mask: choose words; needs text examples or ``word_ids`` in dict examples.
         max_length: truncate encoded texts to this many tokens.
         generator: the random source (default: torch's global generator, which the Trainer checkpoints).
@@ -196,8 +199,10 @@ class Seq2SeqCollator:
 
     Args:
         tokenizer: encodes texts and supplies ``pad_token_id`` and ``decoder_start_token_id`` (its BOS).
-        pad_token_id, decoder_start_token_id: override the tokenizer's.
-        max_source_length, max_target_length: truncate longer sequences.
+        pad_token_id: the padding id (default: the tokenizer's).
+        decoder_start_token_id: the id the decoder starts from (default: the tokenizer's).
+        max_source_length: truncate longer sources.
+        max_target_length: truncate longer targets.
 
     Raises:
         ValueError: missing ids.

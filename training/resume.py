@@ -69,10 +69,13 @@ def trainer_state(
     """The checkpoint's ``trainer_state.pt``: everything but the tensors and the random states, as plain data.
 
     Args:
-        model, optimizer, scheduler: the live training objects.
+        model: the model being trained.
+        optimizer: its optimizer.
+        scheduler: its learning-rate scheduler, or None.
         run: ``run_shape`` of this run.
         position: ``(step, epoch, batch_in_epoch)``: optimiser steps done and micro-batches used in the epoch.
-        history, eval_history: the training and evaluation records so far.
+        history: the training records so far.
+        eval_history: the evaluation records so far.
         config: the ``TrainerConfig`` (stored as a dict, for the reader).
 
     Returns:
@@ -109,7 +112,8 @@ def compare_run(
     Args:
         state: the saved trainer state (``trainer_state``).
         run: ``run_shape`` of this run.
-        optimizer, scheduler: this run's (compared by class).
+        optimizer: this run's optimizer (compared by class).
+        scheduler: this run's scheduler, or None (compared by class).
         allow_world_size_change: accept another number of processes.
 
     Returns:
@@ -190,7 +194,8 @@ def rng_source_rank(saved_run: Mapping[str, Any], layout: ParallelLayout, *, ran
     Args:
         saved_run: the saved ``run_shape``.
         layout: this run's parallel layout.
-        rank, world_size: this process's rank and the number of processes now.
+        rank: this process's rank.
+        world_size: the number of processes now.
     """
     if saved_run["world_size"] == world_size and saved_run["tp_size"] == layout.tp_size == 1:
         return rank
@@ -226,7 +231,9 @@ def check_checkpoint(
 
     Args:
         path: the checkpoint folder.
-        model, optimizer, scheduler: what would be restored.
+        model: the model the checkpoint would be restored into.
+        optimizer: the optimizer it would be restored into.
+        scheduler: the scheduler it would be restored into, or None.
         layout: this run's parallel layout.
         run: ``run_shape`` of this run.
         rank: this process's rank.
@@ -372,7 +379,9 @@ def restore_checkpoint(
 
     Args:
         path: the checkpoint folder.
-        model, optimizer, scheduler: restored in place (``restore_state``).
+        model: restored in place (``restore_state``).
+        optimizer: restored in place.
+        scheduler: restored in place, or None.
         layout: this run's parallel layout.
         run: ``run_shape`` of this run.
         rank: this process's rank.

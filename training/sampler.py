@@ -21,7 +21,8 @@ class ResumableBatchSampler(Sampler[list[int]]):
         batch_size: examples per batch on this process.
         shuffle: draw a fresh permutation per epoch (else dataset order).
         seed: permutation seed (epoch ``e`` uses ``seed + e``).
-        rank, world_size: this process and the process count.
+        rank: this process and the process count.
+        world_size: this process and the process count.
 
     Raises:
         ValueError: bad sizes, or a dataset smaller than one global batch (the incomplete last global

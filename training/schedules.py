@@ -49,7 +49,9 @@ class NoamLR(LRScheduler):
 
     Args:
         optimizer: the optimiser whose groups get the rate.
-        d_model, warmup, factor: as ``noam_rate``.
+        d_model: as ``noam_rate``.
+        warmup: as ``noam_rate``.
+        factor: as ``noam_rate``.
         last_epoch: for resuming by hand (prefer ``load_state_dict``).
     """
 
@@ -129,7 +131,9 @@ class WarmupCosineLR(LRScheduler):
 
     Args:
         optimizer: the optimiser.
-        warmup, total, min_ratio: as ``warmup_cosine_rate``.
+        warmup: as ``warmup_cosine_rate``.
+        total: as ``warmup_cosine_rate``.
+        min_ratio: as ``warmup_cosine_rate``.
     """
 
     def __init__(self, optimizer: Optimizer, warmup: int, total: int, min_ratio: float = 0.1,

@@ -31,7 +31,8 @@ class SyntheticTask(Sequence[Example]):
         task: "copy", "reverse" or "add".
         size: number of examples.
         n_symbols: alphabet size of copy/reverse (``add`` always uses the 10 digits and "+").
-        min_len, max_len: sequence length range of copy/reverse, or digit-count range of each number for add.
+        min_len: shortest sequence of copy/reverse, or fewest digits of each number for add.
+        max_len: longest sequence of copy/reverse, or most digits of each number for add.
         seed: selects the examples.
 
     Raises:

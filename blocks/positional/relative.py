@@ -43,7 +43,8 @@ class T5RelativePositionBias(PositionalEncoding):
     Args:
         n_heads: heads of the attention it biases.
         causal: the stack is causal (decoder buckets) or bidirectional (encoder buckets).
-        num_buckets, max_distance: the bucketing (T5: 32 and 128).
+        num_buckets: relative-position buckets (T5: 32).
+        max_distance: distances from this on share the last bucket (T5: 128).
     """
 
     def __init__(

@@ -192,7 +192,9 @@ class RotaryPositionalEncoding(PositionalEncoding):
     Pairs are ``(i, i + d/2)`` (rotate-half layout, GPT-NeoX/LLaMA); see ``rotary_interleaved`` for ``(2i, 2i+1)``.
 
     Args:
-        d_model, n_heads, d_head: the model's shape (``d_head`` defaults to ``d_model // n_heads``).
+        d_model: the model's width.
+        n_heads: attention heads.
+        d_head: width of each head (default ``d_model // n_heads``).
         base: θ of the frequencies.
         fraction: share of each head's dimensions that rotate (the first ``int(d_head · fraction)``).
         scaling: context-extension scaling of the frequencies (see the module docstring), or None.

@@ -39,7 +39,8 @@ class QuantizedLinear(nn.Module):
     ``decode``; everything else is shared).
 
     Args:
-        in_features, out_features: as ``nn.Linear``.
+        in_features: as ``nn.Linear``.
+        out_features: as ``nn.Linear``.
         bias: whether there is a float bias.
         **options: the scheme's options (see ``options()``).
 

@@ -68,7 +68,8 @@ class GGMLLinear(QuantizedLinear):
 
     Args:
         in_features: a multiple of the format's ``block_size``.
-        out_features, bias: as ``nn.Linear``.
+        out_features: as ``nn.Linear``.
+        bias: as ``nn.Linear``.
 
     Shapes: ``(..., in_features)`` -> ``(..., out_features)``.
     """

@@ -30,7 +30,8 @@ class BlockLayout:
     ``field``, ``small`` and ``bits``.
 
     Args:
-        rows, blocks: rows and blocks per row of the packed tensors.
+        rows: rows of the packed tensors.
+        blocks: blocks per row of the packed tensors.
         block_shape: the format's ``block_shape``.
         planes: the planes order.
     """

@@ -53,9 +53,12 @@ class Int4Linear(QuantizedLinear):
     """``nn.Linear`` with group-wise int4 weights (a float32 scale and zero per ``group_size`` inputs).
 
     Args:
-        in_features, out_features, bias: as ``nn.Linear``.
-        group_size: inputs sharing a scale and zero: 32, 64 or 128 (default 128); must divide ``in_features``.
-        symmetric: ``True`` for torchao's symmetric int4 (zero 0), ``False`` (default) for its asymmetric one.
+        in_features: as ``nn.Linear``.
+        out_features: as ``nn.Linear``.
+        bias: as ``nn.Linear``.
+        **options: ``group_size``, the inputs sharing a scale and zero: 32, 64 or 128 (default 128), dividing
+            ``in_features``; ``symmetric``: ``True`` for torchao's symmetric int4 (zero 0), ``False`` (default) for
+            its asymmetric one.
 
     Raises:
         ValueError: an unknown option, a bad ``group_size`` or ``symmetric``, or a group size that does not divide
@@ -198,7 +201,8 @@ def fused_int4_linear(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor) -
     Args:
         x: ``(rows, in)`` activations.
         qweight: ``(out, in / 2)`` uint8, ``Int4Linear``'s layout.
-        scale, zero: ``(out, in / group_size)``.
+        scale: ``(out, in / group_size)``.
+        zero: ``(out, in / group_size)``.
 
     Returns:
         ``(rows, out)`` in ``x``'s dtype.

@@ -51,7 +51,11 @@ def hub_download(
     """``hf_hub_download`` into the cache, retrying transient server errors, reporting the real failure.
 
     Args:
-        repo_id, filename, revision, token, endpoint: as for ``huggingface_hub.hf_hub_download``.
+        repo_id: the Hub repository, as for ``huggingface_hub.hf_hub_download``.
+        filename: the file in it.
+        revision: branch, tag or commit.
+        token: the Hub token (None: ``huggingface_hub``'s own places).
+        endpoint: the Hub's URL (None: ``huggingface_hub``'s default).
 
     Returns:
         The cached file's path.
@@ -188,9 +192,13 @@ def push_folder(
     leaves a folder that the next push removes.
 
     Args:
-        repo_id, private, revision: as checked by ``check_push_arguments``.
+        repo_id: as checked by ``check_push_arguments``.
+        private: as checked by ``check_push_arguments``.
+        revision: as checked by ``check_push_arguments``.
         write: writes the files (plain files only) into the folder it is given.
-        commit_message, token, endpoint: passed to ``huggingface_hub``.
+        commit_message: passed to ``huggingface_hub``.
+        token: passed to ``huggingface_hub``.
+        endpoint: passed to ``huggingface_hub``.
 
     Returns:
         ``huggingface_hub.CommitInfo`` (``.oid`` is the commit sha; with nothing changed, the current head).

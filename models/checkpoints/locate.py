@@ -91,7 +91,8 @@ def locate(
     Args:
         path_or_repo_id: an existing folder, or a Hub repo id.
         revision: Hub branch, tag or commit (default ``"main"``); not allowed with a local folder.
-        token, endpoint: passed to ``huggingface_hub``.
+        token: passed to ``huggingface_hub``.
+        endpoint: passed to ``huggingface_hub``.
         config_name: the file that makes a folder one of these (``adapter_config.json`` for an adapter).
         kind: what is looked for, in messages (``"checkpoint"``, ``"adapter"``).
 

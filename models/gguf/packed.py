@@ -45,7 +45,8 @@ def packed_weight(file: GGUFFile, tensor: TensorInfo, rows: Tensor | None, mater
     """A ``PackedWeight`` for ``tensor`` (``packable``), its rows reordered by ``rows`` (indices) when given.
 
     Args:
-        file, tensor: where the blocks are.
+        file: the GGUF file holding the blocks.
+        tensor: the tensor's entry in that file (offset, type, shape).
         rows: ``new row i = stored row rows[i]``, or None.
         materialize: returns the float32 weight (with the same reordering), for a converter that changes it.
     """
