@@ -105,6 +105,12 @@ def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call i
 def compile_template(template: str) -> jinja2.Template:
     """The template compiled in the sandbox (cached by its text).
 
+    Args:
+        template: the Jinja source.
+
+    Returns:
+        The compiled template.
+
     Raises:
         ValueError: the template does not parse (jinja2's message and line).
     """
@@ -122,7 +128,14 @@ def compile_template(template: str) -> jinja2.Template:
 
 def plain(value: Any) -> Any:
     """``value`` rebuilt from plain JSON types (subclasses stripped to their base type, dataclasses and pydantic
-    models as dicts); anything else becomes a placeholder naming its type, e.g. ``"<ndarray>"``."""
+    models as dicts); anything else becomes a placeholder naming its type, e.g. ``"<ndarray>"``.
+
+    Args:
+        value: what a caller passed into a template (messages, tools, documents, context).
+
+    Returns:
+        The plain copy.
+    """
     if value is None or type(value) in (str, int, float, bool):
         return value
     for kind in (bool, str, int, float):
@@ -178,6 +191,9 @@ def render_chat(
         documents: ``{"title", "text"}`` documents, for templates that use them.
         context: further names for the template (the special tokens, ``enable_thinking`` …).
 
+    Returns:
+        The rendered prompt text.
+
     Raises:
         ValueError: bad messages, tools or documents; both generation flags; a template that raises
             (``raise_exception``), breaks the sandbox or drops the final message it was to continue.
@@ -223,6 +239,13 @@ def read_template(tokenizer_file: Path, config: Mapping[str, Any] | None) -> str
     ``chat_template`` in its ``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}`` of which
     the one named ``default`` is taken), else None.
 
+    Args:
+        tokenizer_file: the ``tokenizer.json`` the template belongs to.
+        config: its parsed ``tokenizer_config.json`` (``read_config``), or None.
+
+    Returns:
+        The template text, or None.
+
     Raises:
         ValueError: a template file over ``MAX_TEMPLATE_CHARS`` or not UTF-8, or a config value of another shape.
     """
@@ -245,7 +268,12 @@ def read_template(tokenizer_file: Path, config: Mapping[str, Any] | None) -> str
 
 
 def write_template(tokenizer_file: Path, template: str | None) -> None:
-    """Save ``template`` as ``chat_template.jinja`` beside ``tokenizer_file`` (removing a stale one if None)."""
+    """Save ``template`` as ``chat_template.jinja`` beside ``tokenizer_file`` (removing a stale one if None).
+
+    Args:
+        tokenizer_file: the ``tokenizer.json`` the template belongs to.
+        template: the template text, or None.
+    """
     path = tokenizer_file.with_name(TEMPLATE_FILE)
     if template is None:
         path.unlink(missing_ok=True)
