@@ -299,6 +299,10 @@ def packed_examples(docs: Sequence[Sequence[int]], length: int) -> list[dict[str
     """Pack a whole corpus ahead of time into examples of ``length`` tokens for ``CausalLMCollator``
     (GPT-style training on a token stream); the last, shorter row is dropped so every row is full.
 
+    Args:
+        docs: the documents' ids, in order.
+        length: tokens per example.
+
     Returns:
         A list of ``{"input_ids": [...], "document_ids": [...]}``.
 
@@ -315,6 +319,12 @@ def packed_examples(docs: Sequence[Sequence[int]], length: int) -> list[dict[str
 
 def pad_rows(rows: Sequence[Sequence[int]], pad_value: int) -> tuple[Tensor, Tensor]:
     """Right-pad rows to the longest.
+
+    Args:
+        rows: id lists.
+        pad_value: the id padding takes.
+
+    Shapes: -> ids ``(B, L)``, mask ``(B, L)``.
 
     Returns:
         ``(ids (B, L) long, mask (B, L) bool)`` with True on real entries.
@@ -398,7 +408,14 @@ INPUT_KEYS = (("input_ids", "attention_mask"), ("src_ids", "src_mask"), ("tgt_id
 
 def input_tokens(batch: Mapping[str, Any]) -> int:
     """Real input tokens of a collated batch (what the Trainer's tokens/s counts): the unmasked entries of each id
-    tensor, or all of them when the batch has no mask for it."""
+    tensor, or all of them when the batch has no mask for it.
+
+    Args:
+        batch: a collated batch.
+
+    Returns:
+        The count.
+    """
     total = 0
     for ids, mask in INPUT_KEYS:
         if ids in batch:

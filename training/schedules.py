@@ -87,6 +87,13 @@ def decay_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
     ``Trainer(model, lambda params: AdamW(decay_groups(params, 0.1), lr=3e-4), ...)``; sharded parameters keep
     their global ``dim``.
 
+    Args:
+        params: the parameters to optimise (the Trainer passes the trainable ones).
+        weight_decay: the decay of the matrices.
+
+    Returns:
+        The two groups, as ``torch.optim`` takes them.
+
     Raises:
         ValueError: a negative or non-finite ``weight_decay``.
     """
