@@ -141,11 +141,22 @@ class TaskHeadMixin:
     # ------------------------------------------------------------------ sentence embeddings
     def save_sentence_transformers(self, directory: Any) -> Any:
         """Write the model and its tokenizer as a sentence-transformers folder (see
-        ``models.checkpoints.sentence_folder.save_sentence_transformers``)."""
+        ``models.checkpoints.sentence_folder.save_sentence_transformers``).
+
+        Args:
+            directory: the folder to write (``SentenceTransformer(directory)`` loads it).
+
+        Returns:
+            The folder's path.
+        """
         return save_sentence_transformers(self, directory)
 
     def embedding_options(self) -> dict[str, Any]:
-        """The embedding head's options (pooling, normalize, max_seq_length, prompts), or the defaults."""
+        """The embedding head's options (pooling, normalize, max_seq_length, prompts), or the defaults.
+
+        Returns:
+            The options.
+        """
         if self.config.head == "embedding":
             return self.config.block_options("head")
         return {"pooling": self.default_pooling}
@@ -172,6 +183,11 @@ class TaskHeadMixin:
             normalize: L2-normalise the vectors (default: the head's ``normalize``).
             prompt: a prompt name of the head's ``prompts`` or a literal string, prepended to every text.
             progress: show a tqdm bar (default: for more than 256 inputs when stderr is a terminal).
+
+        Returns:
+            The vectors, in input order.
+
+        Shapes: -> ``(N, d_model)``.
 
         Raises:
             ValueError: texts without an attached tokenizer, a bad ``batch_size``, an empty or non-string text,

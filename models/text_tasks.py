@@ -42,6 +42,11 @@ class TextTasksMixin:
         """Labels and scores per text, as ``transformers``' text-classification pipeline gives them: softmax for
         single-label classifiers, sigmoid for multi-label ones (and ``num_labels == 1``), raw scores for regression.
 
+        Args:
+            texts: one text or a list of texts.
+            top_k: labels per text, best first (None: all).
+            batch_size: texts per forward pass.
+
         Returns:
             per text ``{"label", "score"}`` (``top_k=1``), else a list of them, best first (``top_k=None``: all);
             a list of those for a list of texts.
@@ -84,6 +89,10 @@ class TextTasksMixin:
         """Word-level entities, as ``transformers``' token-classification pipeline gives them with
         ``aggregation_strategy`` ``first`` / ``average`` / ``max``: tokens joined into words, words into entity groups
         (``B-``/``I-`` tags), the ``O`` label left out.
+
+        Args:
+            texts: one text or a list of texts.
+            aggregation: how a word's tokens give its label: ``"first"``, ``"average"`` or ``"max"``.
 
         Returns:
             per text a list of ``{"entity_group", "score", "word", "start", "end"}`` (character offsets).
@@ -137,6 +146,13 @@ class TextTasksMixin:
         tokens (default ``min(max_seq_len // 2, 128)``; ``max_seq_len`` is capped at the model's ``max_len``) and the
         best span of all windows wins.
 
+        Args:
+            question: the question.
+            context: the text that holds the answer.
+            max_answer_len: the longest answer, in tokens.
+            stride: tokens shared by consecutive windows of a long context.
+            max_seq_len: tokens per window (question and context).
+
         Returns:
             ``{"score", "start", "end", "answer"}`` (character offsets into ``context``).
 
@@ -184,7 +200,18 @@ class TextTasksMixin:
         return {"score": score, "start": start, "end": end, "answer": context[start:end]}
 
     def similarity(self, a: str | Sequence[str], b: str | Sequence[str], batch_size: int = 32) -> Tensor:
-        """Cosine similarities ``(len(a), len(b))`` of the ``embed`` vectors (sentence-transformers' default)."""
+        """Cosine similarities of the ``embed`` vectors (sentence-transformers' default).
+
+        Args:
+            a: one text or a list of texts.
+            b: one text or a list of texts.
+            batch_size: texts per forward pass.
+
+        Returns:
+            The similarity of each text of ``a`` to each text of ``b``.
+
+        Shapes: -> ``(len(a), len(b))``.
+        """
         left = nn.functional.normalize(self.embed(a, batch_size=batch_size), dim=-1)
         right = nn.functional.normalize(self.embed(b, batch_size=batch_size), dim=-1)
         return left @ right.T
