@@ -84,6 +84,8 @@ def read_gguf(
             ``models.gguf.families.SUPPORTED_ARCHITECTURES``; a tensor type outside ``SUPPORTED_TYPES``; metadata
             sizes that disagree with the tensors; unknown, missing, duplicated or mis-shaped tensors; metadata the
             family's config cannot represent; a split set whose parts disagree. The message names the field.
+
+    Shapes: every tensor as the ``transformers`` model stores it.
     """
     target_dtype = parse_dtype(dtype) or torch.float32
     if not isinstance(path, (str, os.PathLike)):
@@ -142,6 +144,12 @@ def _materializer(gguf: Any, file: GGUFFile, info: TensorInfo, rows: Tensor | No
 def read_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:
     """Only the tokenizer a GGUF file embeds (a ``GGUFTokenizer``), or None when it has no vocabulary.
 
+    Args:
+        path: the ``.gguf`` file.
+
+    Returns:
+        The tokenizer, or None.
+
     Raises:
         ValueError: as ``read_gguf`` for the header and the ``tokenizer.*`` metadata.
     """
@@ -157,6 +165,12 @@ def read_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:
 
 def read_gguf_parts(path: str | os.PathLike[str]) -> tuple[list[GGUFFile], dict[str, tuple[GGUFFile, TensorInfo]]]:
     """A GGUF file, or every part of a split set, checked; tensor name -> (its file, its description).
+
+    Args:
+        path: the file, or the first part of a split set.
+
+    Returns:
+        ``(parts, tensors)``: the parts in order, and each tensor's part and description.
 
     Raises:
         FileNotFoundError: a part of the set is missing.
