@@ -133,8 +133,16 @@ class Int4Linear(QuantizedLinear):
         return self._options["group_size"]
 
     def linear(self, x: Tensor) -> Tensor:
-        """``x @ unpack().T`` for ``x`` of shape ``(rows, in_features)``, without the bias (see the module
-        docstring for the kernel each case takes)."""
+        """``x @ unpack().T`` without the bias (see the module docstring for the kernel each case takes).
+
+        Args:
+            x: the inputs.
+
+        Returns:
+            The product.
+
+        Shapes: x ``(rows, in_features)`` -> ``(rows, out_features)``.
+        """
         if torch.compiler.is_compiling():
             if x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled():
                 return fused_int4_linear(x, self.qweight, self.scale, self.zero)
@@ -209,6 +217,8 @@ def fused_int4_linear(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor) -
 
     Raises:
         ValueError: shapes that do not fit together.
+
+    Shapes: x ``(rows, in)``, qweight ``(out, in / 2)``, scale and zero ``(out, in / group_size)`` -> ``(rows, out)``.
     """
     out, groups = scale.shape
     if x.dim() != 2 or qweight.shape[0] != out or x.shape[1] != 2 * qweight.shape[1] or x.shape[1] % groups:
