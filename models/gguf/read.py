@@ -223,7 +223,18 @@ def _tokenizer_metadata(metadata: Mapping[str, Any], vocab_size: int) -> dict[st
 
 
 def decode_tensor(gguf: Any, file: GGUFFile, tensor: TensorInfo) -> Tensor:
-    """A tensor's values as float32, in torch's dimension order (ggml lists the fastest dimension first)."""
+    """A tensor's values as float32, in torch's dimension order (ggml lists the fastest dimension first).
+
+    Args:
+        gguf: the ``gguf`` package (its ``quants.dequantize``).
+        file: the GGUF file.
+        tensor: the tensor's entry in it.
+
+    Returns:
+        The values.
+
+    Shapes: -> ``tensor.shape``.
+    """
     values = gguf.quants.dequantize(file.raw(tensor), gguf.GGMLQuantizationType(tensor.type_id))
     if not values.flags.writeable:  # F32 comes back as a read-only view of the memory-mapped file
         values = values.copy()
@@ -234,6 +245,13 @@ def unpermute_rows(weight: Tensor, n_heads: int) -> Tensor:
     """Undo ``convert_hf_to_gguf.LlamaModel.permute``: per head, interleaved (x0, y0, x1, y1 ...) rows
     back to rotate-half order (x0, x1 ..., y0, y1 ...).
 
+    Args:
+        weight: a q or k projection's weight as llama.cpp stores it.
+        n_heads: its heads.
+
+    Returns:
+        The weight in rotate-half order.
+
     Shapes: ``(n_heads * d_head, ...)`` in and out.
     """
     rows = weight.shape[0]
@@ -243,6 +261,13 @@ def unpermute_rows(weight: Tensor, n_heads: int) -> Tensor:
 
 def permute_rows(weight: Tensor, n_heads: int) -> Tensor:
     """``convert_hf_to_gguf.LlamaModel.permute``: rotate-half rows to llama.cpp's interleaved layout.
+
+    Args:
+        weight: a q or k projection's weight.
+        n_heads: its heads.
+
+    Returns:
+        The permuted weight.
 
     Shapes: ``(n_heads * d_head, ...)`` in and out.
     """
