@@ -30,7 +30,14 @@ TensorShapes = dict[str, tuple[torch.Size, torch.dtype]]
 
 
 def qualified_name(obj: object) -> str:
-    """``module.QualifiedClassName`` of ``obj``'s class (how checkpoints name the optimiser and scheduler)."""
+    """``module.QualifiedClassName`` of ``obj``'s class (how checkpoints name the optimiser and scheduler).
+
+    Args:
+        obj: any object.
+
+    Returns:
+        The qualified name.
+    """
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
@@ -196,6 +203,9 @@ def rng_source_rank(saved_run: Mapping[str, Any], layout: ParallelLayout, *, ran
         layout: this run's parallel layout.
         rank: this process's rank.
         world_size: the number of processes now.
+
+    Returns:
+        The saved rank.
     """
     if saved_run["world_size"] == world_size and saved_run["tp_size"] == layout.tp_size == 1:
         return rank
@@ -286,6 +296,8 @@ def load_targets(model: nn.Module, shapes: TensorShapes) -> dict[str, Tensor]:
 
     Returns:
         ``model/<name>`` for each trainable parameter and every ``optim/...`` key of ``shapes``.
+
+    Shapes: each target has its key's global shape, sharded like the live tensor.
     """
     targets: dict[str, Tensor] = {}
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
@@ -325,6 +337,8 @@ def restore_state(
         ValueError: a target missing or of another shape, optimiser state naming a parameter of no group,
             parameter groups the optimiser does not have, or a scheduler or random state that does not load; the
             model, optimiser, scheduler and random state are then as they were.
+
+    Shapes: each target as its parameter (sharded alike).
     """
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     wrong = [n for n, p in params.items() if f"model/{n}" not in targets or targets[f"model/{n}"].shape != p.shape]
