@@ -145,7 +145,6 @@ class GatedExperts(torch.autograd.Function):
         """Add the group's weighted outputs into ``out``.
 
         Args:
-            ctx: autograd's context.
             out: the layer's output, added into in place.
             x: the group's pairs' rows, sorted by expert.
             w: their routing weights.
