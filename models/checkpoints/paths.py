@@ -61,7 +61,7 @@ def check_etag(etag: object, what: str) -> str:
 
     Args:
         etag: the value the server sent.
-        what: names the file in messages.
+        what: what the value is, for the message (the response and its header).
 
     Returns:
         The ETag, stripped.
@@ -80,7 +80,7 @@ def check_commit(commit: object, what: str) -> str:
 
     Args:
         commit: the value the server sent.
-        what: names the repository in messages.
+        what: what the value is, for the message (the response and its header).
 
     Returns:
         The commit id.
