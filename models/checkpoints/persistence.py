@@ -175,6 +175,9 @@ class PersistenceMixin:
         Args:
             reference: what the usage snippet passes to ``from_pretrained`` (a repo id or a folder).
             tokenizer: the tokenizer saved along (default: ``self.tokenizer``); the card says whether there is one.
+
+        Returns:
+            The card's Markdown.
         """
         name = type(self).__name__
         config = self.config.to_dict()
