@@ -34,7 +34,7 @@ SECTION = re.compile(r"^\s*(Args|Arguments|Parameters|Attributes|Returns|Yields|
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 #: Methods a class overrides to customise torch's own behaviour (``nn.Module``'s, ``autograd.Function``'s); torch
 #: documents them.
-TORCH_HOOKS = frozenset({"extra_repr", "reset_parameters", "backward", "setup_context"})
+TORCH_HOOKS = frozenset({"extra_repr", "reset_parameters", "backward", "setup_context", "get_lr"})
 
 
 @dataclass(frozen=True)
@@ -142,9 +142,21 @@ def sections(doc: str) -> set[str]:
 
 
 def mentions_tensor(fn: FunctionNode) -> bool:
+    """A parameter or the return is annotated with ``Tensor`` (a callable's signature, ``Callable[[...], Tensor]``,
+    is another function's business)."""
     annotations = [p.annotation for p in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)]
     annotations += [fn.returns]
-    return any(a is not None and re.search(r"\bTensor\b", ast.unparse(a)) for a in annotations)
+    return any(a is not None and tensor_outside_callables(a) for a in annotations)
+
+
+def tensor_outside_callables(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a string annotation
+        return tensor_outside_callables(ast.parse(node.value, mode="eval").body)
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value).split(".")[-1] == "Callable":
+        return False
+    if isinstance(node, ast.Name | ast.Attribute) and ast.unparse(node).split(".")[-1] == "Tensor":
+        return True
+    return any(tensor_outside_callables(child) for child in ast.iter_child_nodes(node))
 
 
 def returns_something(fn: FunctionNode) -> bool:
