@@ -21,6 +21,7 @@ Names that do not meet the rule yet are listed in ``tests/docstring_todo.txt``: 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import textwrap
 from collections.abc import Iterator
@@ -44,7 +45,13 @@ class Public:
     owner: ast.ClassDef | None
 
 
-def modules() -> Iterator[tuple[str, ast.Module]]:
+@functools.cache
+def modules() -> tuple[tuple[str, ast.Module], ...]:
+    """Every public module of the packages, parsed once: ``(dotted name, tree)``."""
+    return tuple(_modules())
+
+
+def _modules() -> Iterator[tuple[str, ast.Module]]:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
