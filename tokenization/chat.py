@@ -20,6 +20,7 @@ naming the problem.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import json
@@ -41,6 +42,10 @@ MAX_TEMPLATE_CHARS = 1 << 20
 # Marks the end of the final message for continue_final_message (transformers' tag, so that cuts agree).
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+#: While set to a ``(start, end)`` pair of strings, ``{% generation %}`` blocks render their body between them
+#: (``tokenization.chat_spans`` finds the assistant's text so); unset, they render the body alone.
+GENERATION_MARKS: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("generation_marks",
+                                                                                         default=None)
 
 
 class _Generation(jinja2.ext.Extension):
@@ -55,7 +60,8 @@ class _Generation(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller: Any) -> str:
-        return caller()
+        marks = GENERATION_MARKS.get()
+        return caller() if marks is None else marks[0] + caller() + marks[1]
 
 
 class _Namespace(jinja2.utils.Namespace):
