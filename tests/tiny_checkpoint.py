@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import tokenizers
+import tokenizers.processors
 import torch
 
 from tokenization import train_byte_level_bpe
@@ -27,6 +28,9 @@ def write_tiny_llama(folder: Path, *, seed: int = 0) -> Path:
 
     base = train_byte_level_bpe(CORPUS * 4, vocab_size=300, min_frequency=1)
     base.backend.add_special_tokens(SPECIALS)
+    # Llama's post-processing: BOS before the text, nothing after it.
+    base.backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", base.backend.token_to_id("<s>"))])
     tok = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer.from_str(base.to_str()), bos_token="<s>",
                                   eos_token="</s>", pad_token="<|endoftext|>")
     tok.chat_template = CHATML
