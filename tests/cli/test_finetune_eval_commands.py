@@ -84,7 +84,7 @@ def test_dpo_runs_from_the_sft_adapter_merged(tiny_llama_dir, files, sft_run, tm
 
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, base(ids).logits, atol=1e-4, rtol=1e-4)  # W + BA rounds differently from W x + B(A x)
+        torch.testing.assert_close(hf(ids).logits, base(ids).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_eval_and_perplexity(tiny_llama_dir, tmp_path, capsys) -> None:
