@@ -61,7 +61,7 @@ class ZooLM(TemplateLM):
                  add_bos_token: Any = None, max_gen_toks: int = 256, device: str | None = None,
                  adapter: str | None = None, **unused: Any) -> None:
         super().__init__()
-        unknown = sorted(set(unused) - {"dtype", "trust_remote_code", "parallelize"})
+        unknown = sorted(set(unused) - {"dtype", "trust_remote_code", "parallelize", "max_batch_size"})
         if unknown:
             raise ValueError(f"unknown model_args for the zoo backend: {unknown}; expected pretrained, batch_size, "
                              "max_length, add_bos_token, max_gen_toks, device, adapter")

@@ -96,3 +96,12 @@ def test_generations_and_accuracy_equal_the_hf_backend(results) -> None:
     got = results["zoo"]["results"]["zoo_gen"]["exact_match,none"]
     assert got == results["hf"]["results"]["zoo_gen"]["exact_match,none"]
     assert not math.isnan(got)
+
+
+def test_unknown_model_args_are_refused(tiny_llama_dir) -> None:
+    from serving.lm_eval_model import ZooLM
+
+    with pytest.raises(ValueError, match=r"unknown model_args .*\['temprature'\]"):
+        ZooLM(str(tiny_llama_dir), temprature=0.5)
+    with pytest.raises(ValueError, match="batch_size"):
+        ZooLM(str(tiny_llama_dir), batch_size=0)
