@@ -7,9 +7,10 @@
 Requests are tokenized as lm-eval's ``hf`` backend tokenizes them (``TemplateLM``: trailing spaces of the context
 move to the continuation; the tokenizer's own special tokens unless ``add_bos_token`` says otherwise; an empty
 context conditions on BOS), so both backends score the same tokens. ``loglikelihood`` runs batches of requests,
-longest first, right-padded, and takes log-softmax at the continuation positions only; ``loglikelihood_rolling`` cuts
-long texts into lm-eval's disjoint rolling windows; ``generate_until`` runs every prompt through the zoo's engine
-(continuous batching, greedy unless the task samples) and cuts at the task's stop strings.
+longest first, right-padded, and runs the output head and the log-softmax at the continuation positions only;
+``loglikelihood_rolling`` cuts long texts into lm-eval's disjoint rolling windows; ``generate_until`` runs every
+prompt through the zoo's engine (continuous batching, greedy unless the task samples) and cuts at the task's stop
+strings.
 """
 
 from __future__ import annotations
@@ -131,8 +132,9 @@ class ZooLM(TemplateLM):
                               **kwargs: Any) -> list[tuple[float, bool]]:
         rows = []
         for _, context, continuation in requests:
-            if not continuation:
-                raise ValueError("a request has an empty continuation; there is nothing to score")
+            if not continuation or len(continuation) > self.max_length:
+                raise ValueError(f"a request's continuation has {len(continuation)} tokens; expected 1 to "
+                                 f"max_length={self.max_length}")
             whole = (list(context) + list(continuation))[-(self.max_length + 1):]
             rows.append((whole[:-1], list(continuation)))
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
@@ -144,15 +146,17 @@ class ZooLM(TemplateLM):
                 chunk = order[start:start + self.batch_size]
                 width = len(rows[chunk[0]][0])
                 ids = torch.full((len(chunk), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-                mask = torch.zeros((len(chunk), width), dtype=torch.bool)
                 for r, i in enumerate(chunk):
                     ids[r, : len(rows[i][0])] = torch.tensor(rows[i][0])
-                    mask[r, : len(rows[i][0])] = True
-                logits = self.model(ids.to(device), mask.to(device)).logits
+                # Right padding is invisible to a causal model at the real positions, so no mask (the fast causal
+                # attention path); and only the positions that predict a continuation token go through the head.
+                first = min(len(rows[i][0]) - len(rows[i][1]) for i in chunk)
+                keep = torch.arange(first, width, device=device)
+                logits = self.model(ids.to(device), logits_to_keep=keep).logits  # (b, width - first, V)
                 for r, i in enumerate(chunk):
                     inp, cont = rows[i]
                     n = len(cont)
-                    scores = logits[r, len(inp) - n: len(inp)].float().log_softmax(-1)  # (n, V)
+                    scores = logits[r, len(inp) - n - first: len(inp) - first].float().log_softmax(-1)  # (n, V)
                     target = torch.tensor(cont, device=scores.device)
                     logp = scores.gather(1, target[:, None]).squeeze(1).sum()
                     results[i] = (float(logp), bool((scores.argmax(-1) == target).all()))
