@@ -1,6 +1,6 @@
 """``zoo finetune`` (sft and dpo with LoRA; a rerun resumes from the newest checkpoint and ends where an unbroken run
 ends), ``zoo merge`` (the merged model computes what base + adapter computes), ``zoo convert`` (transformers loads
-the same logits), ``zoo eval`` on a local task and ``zoo perplexity``; bad data exits with the file and line."""
+the same logits), ``zoo eval`` on a local task (slow) and ``zoo perplexity``; bad data exits with the file and line."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def test_dpo_runs_from_the_sft_adapter_merged(tiny_llama_dir, files, sft_run, tm
         torch.testing.assert_close(hf(ids).logits, base(ids).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_eval_and_perplexity(tiny_llama_dir, tmp_path, capsys) -> None:
+@pytest.mark.slow  # lm-eval's run itself is covered against the hf backend in tests/serving/test_lm_eval_model.py
+def test_eval(tiny_llama_dir, tmp_path, capsys) -> None:
     docs = [{"q": "The capital of France is", "choices": [" Paris", " Berlin"], "a": 0},
             {"q": "2+2=", "choices": ["4", "6"], "a": 0}]
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
@@ -101,6 +102,9 @@ def test_eval_and_perplexity(tiny_llama_dir, tmp_path, capsys) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     assert 0.0 <= results["results"]["zoo_cli_mc"]["acc,none"] <= 1.0
     assert "zoo_cli_mc" in capsys.readouterr().out
+
+
+def test_perplexity(tiny_llama_dir, tmp_path, capsys) -> None:
     (tmp_path / "text.txt").write_text(" ".join(CORPUS))
     main(["perplexity", str(tiny_llama_dir), str(tmp_path / "text.txt"), "--ctx", "16", "--no-progress"])
     printed = capsys.readouterr().out
