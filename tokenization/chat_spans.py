@@ -70,7 +70,7 @@ def assistant_spans(
             raise ValueError(f"the chat template renders the conversation before messages[{i}] (the assistant's "
                              "turn) differently from its start in the whole conversation; the assistant's tokens "
                              "cannot be found by rendering prefixes: use a template with {% generation %} blocks")
-        end = len(prompt) + _common_prefix(turn[len(prompt):], text[len(prompt):])
+        end = len(prompt) + common_prefix_length(turn[len(prompt):], text[len(prompt):])
         if end == len(prompt):
             raise ValueError(f"the chat template renders messages[{i}] (the assistant's turn) differently when "
                              "later messages follow; the assistant's tokens cannot be found by rendering prefixes: "
@@ -124,7 +124,8 @@ def _strings(value: Any) -> list[str]:
     return []
 
 
-def _common_prefix(a: str, b: str) -> int:
+def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items (characters, token ids) ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from blocks.adapters import ADAPTED_LAYERS
 from tokenization import Tokenizer
+from tokenization.chat_spans import common_prefix_length
 
 from .collators import pad_rows
 from .distributed import unwrap_model
@@ -75,7 +76,7 @@ class PreferenceCollator:
         else:
             prompt = tok.apply_chat_template(pair["prompt"], add_generation_prompt=True)
             full = {k: tok.apply_chat_template(list(pair["prompt"]) + list(pair[k])) for k in ("chosen", "rejected")}
-        cut = min(_common_prefix(prompt, ids) for ids in full.values())
+        cut = min(common_prefix_length(prompt, ids) for ids in full.values())
         out = {"prompt_ids": prompt[:cut], **{f"{k}_ids": ids[cut:] for k, ids in full.items()}}
         if not out["chosen_ids"] or not out["rejected_ids"]:
             raise ValueError(f"a completion has no token of its own after the prompt {pair['prompt']!r:.60}")
@@ -230,10 +231,3 @@ class PreferenceLoss:
         """The summed loss of the batch's pairs (a scalar with gradient)."""
         return self.pair_losses(model, batch)[0].sum()
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
