@@ -175,3 +175,21 @@ def test_bad_files_name_the_file_and_line(pair, tmp_path, line: bytes, message: 
     path.write_bytes(good.encode() + b"\n\n" + line + b"\n")
     with pytest.raises(ValueError, match=rf"chat\.jsonl, line 3: .*{message}"):
         ChatSFTDataset.from_jsonl(path, pair[0], chat_template=PUBLISHED["smollm2"])
+
+
+def test_without_packing_each_conversation_is_a_padded_row(pair) -> None:
+    tok, _ = pair
+    chats = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "the fox"}],
+             [{"role": "user", "content": "the quick brown fox jumps"}, {"role": "assistant", "content": "dog"}]]
+    items = [tokenize_conversation(tok, m, chat_template=PUBLISHED["phi3"]) for m in chats]
+    batch = ChatSFTCollator(tok.pad_token_id, pack=False)(items)
+    assert "document_ids" not in batch and batch["input_ids"].shape[0] == 2
+    for r, item in enumerate(items):
+        n = len(item["input_ids"])
+        assert batch["input_ids"][r, :n].tolist() == item["input_ids"]
+        assert batch["labels"][r, :n].tolist() == item["labels"]
+        assert (batch["labels"][r, n:] == IGNORE_INDEX).all() and not batch["attention_mask"][r, n:].any()
+    with pytest.raises(ValueError, match="max_length"):
+        ChatSFTCollator(tok.pad_token_id, pack=True)
+    with pytest.raises(ValueError, match="same length"):
+        ChatSFTCollator(tok.pad_token_id, max_length=8)([{"input_ids": [1, 2], "labels": [1]}])
