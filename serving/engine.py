@@ -344,6 +344,8 @@ class Engine:
                  seed: Any = None, logprobs: Any = None) -> list[RequestOutput]:
         """Continue every prompt, all of them batched continuously; one ``RequestOutput`` per prompt, in order.
 
+        Each of ``sampling`` … ``logprobs`` is one value for all prompts or a list with one per prompt.
+
         Args:
             prompts: a list of prompts, each a string (needs the tokenizer) or a list of token ids; one string or
                 one list of ids is a single prompt.
@@ -353,8 +355,6 @@ class Engine:
             n: samples per prompt (>= 1; > 1 needs sampling); they share the prompt's cache blocks.
             seed: sample ``j`` draws from a generator seeded ``seed + j`` (None: drawn from torch's generator).
             logprobs: report the log-probability of each new token and of the ``logprobs`` most likely ones.
-
-            Each of ``sampling`` … ``logprobs`` is one value for all prompts or a list with one per prompt.
 
         Returns:
             One ``RequestOutput`` per prompt.
