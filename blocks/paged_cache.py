@@ -197,7 +197,15 @@ class PagedKVCache:
     def grow(self, attention: Any, like: Tensor, needed: int) -> None:
         """Make the pools hold at least ``needed`` blocks (doubling, at most ``n_blocks``), their contents kept, the
         new blocks zeroed: what a compiled step calls between steps, since a graph never grows a pool (it takes the
-        pools as inputs whose block count is dynamic)."""
+        pools as inputs whose block count is dynamic).
+
+        Args:
+            attention: the layer's attention module (its key/value head count and head sizes).
+            like: a tensor of the pools' dtype and device.
+            needed: blocks the pools must hold.
+
+        Shapes: pools ``(Hkv, blocks, block_size, D)``.
+        """
         have = 0 if self.k is None else self.k.shape[1]
         if needed <= have:
             return

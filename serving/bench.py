@@ -28,12 +28,23 @@ _MIB = 2**20
 
 @dataclasses.dataclass
 class BenchResult:
-    """What ``measure`` found: each test's name, value and unit, in order."""
+    """What ``measure`` found.
+
+    Attributes:
+        rows: each test's name, value and unit, in order.
+    """
 
     rows: list[tuple[str, float, str]]
 
     def table(self, header: dict[str, str]) -> str:
-        """A Markdown table: the ``header`` columns (model, threads, ...) repeated on every test row."""
+        """A Markdown table: the ``header`` columns (model, threads, ...) repeated on every test row.
+
+        Args:
+            header: column name -> value, before the test's name, value and unit.
+
+        Returns:
+            The table's lines joined.
+        """
         names = [*header, "test", "value", "unit"]
         lines = ["| " + " | ".join(names) + " |", "|" + "|".join("---" for _ in names) + "|"]
         for test, value, unit in self.rows:
@@ -42,7 +53,11 @@ class BenchResult:
 
 
 def resident_memory() -> tuple[int, int]:
-    """This process's resident set now and its high-water mark, in bytes (``/proc/self/status``; 0 when absent)."""
+    """This process's resident set now and its high-water mark (``/proc/self/status``).
+
+    Returns:
+        ``(VmRSS, VmHWM)`` in bytes; 0 for what the system does not report.
+    """
     fields = {"VmRSS:": 0, "VmHWM:": 0}
     try:
         with open("/proc/self/status", encoding="ascii") as status:
@@ -147,6 +162,9 @@ def _positive(text: str) -> int:
 def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     """Add ``bench`` to the subparsers ``sub`` of the ``zoo`` command.
 
+    Args:
+        sub: what ``ArgumentParser.add_subparsers`` returned.
+
     Returns:
         ``{"bench": handler}``.
     """
@@ -165,7 +183,14 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
 
 
 def bench(args: argparse.Namespace) -> None:
-    """``zoo bench``: load the model, run ``measure`` and print its table."""
+    """``zoo bench``: load the model, run ``measure`` and print its table.
+
+    Args:
+        args: the parsed ``zoo bench`` arguments.
+
+    Raises:
+        SystemExit: ``measure`` refused the sizes (one line naming the bad value).
+    """
     from .loading import load_model
 
     if args.threads is not None:

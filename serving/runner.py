@@ -133,8 +133,12 @@ class RaggedAttention:
 
 class DynamicStep:
     """``packed_logits`` of a decode-only step compiled once, its token, row, entry and block counts dynamic: one
-    graph for every step. Called as ``packed_logits``. ``regions``: compile each decoder layer structure once
-    (``compile_dynamic``; not for latent attention, whose batch holds aliasing index tensors)."""
+    graph for every step. Called as ``packed_logits``.
+
+    Args:
+        regions: compile each decoder layer structure once (``compile_dynamic``; not for latent attention, whose
+            batch holds aliasing index tensors).
+    """
 
     def __init__(self, regions: bool = False) -> None:
         self.compiled = compile_dynamic(packed_logits, regions)
@@ -205,7 +209,11 @@ class PagedRunner:
 
     def grow_pools(self, needed: int) -> None:
         """Grow every layer's pools to hold ``needed`` blocks (doubling; before a compiled step, which never grows
-        them) and mark their block counts dynamic (a grown pool reuses the graph)."""
+        them) and mark their block counts dynamic (a grown pool reuses the graph).
+
+        Args:
+            needed: blocks the pools must hold (the step's highest block id + 1).
+        """
         for attention, cache in zip(self.attentions, self.caches, strict=True):
             cache.self_attn.grow(attention, self.like, needed)
         mark_pools(self.caches)

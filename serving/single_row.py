@@ -34,7 +34,11 @@ OPTIONS: dict[str, Any] = {"size_asserts": False}
 
 
 def one_row_mode() -> SmallRowsLinear:
-    """The function mode every product of the single-row graph runs under: 1-row ``F.linear`` as a fused reduction."""
+    """The function mode every product of the single-row graph runs under.
+
+    Returns:
+        ``SmallRowsLinear(1)``: a 1-row ``F.linear`` as a fused reduction.
+    """
     return SmallRowsLinear(1)
 
 
@@ -43,6 +47,16 @@ def single_row_logits(model: Any, ids: Tensor, positions: Tensor, caches: list[P
     """The logits of one one-token row over the paged cache, its products as 1-row reductions (traced by
     ``SingleRowStep``).
 
+    Args:
+        model: the ``DecoderLM``.
+        ids: the row's new token.
+        positions: its position.
+        caches: every layer's paged cache, their ``PagedBatch`` set.
+        keep: the packed index of the token (0).
+
+    Returns:
+        The row's next-token logits.
+
     Shapes: ids ``(1, 1)``, positions ``(1, 1)``, keep ``(1,)`` -> ``(1, V)``.
     """
     with one_row_mode():
@@ -50,7 +64,11 @@ def single_row_logits(model: Any, ids: Tensor, positions: Tensor, caches: list[P
 
 
 def mark_pools(caches: list[PagedLayerCache]) -> None:
-    """Mark the block dimension of every layer's pools dynamic: a pool grown between steps reuses the graph."""
+    """Mark the block dimension of every layer's pools dynamic: a pool grown between steps reuses the graph.
+
+    Args:
+        caches: every layer's paged cache.
+    """
     for cache in caches:
         for pool in (cache.self_attn.k, cache.self_attn.v):
             if pool is not None:
@@ -58,7 +76,11 @@ def mark_pools(caches: list[PagedLayerCache]) -> None:
 
 
 def mark_row_blocks(batch: PagedBatch) -> None:
-    """Mark how many blocks the single row reads dynamic (its ``RaggedRows`` entries, or its group's table)."""
+    """Mark how many blocks the single row reads dynamic (its ``RaggedRows`` entries, or its group's table).
+
+    Args:
+        batch: the step's packed batch of one row.
+    """
     ragged = batch.ragged
     if ragged is not None:
         for tensor in (ragged.block, ragged.row, ragged.start):
