@@ -37,7 +37,11 @@ def _read_int(path: str, key: str | None = None) -> int | None:
 
 def host_memory() -> tuple[int, int]:
     """The host's ``(available, total)`` bytes: ``MemAvailable`` and ``MemTotal``, each within the cgroup's limit
-    (``memory.max`` less ``memory.current``) where one is set."""
+    (``memory.max`` less ``memory.current``) where one is set.
+
+    Returns:
+        ``(available, total)`` bytes.
+    """
     total = _read_int("/proc/meminfo", "MemTotal")
     available = _read_int("/proc/meminfo", "MemAvailable")
     if total is None:
@@ -51,7 +55,14 @@ def host_memory() -> tuple[int, int]:
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
-    """``(available, total)`` bytes of ``device``: ``torch.cuda.mem_get_info`` for CUDA, else the host's."""
+    """``(available, total)`` bytes of ``device``: ``torch.cuda.mem_get_info`` for CUDA, else the host's.
+
+    Args:
+        device: the device.
+
+    Returns:
+        ``(available, total)`` bytes.
+    """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return int(free), int(total)
@@ -91,6 +102,12 @@ def default_num_blocks(block_nbytes: int, block_size: int, max_num_seqs: int, co
 def check_num_blocks(num_blocks: int, block_nbytes: int, block_size: int, device: torch.device) -> None:
     """Refuse ``num_blocks`` that even the whole of ``device``'s memory could not hold.
 
+    Args:
+        num_blocks: the KV blocks asked for.
+        block_nbytes: bytes of one block (every layer's keys and values).
+        block_size: positions per block.
+        device: where the pools would live.
+
     Raises:
         ValueError: naming ``num_blocks``, the bytes it needs and the device's total.
     """
@@ -103,6 +120,13 @@ def check_num_blocks(num_blocks: int, block_nbytes: int, block_size: int, device
 
 
 def memory_device(model: Any) -> torch.device:
-    """The device of ``model``'s first parameter (where its cache will live); CPU for a model without any."""
+    """The device of ``model``'s first parameter (where its cache will live); CPU for a model without any.
+
+    Args:
+        model: the served model.
+
+    Returns:
+        The device.
+    """
     param = next(iter(model.parameters()), None)
     return torch.device("cpu") if param is None else param.device

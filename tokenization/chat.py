@@ -22,6 +22,7 @@ reaches a limit gives a ``ValueError`` naming the problem and the template's lin
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import traceback
@@ -47,6 +48,10 @@ MAX_TEMPLATE_TOKENS = 12288
 # Marks the end of the final message for continue_final_message (transformers' tag, so that cuts agree).
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+#: While set to a ``(start, end)`` pair of strings, ``{% generation %}`` blocks render their body between them
+#: (``tokenization.chat_spans`` finds the assistant's text so); unset, they render the body alone.
+GENERATION_MARKS: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("generation_marks",
+                                                                                         default=None)
 
 
 class _Generation(jinja2.ext.Extension):
@@ -61,7 +66,8 @@ class _Generation(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller: Any) -> str:
-        return caller()
+        marks = GENERATION_MARKS.get()
+        return caller() if marks is None else marks[0] + caller() + marks[1]
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -105,6 +111,12 @@ def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call i
 @functools.lru_cache(maxsize=32)
 def compile_template(template: str) -> jinja2.Template:
     """The template compiled in the bounded sandbox (cached by its text).
+
+    Args:
+        template: the Jinja source.
+
+    Returns:
+        The compiled template.
 
     Raises:
         ValueError: the template does not parse (jinja2's message and line), is over ``MAX_TEMPLATE_CHARS`` or
@@ -153,7 +165,14 @@ def _where(err: BaseException, template: str) -> str:
 
 def plain(value: Any) -> Any:
     """``value`` rebuilt from plain JSON types (subclasses stripped to their base type, dataclasses and pydantic
-    models as dicts); anything else becomes a placeholder naming its type, e.g. ``"<ndarray>"``."""
+    models as dicts); anything else becomes a placeholder naming its type, e.g. ``"<ndarray>"``.
+
+    Args:
+        value: what a caller passed into a template (messages, tools, documents, context).
+
+    Returns:
+        The plain copy.
+    """
     if value is None or type(value) in (str, int, float, bool):
         return value
     for kind in (bool, str, int, float):
@@ -205,8 +224,12 @@ def render_chat(
         add_generation_prompt: end with the header that opens the assistant's turn.
         continue_final_message: leave the final message open for the model to continue (not with
             ``add_generation_prompt``).
-        tools, documents: JSON schemas of tools and ``{"title", "text"}`` documents, for templates that use them.
+        tools: JSON schemas of tools, for templates that use them.
+        documents: ``{"title", "text"}`` documents, for templates that use them.
         context: further names for the template (the special tokens, ``enable_thinking`` …).
+
+    Returns:
+        The rendered prompt text.
 
     Raises:
         ValueError: bad messages, tools or documents; both generation flags; a template that raises
@@ -257,6 +280,13 @@ def read_template(tokenizer_file: Path, config: Mapping[str, Any] | None) -> str
     ``chat_template`` in its ``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}`` of which
     the one named ``default`` is taken), else None.
 
+    Args:
+        tokenizer_file: the ``tokenizer.json`` the template belongs to.
+        config: its parsed ``tokenizer_config.json`` (``read_config``), or None.
+
+    Returns:
+        The template text, or None.
+
     Raises:
         ValueError: a template file over ``MAX_TEMPLATE_CHARS`` or not UTF-8, or a config value of another shape.
     """
@@ -279,7 +309,12 @@ def read_template(tokenizer_file: Path, config: Mapping[str, Any] | None) -> str
 
 
 def write_template(tokenizer_file: Path, template: str | None) -> None:
-    """Save ``template`` as ``chat_template.jinja`` beside ``tokenizer_file`` (removing a stale one if None)."""
+    """Save ``template`` as ``chat_template.jinja`` beside ``tokenizer_file`` (removing a stale one if None).
+
+    Args:
+        tokenizer_file: the ``tokenizer.json`` the template belongs to.
+        template: the template text, or None.
+    """
     path = tokenizer_file.with_name(TEMPLATE_FILE)
     if template is None:
         path.unlink(missing_ok=True)

@@ -68,7 +68,13 @@ class _BoundedCodeGenerator(CodeGenerator):
 
 
 class BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """``ImmutableSandboxedEnvironment`` whose templates run under the ``Budget`` of ``render_bounded``."""
+    """``ImmutableSandboxedEnvironment`` whose templates run under the ``Budget`` of ``render_bounded``.
+
+    The methods below are jinja2's hooks; each checks the deadline and the size of what it makes.
+
+    Args:
+        **options: jinja2's environment options (``trim_blocks``, ``extensions`` ...).
+    """
 
     code_generator_class = _BoundedCodeGenerator
     intercepted_binops = frozenset(("+", "-", "*", "/", "//", "%", "**"))
@@ -81,24 +87,67 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         self.globals.update(range=bounded_range, lipsum=bounded_lipsum)
 
     def add_filter(self, name: str, func: Callable[..., Any]) -> None:
-        """Register ``func`` as the filter ``name``, bounded like the built-in ones."""
+        """Register ``func`` as the filter ``name``, bounded like the built-in ones.
+
+        Args:
+            name: the filter's name in templates.
+            func: the filter.
+        """
         self.filters[name] = bounded_filter(name, func)
 
     @staticmethod
     def concat(parts: Any) -> str:  # the text of {% set %} blocks, macro bodies and {% filter %} blocks
+        """The text of a block, joined within the budget.
+
+        Args:
+            parts: the block's pieces.
+
+        Returns:
+            The text.
+        """
         return join_bounded(parts, "a block's text")
 
     @staticmethod
     def join_text(parts: Any) -> str:
+        """The operator ``~``, within the budget.
+
+        Args:
+            parts: its operands.
+
+        Returns:
+            The joined text.
+        """
         return current().charge(join_bounded(parts, "the operator '~'"), "the operator '~'")
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        """An arithmetic operator, checked before (``check_binop``) and charged after.
+
+        Args:
+            context: the template's context.
+            operator: the operator.
+            left: its left operand.
+            right: its right operand.
+
+        Returns:
+            The result.
+        """
         budget = current()
         budget.tick(f"the operator {operator!r}")
         check_binop(operator, left, right, budget)
         return budget.charge(self.binop_table[operator](left, right), f"the operator {operator!r}")
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja2's names
+        """A call from a template; ``str`` methods that can grow their input are checked first (``check_method``).
+
+        Args:
+            __context: the template's context.
+            __obj: what is called.
+            *args: its positional arguments.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The result, charged to the budget.
+        """
         budget = current()
         name = getattr(__obj, "__name__", type(__obj).__name__)
         budget.tick(f"a call of {name}")
@@ -110,10 +159,28 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         return budget.charge(super().call(__context, __obj, *args, **kwargs), f"a call of {name}")
 
     def getattr(self, obj: Any, attribute: str) -> Any:
+        """``obj.attribute`` (the sandbox's), after checking the deadline.
+
+        Args:
+            obj: the object.
+            attribute: the attribute's name.
+
+        Returns:
+            The attribute.
+        """
         current().tick(f"the attribute {attribute!r}")
         return super().getattr(obj, attribute)
 
     def getitem(self, obj: Any, argument: Any) -> Any:
+        """``obj[argument]`` (the sandbox's), after checking the deadline; a slice is charged to the budget.
+
+        Args:
+            obj: the object.
+            argument: the key, index or slice.
+
+        Returns:
+            The item.
+        """
         budget = current()
         budget.tick("a subscript")
         value = super().getitem(obj, argument)
@@ -122,6 +189,14 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
 def render_bounded(template: jinja2.Template, bounds: Bounds, context: dict[str, Any]) -> str:
     """Render ``template`` (of a ``BoundedEnvironment``) with ``context`` within ``bounds``.
+
+    Args:
+        template: the compiled template.
+        bounds: the limits.
+        context: the names the template sees.
+
+    Returns:
+        The rendered text.
 
     Raises:
         TemplateLimitError: a limit was reached; any other exception the template raised, as it raised it.

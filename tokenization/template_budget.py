@@ -46,13 +46,24 @@ class Bounds:
     int_bits: int = 1 << 14
 
     def widened(self, input_chars: int) -> Bounds:
-        """These bounds, grown with the size of the data rendered (a long conversation is a long prompt)."""
+        """These bounds, grown with the size of the data rendered (a long conversation is a long prompt).
+
+        Args:
+            input_chars: characters of the messages, tools and documents rendered.
+
+        Returns:
+            The wider bounds.
+        """
         return dataclasses.replace(self, chars=self.chars + 2 * input_chars, items=self.items + input_chars,
                                    spend=self.spend + 8 * input_chars)
 
 
 class Budget:
-    """What one rendering has left: its deadline and the bytes it may still make."""
+    """What one rendering has left: its deadline and the bytes it may still make.
+
+    Args:
+        bounds: the rendering's limits.
+    """
 
     def __init__(self, bounds: Bounds) -> None:
         self.bounds = bounds
@@ -60,20 +71,58 @@ class Budget:
         self.left = bounds.spend
 
     def tick(self, what: str) -> None:
+        """Check the deadline.
+
+        Args:
+            what: what is being made, for the message.
+
+        Raises:
+            TemplateLimitError: the time limit has passed.
+        """
         if time.monotonic() > self.deadline:
             raise TemplateLimitError(f"the template ran past its time limit of {self.bounds.seconds} s (at {what})")
 
     def size(self, n: int, what: str) -> None:
+        """Check a value's length against ``chars``.
+
+        Args:
+            n: characters (or items) of the value.
+            what: what is being made, for the message.
+
+        Raises:
+            TemplateLimitError: ``n`` is above ``chars``.
+        """
         if n > self.bounds.chars:
             raise TemplateLimitError(f"{what} would make a value of {n} characters or items; a template may make at "
                                      f"most {self.bounds.chars}")
 
     def count(self, n: int, what: str) -> None:
+        """Check an item count against ``items``.
+
+        Args:
+            n: items made or gone through.
+            what: what is being made, for the message.
+
+        Raises:
+            TemplateLimitError: ``n`` is above ``items``.
+        """
         if n > self.bounds.items:
             raise TemplateLimitError(f"{what} would make or go through {n} items; a template may use at most "
                                      f"{self.bounds.items}")
 
     def charge(self, value: Any, what: str) -> Any:
+        """Check a value the template made (length, item count, integer size) and spend its bytes.
+
+        Args:
+            value: the value.
+            what: what is being made, for the message.
+
+        Returns:
+            ``value``.
+
+        Raises:
+            TemplateLimitError: a value past a limit, or more bytes made in all than ``spend``.
+        """
         if isinstance(value, (str, bytes)):
             self.size(len(value), what)
         elif isinstance(value, (list, tuple, dict)):
@@ -91,13 +140,25 @@ ACTIVE: contextvars.ContextVar[Budget | None] = contextvars.ContextVar("template
 
 
 def current() -> Budget:
-    """The budget of the rendering in progress (one of ``Bounds()`` outside a rendering: compile-time folding)."""
+    """The budget of the rendering in progress (one of ``Bounds()`` outside a rendering: compile-time folding).
+
+    Returns:
+        The budget.
+    """
     budget = ACTIVE.get()
     return budget if budget is not None else Budget(Bounds())
 
 
 def charge(value: Any, what: str) -> Any:
-    """Charge ``value`` to the rendering in progress (a no-op outside one); return it."""
+    """Charge ``value`` to the rendering in progress (a no-op outside one); return it.
+
+    Args:
+        value: the value the template made.
+        what: what it is, for the message.
+
+    Returns:
+        ``value``.
+    """
     budget = ACTIVE.get()
     return value if budget is None else budget.charge(value, what)
 
@@ -107,6 +168,13 @@ def deep_size(value: Any, limit: int) -> tuple[int, int]:
 
     Strings count their length, containers two per item, numbers their digits. Iterative (no recursion) and
     bounded: at most ``limit`` steps, whatever ``value`` is (even a namespace that holds itself).
+
+    Args:
+        value: any value a template holds.
+        limit: stop counting past this many characters.
+
+    Returns:
+        ``(characters, depth)``.
     """
     total, deepest, stack = 0, 0, [(value, 1)]
     while stack and total <= limit:
@@ -137,7 +205,14 @@ def deep_size(value: Any, limit: int) -> tuple[int, int]:
 
 def bounded_str(value: Any) -> str:
     """``str(value)``, refused when it would be longer than the rendering's ``chars`` (a list of a million references
-    to one long string is small, its text is not)."""
+    to one long string is small, its text is not).
+
+    Args:
+        value: any value.
+
+    Returns:
+        Its text.
+    """
     if isinstance(value, str):
         return value
     budget = current()
@@ -146,6 +221,15 @@ def bounded_str(value: Any) -> str:
 
 
 def join_bounded(parts: Any, what: str) -> str:
+    """The texts of ``parts`` joined, refused as soon as the result would be longer than the rendering's ``chars``.
+
+    Args:
+        parts: the values to join.
+        what: what is being made, for the message.
+
+    Returns:
+        The joined text.
+    """
     budget = current()
     texts, total = [], 0
     for part in parts:
@@ -158,13 +242,24 @@ def join_bounded(parts: Any, what: str) -> str:
 
 
 def active() -> Budget | None:
-    """The budget of the rendering in progress in this thread (or task), None outside one."""
+    """The budget of the rendering in progress in this thread (or task), None outside one.
+
+    Returns:
+        The budget, or None.
+    """
     return ACTIVE.get()
 
 
 @contextlib.contextmanager
 def rendering(bounds: Bounds) -> Iterator[Budget]:
-    """Make a fresh ``Budget`` of ``bounds`` the active one while the block runs."""
+    """Make a fresh ``Budget`` of ``bounds`` the active one while the block runs.
+
+    Args:
+        bounds: the rendering's limits.
+
+    Yields:
+        The budget.
+    """
     budget = Budget(bounds)
     token = ACTIVE.set(budget)
     try:

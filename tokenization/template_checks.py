@@ -18,7 +18,16 @@ from .template_budget import MAX_WIDTH, Budget, TemplateLimitError, active, boun
 
 def check_format(fmt: str, args: Any, what: str) -> None:
     """Refuse a ``str.format`` or ``%`` format whose widths or precisions (in the spec, or taken from the arguments
-    by ``*`` or a nested field) are over ``MAX_WIDTH``, or whose arguments' text is over the limit."""
+    by ``*`` or a nested field) are over ``MAX_WIDTH``, or whose arguments' text is over the limit.
+
+    Args:
+        fmt: the format string.
+        args: its arguments.
+        what: the call, for the message.
+
+    Raises:
+        TemplateLimitError: a bad format string, or a width, precision or argument text past the limit.
+    """
     budget = current()
     if "%" in what:
         specs = re.findall(r"%[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?", fmt)
@@ -101,7 +110,15 @@ _ITEM_BY_ITEM = frozenset(("sort", "unique", "dictsort", "groupby", "map", "sele
 
 
 def bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
-    """``func``, the filter ``name``, with the deadline, its pre-checks and the size of its result checked."""
+    """``func``, the filter ``name``, with the deadline, its pre-checks and the size of its result checked.
+
+    Args:
+        name: the filter's name in templates.
+        func: jinja2's filter.
+
+    Returns:
+        The bounded filter.
+    """
     skip = 1 if getattr(func, "jinja_pass_arg", None) is not None else 0
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -124,7 +141,21 @@ def bounded_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
 def bounded_tojson(x: Any, ensure_ascii: bool = False, indent: int | str | None = None, separators: Any = None,
                    sort_keys: bool = False) -> str:
     """``tojson`` (json.dumps without ASCII or HTML escaping, as ``transformers``') with the indent and separators
-    bounded (at most 16 characters) and the result's size checked before it is made."""
+    bounded (at most 16 characters) and the result's size checked before it is made.
+
+    Args:
+        x: the value.
+        ensure_ascii: escape non-ASCII characters.
+        indent: None, 0..16, or a string of at most 16 characters.
+        separators: two strings of at most 16 characters, or None.
+        sort_keys: sort dict keys.
+
+    Returns:
+        The JSON text.
+
+    Raises:
+        TemplateLimitError: a bad indent or separators.
+    """
     budget = current()
     width = len(indent) if isinstance(indent, str) else indent
     if width is not None and (not isinstance(width, int) or not 0 <= width <= 16):
@@ -139,14 +170,34 @@ def bounded_tojson(x: Any, ensure_ascii: bool = False, indent: int | str | None 
 
 
 def bounded_range(*args: Any) -> range:
-    """jinja2's ``range``, at most ``Bounds.items`` items."""
+    """jinja2's ``range``, at most ``Bounds.items`` items.
+
+    Args:
+        *args: as ``range``.
+
+    Returns:
+        The range.
+    """
     rng = range(*args)
     current().count(len(rng), f"range{args}")
     return rng
 
 
 def bounded_lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002
-    """jinja2's ``lipsum``, at most 100 paragraphs of at most 1000 words."""
+    """jinja2's ``lipsum``, at most 100 paragraphs of at most 1000 words.
+
+    Args:
+        n: paragraphs.
+        html: wrap them in ``<p>``.
+        min: fewest words per paragraph.
+        max: most words per paragraph.
+
+    Returns:
+        The text.
+
+    Raises:
+        TemplateLimitError: ``n`` above 100, or ``min``/``max`` above 1000.
+    """
     for name, value, top in (("n", n, 100), ("min", min, 1000), ("max", max, 1000)):
         if not isinstance(value, int) or value > top:
             raise TemplateLimitError(f"lipsum({name}={value!r:.40}): at most {top}")
@@ -157,7 +208,14 @@ _AMPLIFYING = ("center", "ljust", "rjust", "zfill", "expandtabs", "replace", "jo
 
 
 def check_method(method: Any, args: tuple, kwargs: dict, budget: Budget) -> None:
-    """Pre-checks of the ``str`` (and ``bytes``) methods that can make more than they are given."""
+    """Pre-checks of the ``str`` (and ``bytes``) methods that can make more than they are given.
+
+    Args:
+        method: the bound method about to be called.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        budget: the rendering's budget.
+    """
     name, owner = method.__name__, method.__self__
     what = f"{type(owner).__name__}.{name}"
     if name in ("format", "format_map") and isinstance(owner, str):
@@ -188,6 +246,18 @@ def check_method(method: Any, args: tuple, kwargs: dict, budget: Budget) -> None
 
 
 def check_binop(operator: str, left: Any, right: Any, budget: Budget) -> None:
+    """Refuse a binary operation whose result would be past the budget's limits (``*`` of a long string, ``**``
+    making a huge integer ...) before it runs.
+
+    Args:
+        operator: the operator.
+        left: its left operand.
+        right: its right operand.
+        budget: the rendering's budget.
+
+    Raises:
+        TemplateLimitError: the result would be past a limit.
+    """
     what = f"the operator {operator!r}"
     sequence = (str, bytes, list, tuple)
     if operator == "*":
