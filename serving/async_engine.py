@@ -159,7 +159,8 @@ class AsyncEngine(DeltaStreams):
         """Nothing to start (the worker starts with the first request)."""
 
     async def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
-                          n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:
+                          n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None,
+                          constraint: Any = None, logit_bias: Any = None) -> str:
         """Queue a request (arguments as ``Engine.generate`` takes them for one prompt); return its id.
 
         Raises:
@@ -167,7 +168,7 @@ class AsyncEngine(DeltaStreams):
             QueueFullError: the engine's waiting queue is at its bound.
         """
         spec = self.engine.make_request(prompt, sampling, max_tokens=max_tokens, stop=stop, n=n, seed=seed,
-                                        logprobs=logprobs)
+                                        logprobs=logprobs, constraint=constraint, logit_bias=logit_bias)
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         queued = len(self.engine.scheduler.waiting) + sum(1 for op in self._ops if getattr(op, "adds", False))
         if queued >= self.engine.max_waiting:

@@ -21,6 +21,7 @@ from models.generation.sampling import has_nan, nan_rows
 from models.generation.steps import refuse_longrope_switch
 
 from .cache_size import check_num_blocks, default_num_blocks, memory_device
+from .guided import guided_logits, guided_spec
 from .requests import (
     IncrementalText,
     RequestDelta,
@@ -142,7 +143,8 @@ class Engine:
 
     # ----------------------------------------------------------------------------------------------- requests
     def make_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
-                     n: Any = 1, seed: Any = None, logprobs: Any = None) -> RequestSpec:
+                     n: Any = 1, seed: Any = None, logprobs: Any = None, constraint: Any = None,
+                     logit_bias: Any = None) -> RequestSpec:
         """Check one request's arguments (as ``generate`` takes them for one prompt) without queueing it."""
         config = self.model.config
         spec = check_request(
@@ -152,10 +154,11 @@ class Engine:
         )
         # The paged cache keeps rotated keys: a request may not cross a LongRoPE switch (ValueError).
         refuse_longrope_switch(self.model, len(spec.prompt), len(spec.prompt) + spec.max_tokens, "the engine")
-        return spec
+        return guided_spec(spec, constraint, logit_bias, self.tokenizer, config.vocab_size, config.eos_token_id)
 
     def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
-                    seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:
+                    seed: Any = None, logprobs: Any = None, request_id: str | None = None, constraint: Any = None,
+                    logit_bias: Any = None) -> str:
         """Queue one request; return its id. Its tokens come from ``step`` as ``RequestDelta`` objects.
 
         Raises:
@@ -163,7 +166,7 @@ class Engine:
             QueueFullError: ``max_waiting`` requests are waiting already.
         """
         spec = self.make_request(prompt, sampling, max_tokens=max_tokens, stop=stop, n=n, seed=seed,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, constraint=constraint, logit_bias=logit_bias)
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (max_waiting={self.max_waiting})")
         return self.enqueue(spec, request_id)
@@ -178,6 +181,7 @@ class Engine:
             seed = int(torch.randint(0, 2**62, (1,)))  # from torch's global generator: torch.manual_seed repeats it
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         seq = Sequence(request_id, 0, spec, generator, next(self._arrivals))
+        seq.guide = None if spec.constraint is None else spec.constraint.start()
         self.requests[request_id] = [seq]
         self.scheduler.waiting.append(seq)
         return request_id
@@ -223,6 +227,7 @@ class Engine:
         )
         deltas = []
         bad = set(nan_rows(logits).nonzero().flatten().tolist()) if has_nan(logits) else set()
+        raw, logits = logits, guided_logits(logits, scheduled)  # constraints and logit_bias, all rows together
         greedy = None  # every row's argmax, computed once for the rows that choose plainly greedily
         for row, (seq, n) in enumerate(scheduled):
             self.scheduler.computed(seq, n)
@@ -242,7 +247,7 @@ class Engine:
                     greedy = logits.float().argmax(dim=-1).tolist() if greedy is None else greedy
                     token = greedy[row]
                 for sample in samples:
-                    deltas.append(self._choose(sample, logits[row], token))
+                    deltas.append(self._choose(sample, logits[row], token, raw[row]))
             except Exception as err:  # noqa: BLE001 - reported as this request's "error" finish
                 deltas += self._fail(seq.request_id, f"choosing its next token failed: {type(err).__name__}: {err}")
         return deltas
@@ -276,13 +281,16 @@ class Engine:
         for j in range(1, parent.spec.n):
             child = Sequence(parent.request_id, j, parent.spec, torch.Generator().manual_seed((seed + j) % 2**64),
                              parent.arrival, tokens=list(parent.tokens), forked=True)
+            child.guide = None if parent.guide is None else parent.guide.copy()
             self.scheduler.fork(parent, child)
             self.requests[parent.request_id].append(child)
             children.append(child)
         return children
 
-    def _choose(self, seq: Sequence, logits: Tensor, token: int | None = None) -> RequestDelta:
-        """Choose ``seq``'s next token from its logits ``(V,)`` (``token``: already chosen, a plain greedy row)."""
+    def _choose(self, seq: Sequence, logits: Tensor, token: int | None = None, raw: Tensor | None = None
+                ) -> RequestDelta:
+        """Choose ``seq``'s next token from its logits ``(V,)`` (``token``: already chosen, a plain greedy row;
+        ``raw``: the logits before its constraint and logit bias, whose log-probabilities are reported)."""
         spec = seq.spec
         row = logits[None]  # (1, V)
         if spec.params.uses_history and seq.seen is None:
@@ -297,8 +305,10 @@ class Engine:
             seq.seen[0, token] = True
         if seq.counts is not None:
             seq.counts[0, token] += 1
+        if seq.guide is not None:
+            seq.guide.advance(token)
         if spec.logprobs is not None:
-            logprobs = row[0].float().log_softmax(-1)
+            logprobs = (row[0] if raw is None else raw).float().log_softmax(-1)
             top = logprobs.topk(spec.logprobs) if spec.logprobs else None
             seq.logprobs.append(TokenLogprob(
                 token, float(logprobs[token]),
@@ -341,10 +351,11 @@ class Engine:
 
     # -------------------------------------------------------------------------------------------- offline API
     def generate(self, prompts: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
-                 seed: Any = None, logprobs: Any = None) -> list[RequestOutput]:
+                 seed: Any = None, logprobs: Any = None, constraint: Any = None,
+                 logit_bias: Any = None) -> list[RequestOutput]:
         """Continue every prompt, all of them batched continuously; one ``RequestOutput`` per prompt, in order.
 
-        Each of ``sampling`` … ``logprobs`` is one value for all prompts or a list with one per prompt.
+        Each of ``sampling`` … ``logit_bias`` is one value for all prompts or a list with one per prompt.
 
         Args:
             prompts: a list of prompts, each a string (needs the tokenizer) or a list of token ids; one string or
@@ -355,6 +366,9 @@ class Engine:
             n: samples per prompt (>= 1; > 1 needs sampling); they share the prompt's cache blocks.
             seed: sample ``j`` draws from a generator seeded ``seed + j`` (None: drawn from torch's generator).
             logprobs: report the log-probability of each new token and of the ``logprobs`` most likely ones.
+            constraint: a ``models.generation.constraints.Constraint`` the output must match (compiled once per
+                distinct constraint; each sample keeps its own state), or None.
+            logit_bias: ``{token_id: bias}`` added to the logits before choosing (OpenAI's; -100 bans a token).
 
         Returns:
             One ``RequestOutput`` per prompt.
@@ -371,12 +385,14 @@ class Engine:
         count = len(prompts)
         columns = [per_prompt(sampling, count, "sampling"), per_prompt(max_tokens, count, "max_tokens"),
                    per_prompt(stop, count, "stop", stop_is_per_prompt), per_prompt(n, count, "n"),
-                   per_prompt(seed, count, "seed"), per_prompt(logprobs, count, "logprobs")]
+                   per_prompt(seed, count, "seed"), per_prompt(logprobs, count, "logprobs"),
+                   per_prompt(constraint, count, "constraint"), per_prompt(logit_bias, count, "logit_bias")]
         specs = []
         for i, (prompt, *args) in enumerate(zip(prompts, *columns, strict=True)):
             try:
                 specs.append(self.make_request(prompt, args[0], max_tokens=args[1], stop=args[2], n=args[3],
-                                               seed=args[4], logprobs=args[5]))
+                                               seed=args[4], logprobs=args[5], constraint=args[6],
+                                               logit_bias=args[7]))
             except ValueError as error:
                 raise ValueError(f"prompt {i}: {error}") from None
         ids = [self.enqueue(spec) for spec in specs]

@@ -187,7 +187,8 @@ class ProcessEngine(DeltaStreams):
         await asyncio.shield(self._started)
 
     async def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
-                          n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:
+                          n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None,
+                          constraint: Any = None, logit_bias: Any = None) -> str:
         """Queue a request (arguments as ``Engine.generate`` takes them for one prompt); return its id once the
         engine process has accepted it.
 
@@ -204,7 +205,8 @@ class ProcessEngine(DeltaStreams):
             raise QueueFullError(f"{queued} requests are waiting (max_waiting={self.max_waiting})")
         self.open_stream(request_id, n if isinstance(n, int) and n > 0 else 1)
         answer = self._acks[request_id] = self._loop.create_future()
-        kwargs = dict(max_tokens=max_tokens, stop=stop, n=n, seed=seed, logprobs=logprobs)
+        kwargs = dict(max_tokens=max_tokens, stop=stop, n=n, seed=seed, logprobs=logprobs, constraint=constraint,
+                      logit_bias=logit_bias)
         self._send(("add", request_id, prompt, sampling, kwargs))
         try:
             refused = await answer
