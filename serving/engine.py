@@ -31,6 +31,7 @@ from .requests import (
     per_prompt,
     stop_is_per_prompt,
 )
+from .lora_registry import LoRAEngineMixin
 from .runner import PagedRunner, block_nbytes, check_compile
 from .scheduler import Scheduler
 
@@ -62,8 +63,8 @@ def blocks_in_memory(model: Any, nbytes: Any, block_size: int, num_blocks: int |
     return nbytes // per_block
 
 
-class Engine:
-    """Continuous batching over a paged KV cache.
+class Engine(LoRAEngineMixin):
+    """Continuous batching over a paged KV cache, with per-request LoRA adapters (``serving.lora_registry``).
 
     Args:
         model: a ``DecoderLM`` (any family; positional attention biases such as ALiBi are not supported).
@@ -84,6 +85,10 @@ class Engine:
             steps compile: one graph for one row, one for several), and the one-token rows' attention in the other
             steps through one compiled graph; ``"attention"``: only that attention graph (compiled at the first step
             with a decoding row); ``False``: nothing compiled.
+        max_loras: adapters resident at once (0: no adapters, unless ``loras`` are given: then one slot each);
+            each request may name one (``adapter=``), rows of different adapters share a step (docs/multi-lora.md).
+        max_lora_rank: the largest adapter rank (default: that of ``loras``, at least 16).
+        loras: adapters to load now, name -> ``peft`` folder or Hub repo (more with ``add_lora``).
 
     Raises:
         NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``) or one
@@ -95,7 +100,8 @@ class Engine:
         self, model: Any, tokenizer: Any = None, *, block_size: int = 16, num_blocks: int | None = None,
         max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 1024,
         max_model_len: int | None = None, prefix_caching: bool = True, compile: bool | str = False,  # noqa: A002
-        kv_cache_bytes: int | None = None,
+        kv_cache_bytes: int | None = None, max_loras: int = 0, max_lora_rank: int | None = None,
+        loras: Any = None,
     ) -> None:
 
 
@@ -127,10 +133,11 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.peak_blocks = 0  # most blocks in use at once
+        self.enable_loras(max_loras, max_lora_rank, loras, max_num_batched_tokens)
 
     # ----------------------------------------------------------------------------------------------- requests
     def make_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
-                     n: Any = 1, seed: Any = None, logprobs: Any = None) -> RequestSpec:
+                     n: Any = 1, seed: Any = None, logprobs: Any = None, adapter: Any = None) -> RequestSpec:
         """Check one request's arguments (as ``generate`` takes them for one prompt) without queueing it."""
         config = self.model.config
         spec = check_request(
@@ -140,10 +147,10 @@ class Engine:
         )
         # The paged cache keeps rotated keys: a request may not cross a LongRoPE switch (ValueError).
         refuse_longrope_switch(self.model, len(spec.prompt), len(spec.prompt) + spec.max_tokens, "the engine")
-        return spec
+        return self.with_adapter(spec, adapter)
 
     def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
-                    seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:
+                    seed: Any = None, logprobs: Any = None, request_id: str | None = None, adapter: Any = None) -> str:
         """Queue one request; return its id. Its tokens come from ``step`` as ``RequestDelta`` objects.
 
         Raises:
@@ -151,7 +158,7 @@ class Engine:
             QueueFullError: ``max_waiting`` requests are waiting already.
         """
         spec = self.make_request(prompt, sampling, max_tokens=max_tokens, stop=stop, n=n, seed=seed,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, adapter=adapter)
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (max_waiting={self.max_waiting})")
         return self.enqueue(spec, request_id)
@@ -205,6 +212,7 @@ class Engine:
             return []
         used = self.allocator.n_blocks - self.allocator.num_free
         self.peak_blocks = max(self.peak_blocks, used)
+        self.route_loras(scheduled)
         logits = self.runner.run(
             [t for seq, n in scheduled for t in seq.tokens[seq.num_computed:seq.num_computed + n]],
             [(n, seq.num_computed + n, seq.block_table) for seq, n in scheduled],
@@ -323,7 +331,7 @@ class Engine:
 
     # -------------------------------------------------------------------------------------------- offline API
     def generate(self, prompts: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
-                 seed: Any = None, logprobs: Any = None) -> list[RequestOutput]:
+                 seed: Any = None, logprobs: Any = None, adapter: Any = None) -> list[RequestOutput]:
         """Continue every prompt, all of them batched continuously; one ``RequestOutput`` per prompt, in order.
 
         Args:
@@ -335,8 +343,9 @@ class Engine:
             n: samples per prompt (>= 1; > 1 needs sampling); they share the prompt's cache blocks.
             seed: sample ``j`` draws from a generator seeded ``seed + j`` (None: drawn from torch's generator).
             logprobs: report the log-probability of each new token and of the ``logprobs`` most likely ones.
+            adapter: the name of a loaded LoRA adapter to run with (None: the base model).
 
-            Each of ``sampling`` … ``logprobs`` is one value for all prompts or a list with one per prompt.
+            Each of ``sampling`` … ``adapter`` is one value for all prompts or a list with one per prompt.
 
         Returns:
             One ``RequestOutput`` per prompt.
@@ -353,12 +362,13 @@ class Engine:
         count = len(prompts)
         columns = [per_prompt(sampling, count, "sampling"), per_prompt(max_tokens, count, "max_tokens"),
                    per_prompt(stop, count, "stop", stop_is_per_prompt), per_prompt(n, count, "n"),
-                   per_prompt(seed, count, "seed"), per_prompt(logprobs, count, "logprobs")]
+                   per_prompt(seed, count, "seed"), per_prompt(logprobs, count, "logprobs"),
+                   per_prompt(adapter, count, "adapter")]
         specs = []
         for i, (prompt, *args) in enumerate(zip(prompts, *columns, strict=True)):
             try:
                 specs.append(self.make_request(prompt, args[0], max_tokens=args[1], stop=args[2], n=args[3],
-                                               seed=args[4], logprobs=args[5]))
+                                               seed=args[4], logprobs=args[5], adapter=args[6]))
             except ValueError as error:
                 raise ValueError(f"prompt {i}: {error}") from None
         ids = [self.enqueue(spec) for spec in specs]

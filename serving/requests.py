@@ -78,6 +78,8 @@ class RequestSpec:
     n: int
     seed: int | None
     logprobs: int | None
+    adapter: Any = None  # the LoRA adapter (serving.lora_registry.LoRAAdapter) the request runs with, or None
+    cache_salt: bytes | None = None  # seeds its prefix-cache keys: cached blocks are shared only under one salt
 
 
 @dataclasses.dataclass(eq=False)
