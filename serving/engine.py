@@ -20,6 +20,7 @@ from models.generation.requests import check_token_head
 from models.generation.sampling import has_nan, nan_rows
 from models.generation.steps import refuse_longrope_switch
 
+from .lora_registry import LoRAEngineMixin
 from .requests import (
     IncrementalText,
     RequestDelta,
@@ -31,7 +32,6 @@ from .requests import (
     per_prompt,
     stop_is_per_prompt,
 )
-from .lora_registry import LoRAEngineMixin
 from .runner import PagedRunner, block_nbytes, check_compile
 from .scheduler import Scheduler
 

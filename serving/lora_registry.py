@@ -162,8 +162,8 @@ class LoRARegistry:
                                  f"{sorted(self.banks)[:4]} (not MoE experts nor the output layer)")
             a, b = lora.lora_A.detach(), lora.lora_B.detach() * lora.scaling
             if a.shape[1] != bank.in_features or b.shape[0] != bank.out_features:
-                raise ValueError(f"adapter {where!r}: the LoRA of {layer!r} maps {a.shape[1]} -> {b.shape[0]} features; "
-                                 f"the layer maps {bank.in_features} -> {bank.out_features}")
+                raise ValueError(f"adapter {where!r}: the LoRA of {layer!r} maps {a.shape[1]} -> {b.shape[0]} "
+                                 f"features; the layer maps {bank.in_features} -> {bank.out_features}")
             if a.shape[0] > self.max_rank:
                 raise ValueError(f"adapter {where!r} has rank {a.shape[0]} on {layer!r}, above max_lora_rank="
                                  f"{self.max_rank}; start the engine with a larger max_lora_rank")

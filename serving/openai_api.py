@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from .engine import Engine, QueueFullError
 from .engine_process import ModelSource, ProcessEngine
+from .lora_api import ServedLoRAs, add_lora_routes
 from .metrics import ServerMetrics
 from .protocol import (
     RETRY_AFTER_S,
@@ -66,6 +67,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
     stepped by a worker thread (``AsyncEngine``). Models with an embedding head always run in this process.
     """
     metrics = ServerMetrics()
+    loras = ServedLoRAs(model_name, engine_limits.get("loras"), metrics.registry)  # serving.lora_api
     state: dict[str, Any] = {"model": None, "engine": None, "tokenizer": None}
 
     @contextlib.asynccontextmanager
@@ -127,18 +129,19 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                                 code="invalid_api_key").response()
         return await call_next(request)
 
-    def check_model(name: str) -> None:
+    def check_model(name: str) -> str | None:
+        """The LoRA adapter the request's ``model`` names (None: the base model)."""
         if state["model"] is None:
             raise APIError(503, "the model is still loading", type_="server_error", code="model_loading")
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+        return loras.adapter_of(name)
 
     def engine() -> AsyncEngine | ProcessEngine:
         if state["engine"] is None:
             raise APIError(400, f"{model_name!r} has an embedding head: it answers /v1/embeddings only",
                            param="model")
         return state["engine"]
+
+    add_lora_routes(app, loras, engine)
 
     @app.get("/health")
     async def health() -> Response:
@@ -154,7 +157,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(START),
-                                             "owned_by": "transformer-zoo"}]}
+                                             "owned_by": "transformer-zoo"}, *loras.models()]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -162,7 +165,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return Response(body, media_type=content_type)
 
     async def submit(prompt: Any, body: SamplingFields, max_tokens: int | None,
-                     logprobs: int | None) -> tuple[str, int]:
+                     logprobs: int | None, adapter: str | None = None) -> tuple[str, int]:
         """Queue one prompt; return the request id and its prompt length."""
         eng = engine()
         try:
@@ -186,7 +189,8 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                                 f"context of {context} tokens", param="max_tokens")
         try:
             request_id = await eng.add_request(prompt, sampling, max_tokens=max_tokens, stop=body.stop, n=body.n,
-                                               seed=body.seed, logprobs=logprobs)
+                                               seed=body.seed, logprobs=logprobs,
+                                               **({} if adapter is None else {"adapter": adapter}))
         except QueueFullError as err:
             raise APIError(503, f"the server is busy: {err}", type_="server_error", code="queue_full",
                            retry_after=RETRY_AFTER_S) from err
@@ -195,6 +199,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         except ValueError as err:
             raise APIError(400, str(err), param=_param_of(str(err))) from err
         metrics.received(len(prompt))
+        loras.count(adapter, request=True)
         return request_id, len(prompt)
 
     def token_text(token_id: int) -> str:
@@ -202,10 +207,11 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
 
     async def run(prompts: list[Any], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                  chat: bool) -> Response:
+                  chat: bool, adapter: str | None = None) -> Response:
         kind = "chatcmpl" if chat else "cmpl"
         response_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
-        submitted = [await submit(p, body, max_tokens, logprobs) for p in prompts]
+        submitted = [await submit(p, body, max_tokens, logprobs, adapter) for p in prompts]
+        served = model_name if adapter is None else adapter
         streams = [(i, request_id) for i, (request_id, _) in enumerate(submitted)]
         prompt_tokens = sum(n for _, n in submitted)
         want_logprobs = logprobs is not None
@@ -253,6 +259,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                             metrics.observe_tokens(len(delta.token_ids), now - clock["started"], now - clock["last"],
                                                    first=clock["last"] == clock["started"])
                             clock["last"] = now
+                            loras.count(adapter, len(delta.token_ids))
                         yield delta
 
                 return each()
@@ -303,7 +310,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                     async for index, delta in deltas():
                         completion_tokens += len(delta.token_ids)
                         chunk = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
-                                 "model": model_name,
+                                 "model": served,
                                  "choices": [choice(index, delta.text, delta.logprobs, delta.finish_reason,
                                                     index not in started, True)]}
                         started.add(index)
@@ -316,7 +323,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                     return
                 if include_usage:
                     last = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
-                            "model": model_name, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+                            "model": served, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
                     yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
 
@@ -334,22 +341,22 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                 finish[index] = delta.finish_reason
         choices = [choice(i, "".join(texts.get(i, [])), entries.get(i), finish.get(i, "stop"), True, False)
                    for i in range(len(prompts) * body.n)]
-        return JSONResponse({"id": response_id, "object": obj, "created": created, "model": model_name,
+        return JSONResponse({"id": response_id, "object": obj, "created": created, "model": served,
                              "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
-        check_model(body.model)
+        adapter = check_model(body.model)
         prompt = body.prompt
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
         if body.echo:
             raise APIError(400, "echo=true is not supported by this server", param="echo")
         return await run(prompts, body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
-                         chat=False)
+                         chat=False, adapter=adapter)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest) -> Response:
-        check_model(body.model)
+        adapter = check_model(body.model)
         tok = state["tokenizer"]
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise APIError(400, f"{model_name!r} has no chat template: use /v1/completions", param="messages")
@@ -359,11 +366,12 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
             raise APIError(400, f"messages: {err}", param="messages") from err
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await run([ids], body, max_tokens, logprobs, chat=True)
+        return await run([ids], body, max_tokens, logprobs, chat=True, adapter=adapter)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> Response:
-        check_model(body.model)
+        if check_model(body.model) is not None:
+            raise APIError(400, f"{body.model!r} is a LoRA adapter; embeddings come from the base model", param="model")
         model = state["model"]
         if getattr(model.config, "head", None) != "embedding":
             raise APIError(400, f"{model_name!r} has no embedding head", param="model")
