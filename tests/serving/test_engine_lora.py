@@ -7,7 +7,6 @@ The reference for every request is the request alone on the model with its adapt
 
 from __future__ import annotations
 
-import copy
 import warnings
 from pathlib import Path
 
@@ -194,8 +193,8 @@ def test_compiled_steps_match_and_loading_an_adapter_does_not_recompile(adapters
     counters.clear()
     engine = Engine(base_model(), block_size=4, max_num_seqs=16, max_loras=4, compile=True,
                     loras={k: adapters[k] for k in ("r2", "r4")})
-    batch = mixed_batch()[:2] + mixed_batch()[4:6]
-    check(adapters, generate(engine, batch), batch)
+    warm = mixed_batch()[:2]  # compiles the one-row and the several-row graphs (r4's request ends first)
+    engine.generate([p for p, _ in warm], max_tokens=[3, 1], adapter=[a for _, a in warm])
     graphs = counters["stats"]["unique_graphs"]
     engine.add_lora("r8", adapters["r8"])
     engine.add_lora("peft16", adapters["peft16"])
