@@ -54,7 +54,8 @@ def grouped_lora(y: Tensor, x: Tensor, a: Tensor, b: Tensor, ranks: Tensor, orde
         rows = order[lo:hi]
         xs = x.index_select(0, rows).to(a.dtype)
         delta = (xs @ a[slot, :r].T) @ b[slot, :, :r].T  # (n, r) then (n, out): the rank stays small
-        out.index_add_(0, rows, delta.to(out.dtype))
+        # index_put_ rather than index_add_: the latter takes ~0.2 s per call on some CPU builds (torch 2.13)
+        out.index_put_((rows,), delta.to(out.dtype), accumulate=True)
     return out
 
 
