@@ -7,6 +7,7 @@
   ``stream_options.include_usage``), over the engine's continuous batching: ``ProcessEngine`` (the engine in its own
   process; ``engine_process=``) or ``AsyncEngine`` (the engine stepped by a thread of the server's process);
 - ``POST /v1/embeddings`` for a model with an ``embedding`` head (``model.embed``);
+- LoRA adapters chosen by ``model``, listed by ``/v1/models``, loaded and unloaded while serving (``serving.lora_api``);
 - ``GET /v1/models``, ``GET /health`` (503 until the model is set and the engine ready, or once the engine process
   has died), ``GET /metrics`` (Prometheus).
 

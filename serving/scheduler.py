@@ -6,7 +6,9 @@ budget, then one token per decode step — so prefill chunks and decode rows sha
 sequences come first, in arrival order; waiting ones join while the token budget, ``max_num_seqs`` and free blocks
 allow, reusing cached blocks of their prefix. When a running sequence needs a block and none is free, the latest
 arrival is preempted: its blocks are released and it waits at the front of the queue to be recomputed (its
-tokens and its random generator are kept, so its output does not change).
+tokens and its random generator are kept, so its output does not change). A waiting sequence starts only when
+``admit`` allows it (the engine's LoRA slots: its adapter must be resident), and its prefix-cache keys start from
+its request's ``cache_salt`` (its adapter's), so cached blocks are shared only between requests of one adapter.
 """
 
 from __future__ import annotations

@@ -201,3 +201,16 @@ def test_compiled_steps_match_and_loading_an_adapter_does_not_recompile(adapters
     batch = mixed_batch()
     check(adapters, generate(engine, batch), batch)
     assert counters["stats"]["unique_graphs"] == graphs  # new adapters in new slots: the same graphs
+
+
+def test_adapters_sit_beside_a_quantized_base(adapters) -> None:  # noqa: ANN001
+    """Slots beside int8-packed weights (float32 products, as QLoRA): each row equals the quantized model running
+    that adapter alone (``AdaptedQuantizedLinear``), and the base rows equal the quantized model."""
+    engine = Engine(base_model().quantize("int8"), block_size=4, max_num_seqs=8, loras=adapters)
+    batch = mixed_batch()[:6]
+    outputs = generate(engine, batch)
+    for out, (prompt, name) in zip(outputs, batch, strict=True):
+        model = base_model().quantize("int8")
+        if name is not None:
+            model.load_adapter(adapters[name])
+        assert out.token_ids == reference(model, prompt, MAX_TOKENS)[0], name
