@@ -42,8 +42,9 @@ def test_one_pair_of_products_per_slot_present(monkeypatch: pytest.MonkeyPatch) 
         bank.load(slot, torch.ones(2, 3), torch.ones(3, 2))
     routing.route([0, 3, -1, 0, 3, 0, -1])  # slots 1 and 2 absent
     rows = []
-    real = torch.Tensor.__matmul__
-    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: rows.append(a.shape[0]) or real(a, b))
+    matmul, mm = torch.Tensor.__matmul__, torch.mm
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: rows.append(a.shape[0]) or matmul(a, b))
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: rows.append(a.shape[0]) or mm(a, b, **kw))
     grouped_lora(torch.zeros(7, 3), torch.ones(7, 3), bank.a, bank.b, bank.ranks, routing.order, routing.offsets)
     assert rows == [3, 3, 2, 2]
 
