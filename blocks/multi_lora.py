@@ -87,7 +87,10 @@ class LoRARouting:
         self.offsets = torch.zeros(n_slots + 1, dtype=torch.long)
 
     def route(self, token_slots: Sequence[int]) -> None:
-        """Route a batch: ``token_slots[t]`` is token ``t``'s slot, or -1 for the base model alone.
+        """Route a batch.
+
+        Args:
+            token_slots: ``token_slots[t]`` is token ``t``'s slot, or -1 for the base model alone.
 
         Raises:
             ValueError: a slot outside ``[-1, n_slots)`` or more tokens than ``capacity``.
@@ -127,11 +130,17 @@ class LoRASlots:
 
     @torch.no_grad()
     def load(self, slot: int, a: Tensor | None, b: Tensor | None) -> None:
-        """Put an adapter's ``A (r, in)`` and scaled ``B (out, r)`` into ``slot`` in place; None: the slot leaves
-        this layer unchanged.
+        """Put an adapter's ``A`` and scaled ``B`` into ``slot`` in place.
+
+        Args:
+            slot: which slot.
+            a: the adapter's ``A`` on this layer, or None: the slot leaves this layer unchanged.
+            b: its ``B`` times its scaling, or None.
 
         Raises:
             ValueError: shapes that do not fit the layer or a rank above ``max_rank``.
+
+        Shapes: a ``(r, in_features)``, b ``(out_features, r)`` with ``r <= max_rank``.
         """
         self.a[slot].zero_()
         self.b[slot].zero_()
@@ -157,9 +166,15 @@ class LoRASlots:
 
 
 def lora_layers(model: nn.Module) -> list[str]:
-    """The layers of a decoder's blocks that batched adapters may sit on: float, quantized and adapted linear
-    layers under ``layers.`` that see every token (not MoE experts, which see a routed subset, nor the ``base``
-    inside an adapted quantized layer)."""
+    """The layers of a decoder's blocks that batched adapters may sit on.
+
+    Args:
+        model: a decoder model whose blocks are ``model.layers``.
+
+    Returns:
+        The names of its float, quantized and adapted linear layers under ``layers.`` that see every token (not MoE
+        experts, which see a routed subset, nor the ``base`` inside an adapted quantized layer).
+    """
     modules = dict(model.named_modules())
     names = []
     for name, module in modules.items():

@@ -188,8 +188,12 @@ class AsyncEngine(DeltaStreams):
         self._submit(lambda: abort_deltas(self.engine, request_id))
 
     async def lora(self, action: str, name: str, path: Any = None) -> None:
-        """``"add"`` adapter ``name`` from ``path`` or ``"remove"`` it (``Engine.add_lora``/``remove_lora``),
-        between two steps of the worker: running requests are not disturbed.
+        """Add or remove a LoRA adapter between two steps of the worker: running requests are not disturbed.
+
+        Args:
+            action: ``"add"`` (``Engine.add_lora``) or ``"remove"`` (``Engine.remove_lora``).
+            name: the adapter's name.
+            path: where to read it from (``"add"``).
 
         Raises:
             ValueError: see ``Engine.add_lora`` and ``remove_lora``.
@@ -282,8 +286,17 @@ def abort_all(engine: Engine) -> list[str]:
 
 
 def lora_action(engine: Engine, action: str, name: str, path: Any) -> Exception | None:
-    """Apply ``engine.add_lora(name, path)`` (``action="add"``) or ``engine.remove_lora(name)``; the error it raised
-    (``ValueError``, ``FileNotFoundError`` …), or None."""
+    """Apply ``engine.add_lora(name, path)`` or ``engine.remove_lora(name)``.
+
+    Args:
+        engine: the engine.
+        action: ``"add"`` or ``"remove"``.
+        name: the adapter's name.
+        path: where to read it from (``"add"``).
+
+    Returns:
+        The error it raised (``ValueError``, ``FileNotFoundError`` …), or None.
+    """
     try:
         if action == "add":
             engine.add_lora(name, path)

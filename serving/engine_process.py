@@ -229,7 +229,12 @@ class ProcessEngine(DeltaStreams):
             self._send(("abort", request_id))
 
     async def lora(self, action: str, name: str, path: Any = None) -> None:
-        """``"add"`` adapter ``name`` from ``path`` or ``"remove"`` it, in the engine process between two steps.
+        """Add or remove a LoRA adapter in the engine process, between two steps.
+
+        Args:
+            action: ``"add"`` (``Engine.add_lora``) or ``"remove"`` (``Engine.remove_lora``).
+            name: the adapter's name.
+            path: where to read it from (``"add"``).
 
         Raises:
             ValueError: see ``Engine.add_lora`` and ``remove_lora`` (a missing folder too).

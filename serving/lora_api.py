@@ -59,7 +59,13 @@ class ServedLoRAs:
                               registry=registry)
 
     def adapter_of(self, model: str) -> str | None:
-        """The adapter a request's ``model`` names; None for the base model.
+        """The adapter a request's ``model`` names.
+
+        Args:
+            model: the request's ``model`` field.
+
+        Returns:
+            The adapter's name, or None for the base model.
 
         Raises:
             APIError: 404 for a name that is neither.
@@ -73,12 +79,22 @@ class ServedLoRAs:
                        code="model_not_found")
 
     def models(self) -> list[dict[str, Any]]:
-        """The ``/v1/models`` entries of the adapters."""
+        """The ``/v1/models`` entries of the adapters.
+
+        Returns:
+            One OpenAI model object per adapter, with ``parent`` and ``root``.
+        """
         return [{"id": name, "object": "model", "created": self.created[name], "owned_by": "transformer-zoo",
                  "root": path, "parent": self.model_name} for name, path in self.paths.items()]
 
     def count(self, adapter: str | None, tokens: int = 0, request: bool = False) -> None:
-        """Count a request or generated tokens of ``adapter`` (nothing for the base model)."""
+        """Count a request or generated tokens of an adapter.
+
+        Args:
+            adapter: its name (None: the base model, not counted).
+            tokens: tokens generated.
+            request: count one request.
+        """
         if adapter is None:
             return
         if request:
@@ -88,8 +104,13 @@ class ServedLoRAs:
 
 
 def add_lora_routes(app: FastAPI, loras: ServedLoRAs, front: Any) -> None:
-    """``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` on ``app``; ``front()`` is the engine's front
-    (``AsyncEngine`` or ``ProcessEngine``)."""
+    """Add ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` to ``app``.
+
+    Args:
+        app: the server's application.
+        loras: the served adapters (updated as they load and unload).
+        front: returns the engine's front (``AsyncEngine`` or ``ProcessEngine``).
+    """
 
     async def act(action: str, name: str, path: Any = None) -> None:
         engine = front()

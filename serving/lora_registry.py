@@ -55,7 +55,15 @@ class LoRAAdapter:
 
 
 def read_loras(model: nn.Module, source: Any, **options: Any) -> tuple[dict[str, Any], str]:
-    """The LoRA blocks by layer name of an adapter source (see ``LoRARegistry.add``) and how to name the source.
+    """Read an adapter's LoRA blocks.
+
+    Args:
+        model: the base model.
+        source: a ``peft`` folder or Hub repo, or LoRA blocks by layer name (see ``LoRARegistry.add``).
+        options: ``revision``, ``model_type``, ``token``, ``endpoint`` for reading files.
+
+    Returns:
+        The LoRA blocks by layer name, and how to name the source.
 
     Raises:
         ValueError: the loader's refusals, or an adapter that saves a task head.
@@ -96,11 +104,21 @@ class LoRARegistry:
 
     # ------------------------------------------------------------------------------------------- names
     def names(self) -> list[str]:
-        """The adapters new requests may name, in the order they were added."""
+        """The adapters new requests may name.
+
+        Returns:
+            Their names, in the order they were added.
+        """
         return list(self.adapters)
 
     def get(self, name: Any) -> LoRAAdapter:
         """The adapter called ``name``.
+
+        Args:
+            name: its name.
+
+        Returns:
+            The adapter.
 
         Raises:
             ValueError: no adapter of that name.
@@ -143,11 +161,20 @@ class LoRARegistry:
         return adapter
 
     def check(self, loras: Mapping[str, Any], where: str) -> dict[str, tuple[Tensor, Tensor]]:
-        """``(A, B · scaling)`` per layer of LoRA blocks, each checked to fit its slot bank.
+        """Check LoRA blocks against the slot banks.
+
+        Args:
+            loras: LoRA blocks by layer name.
+            where: the adapter's source, for the messages.
+
+        Returns:
+            ``(A, B · scaling)`` per layer.
 
         Raises:
             ValueError: no layer adapted, a block that is not a LoRA, a layer without a bank, shapes that differ
                 from the layer's, a rank above ``max_rank``.
+
+        Shapes: A ``(r, in)``, B ``(out, r)``.
         """
         if not loras:
             raise ValueError(f"adapter {where!r} adapts no layer")
@@ -174,6 +201,12 @@ class LoRARegistry:
         """Stop serving ``name`` to new requests; requests that use it already keep it until they end (its slot is
         reused once none needs it).
 
+        Args:
+            name: the adapter's name.
+
+        Returns:
+            The removed adapter.
+
         Raises:
             ValueError: no adapter of that name.
         """
@@ -184,7 +217,15 @@ class LoRARegistry:
     # ------------------------------------------------------------------------------------------- slots
     def acquire(self, adapter: LoRAAdapter, busy: Iterable[LoRAAdapter | None]) -> bool:
         """Make ``adapter`` resident: keep its slot, or load it into a free slot or the least recently used one
-        that no adapter in ``busy`` holds. False when every slot is busy (the request waits)."""
+        that no adapter in ``busy`` holds.
+
+        Args:
+            adapter: the adapter a request needs.
+            busy: the adapters of the running requests (their slots stay).
+
+        Returns:
+            Whether it is resident; False when every slot is busy (the request waits).
+        """
         if adapter.slot is None:
             held = {a.slot for a in busy if a is not None and a.slot is not None}
             free = [s for s in range(self.max_loras) if s not in held]
@@ -201,14 +242,28 @@ class LoRARegistry:
         return True
 
     def admitter(self, running: Callable[[], Iterable[Sequence]]) -> Callable[[Sequence], bool]:
-        """The scheduler's ``admit`` test: a waiting sequence may start once its adapter is resident."""
+        """The scheduler's ``admit`` test: a waiting sequence may start once its adapter is resident.
+
+        Args:
+            running: returns the running sequences.
+
+        Returns:
+            The test, ``admit(sequence) -> bool``.
+        """
         def admit(seq: Sequence) -> bool:
             adapter = seq.spec.adapter
             return adapter is None or self.acquire(adapter, (s.spec.adapter for s in running()))
         return admit
 
     def route(self, scheduled: Iterable[tuple[Sequence, int]]) -> None:
-        """Route one step's tokens (``(sequence, new tokens)`` in batch order) to their adapters' slots."""
+        """Route one step's tokens to their adapters' slots.
+
+        Args:
+            scheduled: ``(sequence, new tokens)`` in batch order.
+
+        Raises:
+            RuntimeError: a sequence whose adapter is not resident (``admit`` rules it out).
+        """
         slots: list[int] = []
         for seq, n in scheduled:
             adapter = seq.spec.adapter
@@ -229,8 +284,11 @@ class LoRAEngineMixin:
                      capacity: int) -> None:
         """Hook slot banks onto the model (when ``max_loras`` > 0 or ``loras`` are given) and add ``loras``.
 
-        ``max_loras`` 0 with ``loras`` means one slot per given adapter; ``max_lora_rank`` None means the largest
-        rank of ``loras``, at least 16.
+        Args:
+            max_loras: adapters resident at once; 0 with ``loras``: one slot per given adapter.
+            max_lora_rank: the slots' rank; None: the largest rank of ``loras``, at least 16.
+            loras: adapters to add now, name -> folder, Hub repo or LoRA blocks.
+            capacity: tokens in one step at most.
 
         Raises:
             ValueError: bad bounds or adapters (see ``LoRARegistry.add``).
@@ -259,8 +317,15 @@ class LoRAEngineMixin:
         return self.loras
 
     def add_lora(self, name: str, source: Any, **options: Any) -> list[str]:
-        """Load an adapter (a ``peft`` folder or Hub repo, or LoRA blocks by layer name) as ``name``; requests may
-        name it at once, running ones are not disturbed. Returns the adapted layers.
+        """Load an adapter as ``name``; requests may name it at once, running ones are not disturbed.
+
+        Args:
+            name: what requests will call it.
+            source: a ``peft`` folder or Hub repo, or LoRA blocks by layer name.
+            options: ``revision``, ``model_type``, ``token``, ``endpoint`` for reading files.
+
+        Returns:
+            The adapted layers.
 
         Raises:
             ValueError: see ``LoRARegistry.add``; an engine built without adapter slots.
@@ -270,17 +335,31 @@ class LoRAEngineMixin:
     def remove_lora(self, name: str) -> None:
         """Stop serving adapter ``name`` to new requests (requests using it finish with it).
 
+        Args:
+            name: the adapter's name.
+
         Raises:
             ValueError: no adapter of that name.
         """
         self._registry().remove(name)
 
     def lora_names(self) -> list[str]:
-        """The adapters requests may name."""
+        """The adapters requests may name.
+
+        Returns:
+            Their names.
+        """
         return [] if self.loras is None else self.loras.names()
 
     def with_adapter(self, spec: RequestSpec, adapter: Any) -> RequestSpec:
-        """``spec`` running with adapter ``adapter`` (a name; None: the base model), its prefix cache salted.
+        """A request running with an adapter, its prefix cache salted.
+
+        Args:
+            spec: the checked request.
+            adapter: the adapter's name (None: the base model).
+
+        Returns:
+            ``spec`` with the adapter.
 
         Raises:
             ValueError: an adapter that is not loaded.
@@ -291,6 +370,10 @@ class LoRAEngineMixin:
         return dataclasses.replace(spec, adapter=lora, cache_salt=lora.cache_salt)
 
     def route_loras(self, scheduled: Iterable[tuple[Sequence, int]]) -> None:
-        """Tell the slot banks which tokens of this step belong to which adapter."""
+        """Tell the slot banks which tokens of this step belong to which adapter.
+
+        Args:
+            scheduled: ``(sequence, new tokens)`` in batch order.
+        """
         if self.loras is not None:
             self.loras.route(scheduled)

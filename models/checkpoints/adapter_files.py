@@ -84,9 +84,25 @@ def read_adapter(
     model: nn.Module, path_or_repo_id: str | os.PathLike[str], *, revision: str | None = None,
     model_type: str | None = None, token: str | bool | None = None, endpoint: str | None = None,
 ) -> tuple[dict[str, LoRA], dict[str, Tensor]]:
-    """Read a ``peft`` LoRA adapter for ``model`` without changing the model: the zoo LoRA blocks by layer name and
-    the task head's tensors saved with it (``modules_to_save``; empty when none). Arguments and errors as
-    ``AdapterFilesMixin.load_adapter``."""
+    """Read a ``peft`` LoRA adapter for ``model`` without changing the model.
+
+    Args:
+        model: the zoo model the adapter is for.
+        path_or_repo_id: a folder with the adapter files, or a Hub repo id.
+        revision: Hub branch, tag or commit.
+        model_type: read the module names as this ``transformers`` family's.
+        token: passed to ``huggingface_hub``.
+        endpoint: passed to ``huggingface_hub``.
+
+    Returns:
+        The zoo LoRA blocks by layer name, and the task head's tensors saved with it (``modules_to_save``; empty
+        when none).
+
+    Raises:
+        ValueError: as ``AdapterFilesMixin.load_adapter``.
+
+    Shapes: each LoRA's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)``; the head's tensors as the head's.
+    """
     if model_type is not None:
         name_map(model, model_type)  # a family that cannot represent the model fails before any download
     location = locate(
