@@ -111,11 +111,13 @@ class LoRASlots:
     """A layer's adapter slots, run as a forward hook after the layer (``y = layer(x) + grouped_lora(...)``).
 
     Args:
-        in_features, out_features: the layer's widths.
+        in_features: the layer's input width.
+        out_features: the layer's output width.
         n_slots: adapters it holds at once.
         max_rank: the rank every slot is padded to.
         routing: the model's token routing.
-        device, dtype: where the slots live and their dtype.
+        device: where the slots live.
+        dtype: the slots' dtype.
 
     Shapes: a ``(n_slots, max_rank, in)``, b ``(n_slots, out, max_rank)``, ranks ``(n_slots,)``.
     """
