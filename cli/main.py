@@ -13,7 +13,9 @@ from typing import Any
 
 from serving import cli as serving_commands
 
-COMMAND_GROUPS: tuple[Any, ...] = (serving_commands,)
+from . import evaluate, finetune, model_tools
+
+COMMAND_GROUPS: tuple[Any, ...] = (serving_commands, finetune, evaluate, model_tools)
 
 
 def parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], None]]]:

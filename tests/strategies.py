@@ -316,3 +316,29 @@ def extreme_logits(draw: st.DrawFn, b: int, v: int) -> Tensor:
     logits = torch.where(where, special[torch.randint(0, 5, (b, v), generator=gen)], logits)
     logits[:, 0] = torch.where(logits[:, 0] == float("-inf"), 0.0, logits[:, 0])
     return logits
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chat conversations
+# ----------------------------------------------------------------------------------------------------------
+
+_CHAT_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "2+2=4", "Wie", "geht's?", "你好", "🙂"]
+
+
+def chat_texts() -> st.SearchStrategy[str]:
+    """A message text: a few words, sometimes with surrounding spaces or newlines (which some templates trim)."""
+    words = st.lists(st.sampled_from(_CHAT_WORDS), min_size=1, max_size=6).map(" ".join)
+    return st.tuples(st.sampled_from(["", " ", "\n"]), words, st.sampled_from(["", " ", "\n"])).map("".join)
+
+
+@st.composite
+def conversations(draw: st.DrawFn, *, system: bool = True, max_turns: int = 3) -> list[dict[str, str]]:
+    """A conversation that alternates user and assistant turns, ending with the assistant's, optionally after a
+    system message: what a chat SFT file holds."""
+    messages = []
+    if system and draw(st.booleans()):
+        messages.append({"role": "system", "content": draw(chat_texts())})
+    for _ in range(draw(st.integers(min_value=1, max_value=max_turns))):
+        messages.append({"role": "user", "content": draw(chat_texts())})
+        messages.append({"role": "assistant", "content": draw(chat_texts())})
+    return messages

@@ -22,6 +22,7 @@ reaches a limit gives a ``ValueError`` naming the problem and the template's lin
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import traceback
@@ -47,6 +48,10 @@ MAX_TEMPLATE_TOKENS = 12288
 # Marks the end of the final message for continue_final_message (transformers' tag, so that cuts agree).
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+#: While set to a ``(start, end)`` pair of strings, ``{% generation %}`` blocks render their body between them
+#: (``tokenization.chat_spans`` finds the assistant's text so); unset, they render the body alone.
+GENERATION_MARKS: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("generation_marks",
+                                                                                         default=None)
 
 
 class _Generation(jinja2.ext.Extension):
@@ -61,7 +66,8 @@ class _Generation(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller: Any) -> str:
-        return caller()
+        marks = GENERATION_MARKS.get()
+        return caller() if marks is None else marks[0] + caller() + marks[1]
 
 
 class _Namespace(jinja2.utils.Namespace):
