@@ -193,8 +193,8 @@ def test_compiled_steps_match_and_loading_an_adapter_does_not_recompile(adapters
     counters.clear()
     engine = Engine(base_model(), block_size=4, max_num_seqs=16, max_loras=4, compile=True,
                     loras={k: adapters[k] for k in ("r2", "r4")})
-    warm = mixed_batch()[:2]  # compiles the one-row and the several-row graphs (r4's request ends first)
-    engine.generate([p for p, _ in warm], max_tokens=[3, 1], adapter=[a for _, a in warm])
+    warm = mixed_batch()[:2]  # compiles the several-row graph, then the one-row graph (r4 ends first)
+    engine.generate([p for p, _ in warm], max_tokens=[4, 2], adapter=[a for _, a in warm])
     graphs = counters["stats"]["unique_graphs"]
     engine.add_lora("r8", adapters["r8"])
     engine.add_lora("peft16", adapters["peft16"])
