@@ -3,6 +3,7 @@
 
     zoo serve ./my-model --port 8000 --api-key sk-local --served-model-name mine   # the OpenAI API
     zoo serve ./my-model --no-engine-process      # the engine in a thread of the server's process, not its own
+    zoo serve ./my-model --lora sql=./sql-lora --lora chat=user/chat-lora   # adapters chosen by the request's model
     zoo chat ./my-model --temperature 0.7        # a terminal chat: /reset, /system TEXT, /exit; Ctrl-C stops a reply
     zoo generate ./my-model "Once upon a time" --max-tokens 64                     # one completion, streamed
     zoo generate ./my-model "Once upon a time" --quantize int8    # a float checkpoint's weights quantized on load
@@ -108,6 +109,13 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     compiled.add_argument("--compile-attention", action="store_true",
                           help="attend the decoding rows through one compiled graph (Engine(compile=\"attention\"): "
                                "a few seconds to compile at the first step)")
+    serve_parser.add_argument("--lora", type=_lora, action="append", default=[], metavar="NAME=PATH",
+                              help="serve a peft LoRA adapter (folder or Hub repo) as model NAME (repeatable)")
+    serve_parser.add_argument("--max-loras", type=_positive, default=None,
+                              help="adapters resident at once (default with --lora: one each, at least 4; "
+                                   "without: none, and /v1/load_lora_adapter is refused)")
+    serve_parser.add_argument("--max-lora-rank", type=_positive, default=None,
+                              help="the largest adapter rank (default: that of --lora, at least 16)")
     serve_parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine in its own process, which loads the model, so that HTTP never competes "
                             "with it for the GIL (default); --no-engine-process steps it in a thread of the server")
@@ -162,8 +170,18 @@ def serve(args: argparse.Namespace) -> None:
                      engine_process=source, max_num_seqs=args.max_batch, num_blocks=args.kv_blocks,
                      block_size=args.block_size, kv_cache_bytes=args.kv_cache_memory,
                      compile="attention" if args.compile_attention else args.compile,
-                     tool_call_parser=args.tool_call_parser)
+                     tool_call_parser=args.tool_call_parser,
+                     loras=dict(args.lora), max_loras=args.max_loras or (max(4, len(args.lora)) if args.lora else 0),
+                     max_lora_rank=args.max_lora_rank)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+def _lora(text: str) -> tuple[str, str]:
+    """``--lora NAME=PATH``."""
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a peft adapter folder or Hub repo), got {text!r}")
+    return name, path
 
 
 def _sampling(args: argparse.Namespace) -> Any:

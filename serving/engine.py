@@ -22,6 +22,7 @@ from models.generation.steps import refuse_longrope_switch
 
 from .cache_size import check_num_blocks, default_num_blocks, memory_device
 from .guided import guided_logits, guided_spec
+from .lora_registry import LoRAEngineMixin
 from .requests import (
     IncrementalText,
     RequestDelta,
@@ -64,8 +65,8 @@ def blocks_in_memory(model: Any, nbytes: Any, block_size: int, num_blocks: int |
     return nbytes // per_block
 
 
-class Engine:
-    """Continuous batching over a paged KV cache.
+class Engine(LoRAEngineMixin):
+    """Continuous batching over a paged KV cache, with per-request LoRA adapters (``serving.lora_registry``).
 
     Args:
         model: a ``DecoderLM`` (any family; positional attention biases such as ALiBi are not supported).
@@ -89,6 +90,10 @@ class Engine:
             ``serving.single_row``, as ``generate(compile=True)``'s, one for several), and the one-token rows'
             attention in the other steps through one compiled graph; ``"attention"``: only that attention graph
             (compiled at the first step with a decoding row); ``False``: nothing compiled.
+        max_loras: adapters resident at once (0: no adapters, unless ``loras`` are given: then one slot each);
+            each request may name one (``adapter=``), rows of different adapters share a step (docs/multi-lora.md).
+        max_lora_rank: the largest adapter rank (default: that of ``loras``, at least 16).
+        loras: adapters to load now, name -> ``peft`` folder or Hub repo (more with ``add_lora``).
 
     Raises:
         NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``) or one
@@ -101,7 +106,8 @@ class Engine:
         self, model: Any, tokenizer: Any = None, *, block_size: int = 16, num_blocks: int | None = None,
         max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 1024,
         max_model_len: int | None = None, prefix_caching: bool = True, compile: bool | str = False,  # noqa: A002
-        kv_cache_bytes: int | None = None,
+        kv_cache_bytes: int | None = None, max_loras: int = 0, max_lora_rank: int | None = None,
+        loras: Any = None,
     ) -> None:
 
 
@@ -140,11 +146,12 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.peak_blocks = 0  # most blocks in use at once
+        self.enable_loras(max_loras, max_lora_rank, loras, max_num_batched_tokens)
 
     # ----------------------------------------------------------------------------------------------- requests
     def make_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
                      n: Any = 1, seed: Any = None, logprobs: Any = None, constraint: Any = None,
-                     logit_bias: Any = None) -> RequestSpec:
+                     logit_bias: Any = None, adapter: Any = None) -> RequestSpec:
         """Check one request's arguments (as ``generate`` takes them for one prompt) without queueing it."""
         config = self.model.config
         spec = check_request(
@@ -154,11 +161,12 @@ class Engine:
         )
         # The paged cache keeps rotated keys: a request may not cross a LongRoPE switch (ValueError).
         refuse_longrope_switch(self.model, len(spec.prompt), len(spec.prompt) + spec.max_tokens, "the engine")
-        return guided_spec(spec, constraint, logit_bias, self.tokenizer, config.vocab_size, config.eos_token_id)
+        spec = guided_spec(spec, constraint, logit_bias, self.tokenizer, config.vocab_size, config.eos_token_id)
+        return self.with_adapter(spec, adapter)
 
     def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
                     seed: Any = None, logprobs: Any = None, request_id: str | None = None, constraint: Any = None,
-                    logit_bias: Any = None) -> str:
+                    logit_bias: Any = None, adapter: Any = None) -> str:
         """Queue one request; return its id. Its tokens come from ``step`` as ``RequestDelta`` objects.
 
         Raises:
@@ -166,7 +174,7 @@ class Engine:
             QueueFullError: ``max_waiting`` requests are waiting already.
         """
         spec = self.make_request(prompt, sampling, max_tokens=max_tokens, stop=stop, n=n, seed=seed,
-                                 logprobs=logprobs, constraint=constraint, logit_bias=logit_bias)
+                                 logprobs=logprobs, constraint=constraint, logit_bias=logit_bias, adapter=adapter)
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (max_waiting={self.max_waiting})")
         return self.enqueue(spec, request_id)
@@ -221,6 +229,7 @@ class Engine:
             return []
         used = self.allocator.n_blocks - self.allocator.num_free
         self.peak_blocks = max(self.peak_blocks, used)
+        self.route_loras(scheduled)
         logits = self.runner.run(
             [t for seq, n in scheduled for t in seq.tokens[seq.num_computed:seq.num_computed + n]],
             [(n, seq.num_computed + n, seq.block_table) for seq, n in scheduled],
@@ -352,10 +361,10 @@ class Engine:
     # -------------------------------------------------------------------------------------------- offline API
     def generate(self, prompts: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
                  seed: Any = None, logprobs: Any = None, constraint: Any = None,
-                 logit_bias: Any = None) -> list[RequestOutput]:
+                 logit_bias: Any = None, adapter: Any = None) -> list[RequestOutput]:
         """Continue every prompt, all of them batched continuously; one ``RequestOutput`` per prompt, in order.
 
-        Each of ``sampling`` … ``logit_bias`` is one value for all prompts or a list with one per prompt.
+        Each of ``sampling`` … ``adapter`` is one value for all prompts or a list with one per prompt.
 
         Args:
             prompts: a list of prompts, each a string (needs the tokenizer) or a list of token ids; one string or
@@ -369,6 +378,7 @@ class Engine:
             constraint: a ``models.generation.constraints.Constraint`` the output must match (compiled once per
                 distinct constraint; each sample keeps its own state), or None.
             logit_bias: ``{token_id: bias}`` added to the logits before choosing (OpenAI's; -100 bans a token).
+            adapter: the name of a loaded LoRA adapter to run with (None: the base model).
 
         Returns:
             One ``RequestOutput`` per prompt.
@@ -386,13 +396,14 @@ class Engine:
         columns = [per_prompt(sampling, count, "sampling"), per_prompt(max_tokens, count, "max_tokens"),
                    per_prompt(stop, count, "stop", stop_is_per_prompt), per_prompt(n, count, "n"),
                    per_prompt(seed, count, "seed"), per_prompt(logprobs, count, "logprobs"),
-                   per_prompt(constraint, count, "constraint"), per_prompt(logit_bias, count, "logit_bias")]
+                   per_prompt(constraint, count, "constraint"), per_prompt(logit_bias, count, "logit_bias"),
+                   per_prompt(adapter, count, "adapter")]
         specs = []
         for i, (prompt, *args) in enumerate(zip(prompts, *columns, strict=True)):
             try:
                 specs.append(self.make_request(prompt, args[0], max_tokens=args[1], stop=args[2], n=args[3],
                                                seed=args[4], logprobs=args[5], constraint=args[6],
-                                               logit_bias=args[7]))
+                                               logit_bias=args[7], adapter=args[8]))
             except ValueError as error:
                 raise ValueError(f"prompt {i}: {error}") from None
         ids = [self.enqueue(spec) for spec in specs]

@@ -7,6 +7,7 @@
   ``stream_options.include_usage``), over the engine's continuous batching: ``ProcessEngine`` (the engine in its own
   process; ``engine_process=``) or ``AsyncEngine`` (the engine stepped by a thread of the server's process);
 - ``POST /v1/embeddings`` for a model with an ``embedding`` head (``model.embed``);
+- LoRA adapters chosen by ``model``, listed by ``/v1/models``, loaded and unloaded while serving (``serving.lora_api``);
 - ``GET /v1/models``, ``GET /health`` (503 until the model is set and the engine ready, or once the engine process
   has died), ``GET /metrics`` (Prometheus).
 
@@ -28,7 +29,6 @@ import asyncio
 import base64
 import contextlib
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from .engine import Engine, QueueFullError
 from .engine_process import ModelSource, ProcessEngine
+from .lora_api import ServedLoRAs, add_lora_routes
 from .metrics import ServerMetrics
 from .openai_fields import check_openai_fields
 from .protocol import (
@@ -52,6 +53,7 @@ from .protocol import (
     EmbeddingRequest,
     SamplingFields,
     flatten_content,
+    param_of,
     refuse_surrogates,
     sampling_params,
     top_by_text,
@@ -76,6 +78,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
     """
     parser_for(None, tool_call_parser)  # an unknown parser name fails here, before serving
     metrics = ServerMetrics()
+    loras = ServedLoRAs(model_name, engine_limits.get("loras"), metrics.registry)  # serving.lora_api
     state: dict[str, Any] = {"model": None, "engine": None, "tokenizer": None}
 
     @contextlib.asynccontextmanager
@@ -137,18 +140,19 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                                 code="invalid_api_key").response()
         return await call_next(request)
 
-    def check_model(name: str) -> None:
+    def check_model(name: str) -> str | None:
+        """The LoRA adapter the request's ``model`` names (None: the base model)."""
         if state["model"] is None:
             raise APIError(503, "the model is still loading", type_="server_error", code="model_loading")
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+        return loras.adapter_of(name)
 
     def engine() -> AsyncEngine | ProcessEngine:
         if state["engine"] is None:
             raise APIError(400, f"{model_name!r} has an embedding head: it answers /v1/embeddings only",
                            param="model")
         return state["engine"]
+
+    add_lora_routes(app, loras, engine)
 
     @app.get("/health")
     async def health() -> Response:
@@ -164,7 +168,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(START),
-                                             "owned_by": "transformer-zoo"}]}
+                                             "owned_by": "transformer-zoo"}, *loras.models()]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -172,7 +176,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return Response(body, media_type=content_type)
 
     async def submit(prompt: Any, body: SamplingFields, max_tokens: int | None,
-                     logprobs: int | None, constraint: Any = None) -> tuple[str, int]:
+                     logprobs: int | None, constraint: Any = None, adapter: str | None = None) -> tuple[str, int]:
         """Queue one prompt; return the request id and its prompt length."""
         eng = engine()
         try:
@@ -197,15 +201,17 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         try:
             request_id = await eng.add_request(prompt, sampling, max_tokens=max_tokens, stop=body.stop, n=body.n,
                                                seed=body.seed, logprobs=logprobs, constraint=constraint,
-                                               logit_bias=body.logit_bias)
+                                               logit_bias=body.logit_bias,
+                                               **({} if adapter is None else {"adapter": adapter}))
         except QueueFullError as err:
             raise APIError(503, f"the server is busy: {err}", type_="server_error", code="queue_full",
                            retry_after=RETRY_AFTER_S) from err
         except EngineDeadError as err:
             raise APIError(503, f"the engine is not running: {err}", type_="server_error", code="engine_dead") from err
         except ValueError as err:
-            raise APIError(400, str(err), param=_param_of(str(err))) from err
+            raise APIError(400, str(err), param=param_of(str(err))) from err
         metrics.received(len(prompt))
+        loras.count(adapter, request=True)
         return request_id, len(prompt)
 
     def token_text(token_id: int) -> str:
@@ -213,11 +219,13 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
 
     async def run(prompts: list[Any], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                  chat: bool, constraint: Any = None, plan: ToolPlan | None = None) -> Response:
+                  chat: bool, constraint: Any = None, plan: ToolPlan | None = None,
+                  adapter: str | None = None) -> Response:
         kind = "chatcmpl" if chat else "cmpl"
         response_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
         check_openai_fields(body.model_extra, body.n)
-        submitted = [await submit(p, body, max_tokens, logprobs, constraint) for p in prompts]
+        submitted = [await submit(p, body, max_tokens, logprobs, constraint, adapter) for p in prompts]
+        served = model_name if adapter is None else adapter
         streams = [(i, request_id) for i, (request_id, _) in enumerate(submitted)]
         prompt_tokens = sum(n for _, n in submitted)
         want_logprobs = logprobs is not None
@@ -271,6 +279,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                             metrics.observe_tokens(len(delta.token_ids), now - clock["started"], now - clock["last"],
                                                    first=clock["last"] == clock["started"])
                             clock["last"] = now
+                            loras.count(adapter, len(delta.token_ids))
                         yield delta
 
                 return each()
@@ -329,7 +338,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                             if delta.finish_reason is None:
                                 continue
                         chunk = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
-                                 "model": model_name,
+                                 "model": served,
                                  "choices": [choice(index, text, entries, delta.finish_reason,
                                                     index not in started, True, ids)]}
                         started.add(index)
@@ -342,7 +351,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                     return
                 if include_usage:
                     last = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
-                            "model": model_name, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+                            "model": served, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
                     yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
 
@@ -362,13 +371,13 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                 finish[index] = delta.finish_reason
         choices = [choice(i, "".join(texts.get(i, [])), entries.get(i), finish.get(i, "stop"), True, False,
                           token_ids.get(i)) for i in range(len(prompts) * body.n)]
-        return JSONResponse({"id": response_id, "object": obj, "created": created, "model": model_name,
+        return JSONResponse({"id": response_id, "object": obj, "created": created, "model": served,
                              "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
         refuse_surrogates(body)
-        check_model(body.model)
+        adapter = check_model(body.model)
         prompt = body.prompt
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
         if body.echo:
@@ -376,12 +385,12 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         # response_format is a chat field; honoured here too (as vLLM does) rather than ignored.
         constraint = response_constraint((body.model_extra or {}).get("response_format"), body.structured_outputs)
         return await run(prompts, body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
-                         chat=False, constraint=constraint)
+                         chat=False, constraint=constraint, adapter=adapter)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest) -> Response:
         refuse_surrogates(body)
-        check_model(body.model)
+        adapter = check_model(body.model)
         tok = state["tokenizer"]
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise APIError(400, f"{model_name!r} has no chat template: use /v1/completions", param="messages")
@@ -401,12 +410,14 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
             raise APIError(400, f"messages: {err}", param="messages") from err
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await run([ids], body, max_tokens, logprobs, chat=True, constraint=constraint, plan=plan)
+        return await run([ids], body, max_tokens, logprobs, chat=True, constraint=constraint, plan=plan,
+                         adapter=adapter)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> Response:
         refuse_surrogates(body)
-        check_model(body.model)
+        if check_model(body.model) is not None:
+            raise APIError(400, f"{body.model!r} is a LoRA adapter; embeddings come from the base model", param="model")
         model = state["model"]
         if getattr(model.config, "head", None) != "embedding":
             raise APIError(400, f"{model_name!r} has no embedding head", param="model")
@@ -432,11 +443,3 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
 
 START = time.time()
-
-
-def _param_of(message: str) -> str | None:
-    """The request field an engine error names (its messages start with the argument's name)."""
-    for name in ("max_tokens", "stop", "seed", "logprobs", "logit_bias", "prompt", "n"):
-        if re.match(rf"{name}\b", message) or f" {name}=" in message:
-            return name
-    return "prompt" if "prompt" in message else None

@@ -156,3 +156,18 @@ def top_by_text(top: dict[int, float], text: Any) -> dict[str, float]:
 
 def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def param_of(message: str) -> str | None:
+    """The request field an engine error names (its messages start with the argument's name).
+
+    Args:
+        message: the text of the engine's ``ValueError``.
+
+    Returns:
+        The field's name, or None when the message names none.
+    """
+    for name in ("max_tokens", "stop", "seed", "logprobs", "logit_bias", "prompt", "n"):
+        if re.match(rf"{name}\b", message) or f" {name}=" in message:
+            return name
+    return "prompt" if "prompt" in message else None

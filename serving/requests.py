@@ -80,6 +80,8 @@ class RequestSpec:
     logprobs: int | None
     constraint: Any = None  # a CompiledConstraint (models.generation.constraints), or None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits
+    adapter: Any = None  # the LoRA adapter (serving.lora_registry.LoRAAdapter) the request runs with, or None
+    cache_salt: bytes | None = None  # seeds its prefix-cache keys: cached blocks are shared only under one salt
 
 
 @dataclasses.dataclass(eq=False)
