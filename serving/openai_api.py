@@ -8,7 +8,8 @@
   process; ``engine_process=``) or ``AsyncEngine`` (the engine stepped by a thread of the server's process);
 - ``POST /v1/embeddings`` for a model with an ``embedding`` head (``model.embed``);
 - ``GET /v1/models``, ``GET /health`` (503 until the model is set and the engine ready, or once the engine process
-  has died), ``GET /metrics`` (Prometheus).
+  has died), ``GET /metrics`` (Prometheus; time to first token and queue time from the request's arrival);
+- ``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes (``serving.tokenize_api``).
 
 Fields: ``model``, ``messages`` / ``prompt``, ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0:
 greedy; default 1, sampling, as OpenAI), ``top_p``, ``top_k``, ``n``, ``stop``, ``seed``, ``logprobs`` /
@@ -52,6 +53,7 @@ from .protocol import (
     top_by_text,
     usage,
 )
+from .tokenize_api import add_tokenize_routes
 
 
 def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "model", api_key: str | None = None,
@@ -121,6 +123,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
+        request.state.arrival = time.perf_counter()  # the clock of time-to-first-token and queue time
         if api_key is not None and request.url.path.startswith("/v1/"):
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 return APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
@@ -162,7 +165,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return Response(body, media_type=content_type)
 
     async def submit(prompt: Any, body: SamplingFields, max_tokens: int | None,
-                     logprobs: int | None) -> tuple[str, int]:
+                     logprobs: int | None, arrival: float) -> tuple[str, int]:
         """Queue one prompt; return the request id and its prompt length."""
         eng = engine()
         try:
@@ -195,6 +198,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         except ValueError as err:
             raise APIError(400, str(err), param=_param_of(str(err))) from err
         metrics.received(len(prompt))
+        metrics.queue_time.observe(time.perf_counter() - arrival)
         return request_id, len(prompt)
 
     def token_text(token_id: int) -> str:
@@ -202,10 +206,10 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
 
     async def run(prompts: list[Any], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                  chat: bool) -> Response:
+                  chat: bool, arrival: float) -> Response:
         kind = "chatcmpl" if chat else "cmpl"
         response_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
-        submitted = [await submit(p, body, max_tokens, logprobs) for p in prompts]
+        submitted = [await submit(p, body, max_tokens, logprobs, arrival) for p in prompts]
         streams = [(i, request_id) for i, (request_id, _) in enumerate(submitted)]
         prompt_tokens = sum(n for _, n in submitted)
         want_logprobs = logprobs is not None
@@ -240,7 +244,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
             """(choice index, delta) of every request, interleaved as they come."""
             def observed(request_id: str) -> AsyncIterator[Any]:
                 """The request's deltas, each counted in the metrics (time to first token, inter-token latency)."""
-                clock = {"started": time.perf_counter()}
+                clock = {"started": arrival}  # the request's arrival, not its acceptance by the engine
                 clock["last"] = clock["started"]
 
                 async def each() -> AsyncIterator[Any]:
@@ -253,6 +257,8 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                             metrics.observe_tokens(len(delta.token_ids), now - clock["started"], now - clock["last"],
                                                    first=clock["last"] == clock["started"])
                             clock["last"] = now
+                        if delta.finish_reason is not None:
+                            metrics.e2e.observe(time.perf_counter() - arrival)
                         yield delta
 
                 return each()
@@ -338,17 +344,17 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                              "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         prompt = body.prompt
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
         if body.echo:
             raise APIError(400, "echo=true is not supported by this server", param="echo")
         return await run(prompts, body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
-                         chat=False)
+                         chat=False, arrival=arrival_of(request))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest) -> Response:
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
         check_model(body.model)
         tok = state["tokenizer"]
         if tok is None or getattr(tok, "chat_template", None) is None:
@@ -359,7 +365,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
             raise APIError(400, f"messages: {err}", param="messages") from err
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await run([ids], body, max_tokens, logprobs, chat=True)
+        return await run([ids], body, max_tokens, logprobs, chat=True, arrival=arrival_of(request))
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> Response:
@@ -374,9 +380,10 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         inputs = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else inputs
         try:
             vectors = await asyncio.to_thread(model.embed, inputs)
+            # The tokens embedded, as embed cuts them (no padding a tokenizer.json may add to each text).
+            tokens = sum(len(row) for row in model.token_rows(inputs, None, model.embedding_options()))
         except ValueError as err:
             raise APIError(400, f"input: {err}", param="input") from err
-        tokens = sum(len(x) if isinstance(x, list) else len(state["tokenizer"].encode(x)) for x in inputs)
         if body.encoding_format == "base64":  # little-endian float32 bytes, as OpenAI sends them
             rows: list[Any] = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in vectors.cpu()]
         else:
@@ -385,10 +392,17 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return JSONResponse({"object": "list", "data": data, "model": model_name,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
+    add_tokenize_routes(app, state, check_model, lambda: getattr(state["engine"], "context", 0) or
+                        getattr(getattr(state["model"], "config", None), "max_len", 0))
     return app
 
 
 START = time.time()
+
+
+def arrival_of(request: Request) -> float:
+    """When the request arrived (stamped by the first middleware; now, for a request that bypassed it)."""
+    return getattr(request.state, "arrival", None) or time.perf_counter()
 
 
 def _param_of(message: str) -> str | None:

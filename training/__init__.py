@@ -25,6 +25,7 @@ from .losses import (
     label_smoothed_cross_entropy,
 )
 from .parallel import PARALLEL_MODES, apply_parallelism, clip_grad_norm, consolidated_state_dict
+from .interrupt import TrainingInterrupted
 from .sampler import ResumableBatchSampler
 from .schedules import NoamLR, WarmupCosineLR, decay_groups, noam_rate, paper_adam, warmup_cosine_rate
 from .synthetic import TASKS, SyntheticTask, held_out
@@ -47,6 +48,7 @@ __all__ = [
     "TokenLoss",
     "Trainer",
     "TrainerConfig",
+    "TrainingInterrupted",
     "WarmupCosineLR",
     "apply_parallelism",
     "cleanup",

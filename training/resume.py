@@ -341,6 +341,7 @@ def restore_state(
         optimizer.load_state_dict({"state": per_param, "param_groups": groups})
         if scheduler is not None:
             scheduler.load_state_dict(copy.deepcopy(dict(state["scheduler"])))
+            extend_schedule(scheduler, optimizer, previous[2])
     except Exception as err:
         set_rng_state(previous[0])
         optimizer.load_state_dict(previous[1])
@@ -351,6 +352,28 @@ def restore_state(
     with torch.no_grad():  # shapes checked above: copying cannot fail
         for name, p in params.items():
             p.copy_(targets[f"model/{name}"])
+
+
+def extend_schedule(scheduler: LRScheduler, optimizer: Optimizer, live: Mapping[str, Any]) -> None:
+    """After a saved scheduler state was loaded: put back this run's values of the settings its class names
+    ``extendable`` (a run resumed with a larger ``total``), and when one differed, set the optimiser's rates to the
+    extended schedule's at the saved step, so the next step already follows it.
+
+    Args:
+        scheduler: the scheduler, holding the saved state.
+        optimizer: its optimiser, holding the saved rates.
+        live: this run's scheduler state before the load (``scheduler.state_dict()``).
+    """
+    changed = {k: live[k] for k in getattr(type(scheduler), "extendable", ()) if k in live
+               and scheduler.state_dict().get(k) != live[k]}
+    if not changed:
+        return
+    for key, value in changed.items():
+        setattr(scheduler, key, value)
+    rates = scheduler.get_lr()  # the rate of the next step (last_epoch + 1) on the extended schedule
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = list(rates)  # torch's own field (what get_last_lr returns)
 
 
 def restore_checkpoint(

@@ -127,10 +127,18 @@ def warmup_cosine_rate(step: int, warmup: int, total: int, min_ratio: float = 0.
 class WarmupCosineLR(LRScheduler):
     """``warmup_cosine_rate`` times each group's initial ``lr``, as a torch scheduler (GPT-style training).
 
+    A run can be extended: resuming its checkpoint with a larger ``total`` (``--steps``) and the same ``warmup`` and
+    ``min_ratio`` is accepted (``extendable``), and the steps from there on follow the cosine that ends at the new
+    ``total`` (the rate at the resume step rises from where the old cosine had brought it to the new curve's value;
+    a finished run at ``min_ratio`` goes back up, as a cosine restart does). A smaller ``total`` is refused.
+
     Args:
         optimizer: the optimiser.
         warmup, total, min_ratio: as ``warmup_cosine_rate``.
     """
+
+    #: settings a resumed run may raise (``training.state_checks.compare_scheduler``): the step the decay ends at.
+    extendable = ("total",)
 
     def __init__(self, optimizer: Optimizer, warmup: int, total: int, min_ratio: float = 0.1,
                  last_epoch: int = -1) -> None:
