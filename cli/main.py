@@ -72,6 +72,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     debug = args.debug or os.environ.get("ZOO_DEBUG", "") not in ("", "0")
     try:
         handlers[args.command](args)
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):
+            raise
+        sys.stderr.write(stop.code.rstrip("\n") + "\n")  # a command's own one-line refusal
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         if debug:
             raise

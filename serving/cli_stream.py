@@ -35,9 +35,13 @@ class Timing:
         computed = self.prompt_tokens - self.cached_tokens
         cached = f", {self.cached_tokens} cached" if self.cached_tokens else ""
         later = max(0, self.generated_tokens - 1)  # the first token's time is the prompt's
-        return (f"prompt: {self.prompt_tokens} tokens{cached} in {self.prompt_s:.2f} s "
-                f"({_rate(computed, self.prompt_s)}) | generation: {self.generated_tokens} tokens in "
+        return (f"prompt: {_count(self.prompt_tokens)}{cached} in {self.prompt_s:.2f} s "
+                f"({_rate(computed, self.prompt_s)}) | generation: {_count(self.generated_tokens)} in "
                 f"{self.generation_s:.2f} s ({_rate(later, self.generation_s)})")
+
+
+def _count(tokens: int) -> str:
+    return f"{tokens} token" + ("" if tokens == 1 else "s")
 
 
 def _rate(tokens: int, seconds: float) -> str:
