@@ -22,7 +22,6 @@ import generate  # the sibling example: python puts this script's folder on sys.
 
 from training import list_checkpoints
 
-
 OUT = "runs/demo"
 CHECKPOINT_EVERY = "200"
 
@@ -37,4 +36,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # before or after training (during it, a checkpoint is saved first)
+        raise SystemExit("\ninterrupted") from None

@@ -70,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=50,
+                        help="steps of linear warmup (at most --steps; give it again to extend a shorter run)")
     parser.add_argument("--parallel", choices=PARALLEL_MODES, default="ddp",
                         help="how several processes (torchrun) share the model: replicas, FSDP2 shards, tensor "
                              "parallel, or both on a (data x tensor) mesh")
@@ -155,8 +156,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         try:
             loaded = trainer.load_checkpoint("latest", allow_world_size_change=True)
         except (ValueError, FileNotFoundError) as err:
-            raise SystemExit(f"generate.py: error: cannot resume from {out / 'checkpoints'}: {err}; start afresh "
-                             "with another --out (or delete the folder)") from None
+            why = " ".join(str(err).split())  # one line
+            raise SystemExit(f"generate.py: error: {why}; resume with the same options (a larger --steps extends the "
+                             "run), or start afresh with another --out (or delete the folder)") from None
         say(f"resuming from {loaded} (step {trainer.step} of {args.steps})")
     start, first = time.perf_counter(), trainer.step
     try:
@@ -204,6 +206,9 @@ def _encode(tokenizer: Tokenizer, docs: list[str]) -> list[list[int]]:
 
 
 if __name__ == "__main__":
-    metrics = main()
+    try:
+        metrics = main()
+    except KeyboardInterrupt:  # before or after training (during it, a checkpoint is saved first)
+        raise SystemExit("\ninterrupted") from None
     if not math.isfinite(metrics["val_loss"]):
         raise SystemExit(1)

@@ -16,6 +16,7 @@
 from .collators import CausalLMCollator, MLMCollator, Seq2SeqCollator, pack_documents, packed_examples, pad_rows
 from .data import load_corpus, split_corpus, stdlib_docstrings
 from .distributed import DistributedContext, cleanup, init_distributed, is_main_process
+from .interrupt import TrainingInterrupted
 from .losses import (
     LabelSmoothedCrossEntropy,
     MaskedTokenLoss,
@@ -25,7 +26,6 @@ from .losses import (
     label_smoothed_cross_entropy,
 )
 from .parallel import PARALLEL_MODES, apply_parallelism, clip_grad_norm, consolidated_state_dict
-from .interrupt import TrainingInterrupted
 from .sampler import ResumableBatchSampler
 from .schedules import NoamLR, WarmupCosineLR, decay_groups, noam_rate, paper_adam, warmup_cosine_rate
 from .synthetic import TASKS, SyntheticTask, held_out
