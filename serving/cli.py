@@ -1,13 +1,16 @@
-"""The ``zoo`` command. ``MODEL`` is a checkpoint folder, a Hub repo id or a ``.gguf`` file
-(``models.from_pretrained``).
+"""The ``zoo`` command. ``MODEL`` is a checkpoint folder, a ``.gguf`` file or a Hub id ``OWNER/NAME``
+(``models.from_pretrained``); the options carry llama.cpp's and vLLM's names (``serving.cli_options``, docs/cli.md).
 
-    zoo serve ./my-model --port 8000 --api-key sk-local --served-model-name mine   # the OpenAI API
-    zoo serve ./my-model --no-engine-process      # the engine in a thread of the server's process, not its own
-    zoo chat ./my-model --temperature 0.7        # a terminal chat: /reset, /system TEXT, /exit; Ctrl-C stops a reply
-    zoo generate ./my-model "Once upon a time" --max-tokens 64                     # one completion, streamed
+    zoo generate ./my-model "Once upon a time" -n 64           # greedy, streamed; the speed on stderr
+    echo "Once upon a time" | zoo generate ./my-model --temp 0.8 -s 1    # the prompt from stdin (or -f FILE)
+    zoo chat ./my-model --system "Be brief."     # samples as the model's generation_config.json says; /help
+    zoo serve ./my-model --port 8000 -c 4096 -t 8 --api-key sk-local    # the OpenAI API, /tokenize, /metrics
     zoo generate ./my-model "Once upon a time" --quantize int8    # a float checkpoint's weights quantized on load
     zoo chat ./model.gguf --dequantize                            # a quantized checkpoint's weights as float32
     zoo embed ./my-embedder "first text" "second text"                             # one JSON vector per line
+
+A mistake (a wrong path, a port in use, a bad value) prints one line, ``zoo: error: ...``; ``zoo --debug ...`` or
+``ZOO_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
