@@ -124,7 +124,7 @@ def locate(
             raise FileNotFoundError(f"{path} has no {config_name}; it holds {sorted(p.name for p in path.iterdir())}")
         return Location(source=str(path), config=path / config_name, folder=path)
     if path_like:
-        raise FileNotFoundError(f"no file or folder at {text}; check the path")
+        raise FileNotFoundError(f"no {kind} folder or file at {text}; check the path")
     check_hub_id(text, kind)
     wanted = revision or "main"
     hub = Location(source=f"{text}@{wanted}", config=Path(), repo_id=text, revision=wanted, commit=wanted,
@@ -153,13 +153,13 @@ def check_hub_id(text: str, kind: str = "checkpoint") -> None:
     """
     if "/" not in text:
         raise FileNotFoundError(
-            f"no file or folder named {text!r} in {Path.cwd()}, and {text!r} is not a Hub id (OWNER/NAME, e.g. "
-            f"HuggingFaceTB/SmolLM2-135M); check the {kind}'s path"
+            f"no {kind} folder or file named {text!r} in {Path.cwd()}, and {text!r} is not a Hub id (OWNER/NAME, "
+            "e.g. HuggingFaceTB/SmolLM2-135M); check the path"
         )
     try:
         validate_repo_id(text)
     except HFValidationError as err:
-        raise FileNotFoundError(f"no file or folder at {text}, and {text!r} is not a Hub id: "
+        raise FileNotFoundError(f"no {kind} folder or file at {text}, and {text!r} is not a Hub id: "
                                 f"{str(err).splitlines()[0]}") from None
 
 

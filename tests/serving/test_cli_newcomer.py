@@ -101,16 +101,16 @@ def test_everyday_mistakes_print_one_line_and_no_traceback(files) -> None:
         port = busy.getsockname()[1]
         cases = {  # argv -> the exact line on stderr
             ("generate", "my-modle", "hi"):
-                f"zoo: error: no file or folder named 'my-modle' in {root}, and 'my-modle' is not a Hub id "
-                "(OWNER/NAME, e.g. HuggingFaceTB/SmolLM2-135M); check the checkpoint's path",
-            ("chat", "./my-modle"): "zoo: error: no file or folder at ./my-modle; check the path",
+                f"zoo: error: no checkpoint folder or file named 'my-modle' in {root}, and 'my-modle' is not a Hub id "
+                "(OWNER/NAME, e.g. HuggingFaceTB/SmolLM2-135M); check the path",
+            ("chat", "./my-modle"): "zoo: error: no checkpoint folder or file at ./my-modle; check the path",
             ("generate", "someone/my-model", "hi"):
                 "zoo: error: no local folder 'someone/my-model', and the Hub cannot be reached to download it "
                 f"(127.0.0.1:{hub_port}: Connection refused); check the path (./someone/my-model for a folder here) "
                 "or the network (HF_ENDPOINT, HF_HUB_OFFLINE=1 for the cache alone)",
             ("generate", "whole.ggfu", "hi"):
-                f"zoo: error: no file or folder named 'whole.ggfu' in {root}, and 'whole.ggfu' is not a Hub id "
-                "(OWNER/NAME, e.g. HuggingFaceTB/SmolLM2-135M); check the checkpoint's path",
+                f"zoo: error: no checkpoint folder or file named 'whole.ggfu' in {root}, and 'whole.ggfu' is not a Hub id "
+                "(OWNER/NAME, e.g. HuggingFaceTB/SmolLM2-135M); check the path",
             ("generate", "hole.gguf", "hi"):
                 "zoo: error: no GGUF file at hole.gguf; GGUF checkpoints are loaded from a local file path",
             ("generate", "cut.gguf", "hi"): re.compile(  # the first tensor past the cut, wherever it falls
