@@ -109,8 +109,8 @@ def test_everyday_mistakes_print_one_line_and_no_traceback(files) -> None:
                 f"(127.0.0.1:{hub_port}: Connection refused); check the path (./someone/my-model for a folder here) "
                 "or the network (HF_ENDPOINT, HF_HUB_OFFLINE=1 for the cache alone)",
             ("generate", "whole.ggfu", "hi"):
-                f"zoo: error: no checkpoint folder or file named 'whole.ggfu' in {root}, and 'whole.ggfu' is not a Hub id "
-                "(OWNER/NAME, e.g. HuggingFaceTB/SmolLM2-135M); check the path",
+                f"zoo: error: no checkpoint folder or file named 'whole.ggfu' in {root}, and 'whole.ggfu' is not a Hub "
+                "id (OWNER/NAME, e.g. HuggingFaceTB/SmolLM2-135M); check the path",
             ("generate", "hole.gguf", "hi"):
                 "zoo: error: no GGUF file at hole.gguf; GGUF checkpoints are loaded from a local file path",
             ("generate", "cut.gguf", "hi"): re.compile(  # the first tensor past the cut, wherever it falls
