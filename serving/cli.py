@@ -199,6 +199,8 @@ def serve(args: argparse.Namespace) -> None:
         source = ModelSource(path=args.model, options=options, **quantization)  # the engine process loads the weights
     else:
         model = _load(args.model, **quantization, **options)  # in-process: the thread engine or an embedding model
+    if getattr(model.config, "head", None) != "embedding":
+        _check_context(args, model)
     name = args.served_model_name or served_name(args.model)
     limits = dict(max_num_seqs=args.max_batch, num_blocks=args.kv_blocks, block_size=args.block_size,
                   kv_cache_bytes=args.kv_cache_memory, max_model_len=args.ctx_size,
@@ -209,9 +211,17 @@ def serve(args: argparse.Namespace) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 
+def _check_context(args: argparse.Namespace, model: Any) -> None:
+    """Refuse a ``--ctx-size`` beyond the model's ``max_len`` (its positions end there)."""
+    if args.ctx_size is not None and args.ctx_size > model.config.max_len:
+        raise SystemExit(f"zoo: error: --ctx-size {args.ctx_size} is more than the model's context of "
+                         f"{model.config.max_len} tokens (config max_len); give at most that")
+
+
 def _engine(args: argparse.Namespace, model: Any) -> Any:
     from .engine import Engine
 
+    _check_context(args, model)
     return Engine(model, model.tokenizer, max_num_seqs=1, max_model_len=args.ctx_size, compile=args.compile)
 
 

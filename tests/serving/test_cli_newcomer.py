@@ -2,7 +2,8 @@
 
 Each everyday mistake ends with exactly one line on stderr (``zoo: error: ...``) and no traceback; the lines are
 asserted whole. The mistakes run in one Python process (a driver calling ``cli.main.main`` per command line, its
-stderr and exit status captured), the rest as ``python -m cli.main`` processes: importing torch costs seconds each.
+stderr and exit status captured; its standard input is a prompt), ``chat`` as a ``python -m cli.main`` process on a
+terminal: importing torch costs seconds per process.
 """
 
 from __future__ import annotations
@@ -127,15 +128,19 @@ def test_everyday_mistakes_print_one_line_and_no_traceback(files) -> None:
             ("generate", model, "hi", "-f", "prompt.txt"):
                 "zoo: error: give the prompt as an argument or with -f FILE, not both",
             ("generate", model, "hi", "--temp", "-1"): "zoo: error: --temperature must be >= 0, got -1.0",
+            ("generate", model, "hi", "-c", "4096"):
+                "zoo: error: --ctx-size 4096 is more than the model's context of 256 tokens (config max_len); give "
+                "at most that",
             ("embed", model, "text"):
                 f"zoo: error: {model} has no embedding head; zoo embed needs an embedding model (a "
                 "sentence-transformers folder, or a checkpoint saved with head='embedding')",
         }
         argvs = [list(argv) for argv in cases]
-        argvs += [["--debug", "chat", "./my-modle"], ["--version"], ["generate", model, "-f", "prompt.txt", "-n", "4",
-                                                                     "--temp", "0", "--no-timings"]]
+        argvs += [["--debug", "chat", "./my-modle"], ["--version"],
+                  ["generate", model, "-f", "prompt.txt", "-n", "4", "--temp", "0", "--no-timings"],
+                  ["generate", model, "-n", "4", "--temp", "0", "-t", "1"]]  # the prompt from stdin
         run = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=root, capture_output=True,
-                             text=True, env=environment(root, hub_port), timeout=300)
+                             text=True, env=environment(root, hub_port), timeout=300, input=PROMPT)
     assert run.returncode == 0, run.stderr
     results = json.loads(run.stdout)
     print({tuple(argv): r.pop("seconds") for argv, r in zip(argvs, results, strict=True)})
@@ -145,26 +150,17 @@ def test_everyday_mistakes_print_one_line_and_no_traceback(files) -> None:
         else:
             assert got["stderr"] == line + "\n", argv
         assert got["code"] == 1, argv
-    debug, version, from_file = results[len(cases):]
+    debug, version, from_file, from_stdin = results[len(cases):]
     assert debug["code"] == "raised FileNotFoundError"  # --debug: the exception goes on (with its traceback)
     assert version["code"] == 0 and version["stdout"] == "zoo (transformer-zoo) 0.1.0\n"
     tok, reference = files["tok"], files["model_obj"]
     ids = tok.encode(PROMPT)
     want = reference.generate(torch.tensor([ids]), max_new_tokens=4, eos_token_id=reference.config.eos_token_id)
     assert from_file == {"code": 0, "stderr": "", "stdout": tok.decode(want[0, len(ids):].tolist()) + "\n"}
+    # Standard input, and the speed as one line on stderr (nothing else: no warnings).
+    assert from_stdin["code"] == 0 and from_stdin["stdout"] == from_file["stdout"]
+    assert TIMING.fullmatch(from_stdin["stderr"].removesuffix("\n")), from_stdin["stderr"]
     assert "Traceback" not in run.stderr and "Warning" not in run.stderr, run.stderr
-
-
-def test_generate_reads_stdin_and_prints_its_speed_on_stderr(files) -> None:
-    root = files["root"]
-    run = subprocess.run([sys.executable, "-m", "cli.main", "generate", str(files["model"]), "-n", "4", "--temp",
-                          "0", "-t", "1"], input=PROMPT, cwd=root, capture_output=True, text=True,
-                         env=environment(root, closed_port()), timeout=120)
-    tok, reference = files["tok"], files["model_obj"]
-    ids = tok.encode(PROMPT)
-    want = reference.generate(torch.tensor([ids]), max_new_tokens=4, eos_token_id=reference.config.eos_token_id)
-    assert run.returncode == 0 and run.stdout == tok.decode(want[0, len(ids):].tolist()) + "\n"
-    assert TIMING.fullmatch(run.stderr.strip()), run.stderr  # one line, nothing else (no warnings)
 
 
 def _read_until(fd: int, wanted: str, seen: list[str], timeout: float = 60.0) -> str:
