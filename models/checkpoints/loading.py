@@ -432,10 +432,13 @@ def _read_single_file(
 def _unused_by_sentence_models(quiet: bool) -> Iterator[None]:
     """Inside, with ``quiet``: no warning that the base model's pooler or LM head is left out — a
     sentence-transformers model pools with its own modules and never uses them."""
+    if not quiet:
+        yield
+        return
     with warnings.catch_warnings():
-        if quiet:
-            warnings.filterwarnings("ignore", message=r".*leaving out the pooler")
-            warnings.filterwarnings("ignore", message=r".*the 'embedding' head does not use the checkpoint's")
+        warnings.filterwarnings("ignore", message=r".*leaving out the pooler")
+        warnings.filterwarnings("ignore", message=r".*base-model checkpoint has no LM head")
+        warnings.filterwarnings("ignore", message=r".*the 'embedding' head does not use the checkpoint's")
         yield
 
 
