@@ -19,7 +19,9 @@ from typing import Any
 
 from serving import cli as serving_commands
 
-COMMAND_GROUPS: tuple[Any, ...] = (serving_commands,)
+from . import evaluate, finetune, model_tools
+
+COMMAND_GROUPS: tuple[Any, ...] = (serving_commands, finetune, evaluate, model_tools)
 
 #: The exceptions that report a user's mistake (bad input, missing files, the network, a port in use): one line
 #: without a traceback. Anything else is a bug and keeps its traceback.

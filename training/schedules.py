@@ -8,7 +8,8 @@ square-root decay, peaking at ``s = warmup``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch.optim import Adam, Optimizer
@@ -49,7 +50,9 @@ class NoamLR(LRScheduler):
 
     Args:
         optimizer: the optimiser whose groups get the rate.
-        d_model, warmup, factor: as ``noam_rate``.
+        d_model: as ``noam_rate``.
+        warmup: as ``noam_rate``.
+        factor: as ``noam_rate``.
         last_epoch: for resuming by hand (prefer ``load_state_dict``).
     """
 
@@ -84,6 +87,13 @@ def decay_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
     vectors (biases, norm gains) without, as GPT-2/3 training does. Pass the result to an optimiser, e.g.
     ``Trainer(model, lambda params: AdamW(decay_groups(params, 0.1), lr=3e-4), ...)``; sharded parameters keep
     their global ``dim``.
+
+    Args:
+        params: the parameters to optimise (the Trainer passes the trainable ones).
+        weight_decay: the decay of the matrices.
+
+    Returns:
+        The two groups, as ``torch.optim`` takes them.
 
     Raises:
         ValueError: a negative or non-finite ``weight_decay``.
@@ -134,7 +144,9 @@ class WarmupCosineLR(LRScheduler):
 
     Args:
         optimizer: the optimiser.
-        warmup, total, min_ratio: as ``warmup_cosine_rate``.
+        warmup: as ``warmup_cosine_rate``.
+        total: as ``warmup_cosine_rate``.
+        min_ratio: as ``warmup_cosine_rate``.
     """
 
     #: settings a resumed run may raise (``training.state_checks.compare_scheduler``): the step the decay ends at.
@@ -149,3 +161,25 @@ class WarmupCosineLR(LRScheduler):
     def get_lr(self) -> list[float]:
         scale = warmup_cosine_rate(self.last_epoch + 1, self.warmup, self.total, self.min_ratio)
         return [base * scale for base in self.base_lrs]
+
+
+def extend_schedule(scheduler: LRScheduler, optimizer: Optimizer, live: Mapping[str, Any]) -> None:
+    """After a saved scheduler state was loaded: put back this run's values of the settings its class names
+    ``extendable`` (a run resumed with a larger ``total``), and when one differed, set the optimiser's rates to the
+    extended schedule's at the saved step, so the next step already follows it.
+
+    Args:
+        scheduler: the scheduler, holding the saved state.
+        optimizer: its optimiser, holding the saved rates.
+        live: this run's scheduler state before the load (``scheduler.state_dict()``).
+    """
+    changed = {k: live[k] for k in getattr(type(scheduler), "extendable", ()) if k in live
+               and scheduler.state_dict().get(k) != live[k]}
+    if not changed:
+        return
+    for key, value in changed.items():
+        setattr(scheduler, key, value)
+    rates = scheduler.get_lr()  # the rate of the next step (last_epoch + 1) on the extended schedule
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = list(rates)  # torch's own field (what get_last_lr returns)
