@@ -30,7 +30,11 @@ USER_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, TypeError, 
 
 
 def version() -> str:
-    """The installed ``transformer-zoo`` version (``pyproject.toml``'s, for a source checkout not installed)."""
+    """The installed ``transformer-zoo`` version.
+
+    Returns:
+        The version string (``0+unknown`` for a source checkout that is not installed).
+    """
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
 
@@ -59,7 +63,14 @@ def parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Name
 
 
 def one_line(err: BaseException) -> str:
-    """``err``'s message on one line (its lines joined), for ``zoo: error: ...``."""
+    """``err``'s message on one line (its lines joined), for ``zoo: error: ...``.
+
+    Args:
+        err: the exception.
+
+    Returns:
+        The message (a ``KeyError``'s key without quotes; the class name for an empty message).
+    """
     text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
     if isinstance(err, KeyError) and len(err.args) == 1:
         text = str(err.args[0])
@@ -68,17 +79,13 @@ def one_line(err: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse ``argv`` (default: ``sys.argv[1:]``) and run the command it names; a user's mistake exits with status 1
-    and one line on stderr (``USER_ERRORS``), Ctrl-C with status 130."""
+    and one line on stderr (``USER_ERRORS``; a command's own ``SystemExit("zoo: error: ...")`` is printed by Python
+    alike), Ctrl-C with status 130."""
     p, handlers = parser()
     args = p.parse_args(argv)
     debug = args.debug or os.environ.get("ZOO_DEBUG", "") not in ("", "0")
     try:
         handlers[args.command](args)
-    except SystemExit as stop:
-        if not isinstance(stop.code, str):
-            raise
-        sys.stderr.write(stop.code.rstrip("\n") + "\n")  # a command's own one-line refusal
-        raise SystemExit(1) from None
     except KeyboardInterrupt:
         if debug:
             raise

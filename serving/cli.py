@@ -170,7 +170,14 @@ def parser() -> argparse.ArgumentParser:
 
 def served_name(model: str) -> str:
     """The name a model is served under by default: a local folder's or file's name (without ``.gguf``), else the
-    Hub id as given."""
+    Hub id as given.
+
+    Args:
+        model: the ``MODEL`` argument.
+
+    Returns:
+        The name.
+    """
     path = Path(model).expanduser()
     if path.exists():
         resolved = path.resolve()

@@ -40,7 +40,15 @@ class ChatSession:
         self.last: Timing | None = None
 
     def handle(self, line: str, stdout: Any) -> bool:
-        """Answer one input line (a message or a command); return False when the chat should end."""
+        """Answer one input line (a message or a command).
+
+        Args:
+            line: the line read.
+            stdout: where the answer goes.
+
+        Returns:
+            False when the chat should end.
+        """
         text = line.rstrip("\n")
         if text.startswith("/") and not text.startswith("//"):
             return self.command(text.strip(), stdout)
@@ -62,7 +70,15 @@ class ChatSession:
         return True
 
     def command(self, text: str, stdout: Any) -> bool:
-        """Run one slash command; return False for ``/exit``."""
+        """Run one slash command.
+
+        Args:
+            text: the command line (``/name rest``).
+            stdout: where its answer goes.
+
+        Returns:
+            False for ``/exit``.
+        """
         name, _, rest = text.partition(" ")
         if name == "/exit":
             return False
@@ -89,7 +105,13 @@ class ChatSession:
 
 
 def run_chat(session: ChatSession, stdin: Any, stdout: Any) -> None:
-    """Read lines from ``stdin`` until EOF or ``/exit``, answering each; Ctrl-C at the prompt starts a new line."""
+    """Read lines from ``stdin`` until EOF or ``/exit``, answering each; Ctrl-C at the prompt starts a new line.
+
+    Args:
+        session: the chat.
+        stdin: the terminal's input (a banner when it is a terminal).
+        stdout: the terminal's output.
+    """
     if getattr(stdin, "isatty", lambda: False)():
         stdout.write("[/help lists the commands; Ctrl-C stops an answer, Ctrl-D ends]\n")
     while True:

@@ -47,7 +47,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
+    """An argparse type: an integer >= 1.
+
+    Args:
+        text: the option's value.
+
+    Returns:
+        The integer.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or below 1.
+    """
     try:
         value = int(text)
     except ValueError:
@@ -82,7 +92,11 @@ def _penalty(text: str) -> float:
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    """``--device``, ``--dtype`` and ``-t/--threads``: where and how the weights are loaded and run."""
+    """``--device``, ``--dtype`` and ``-t/--threads``: where and how the weights are loaded and run.
+
+    Args:
+        parser: the command's parser (or an argument group of it).
+    """
     parser.add_argument("--device", default="cpu", help="where the weights go: cpu, cuda, cuda:1, mps ...")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the weights' floating type (auto: the checkpoint's own)")
@@ -91,20 +105,33 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_context_option(parser: argparse.ArgumentParser) -> None:
-    """``-c/--ctx-size`` (vLLM: ``--max-model-len``): the context the engine allows, prompt and answer together."""
+    """``-c/--ctx-size`` (vLLM: ``--max-model-len``): the context the engine allows, prompt and answer together.
+
+    Args:
+        parser: the command's parser (or an argument group of it).
+    """
     parser.add_argument("-c", "--ctx-size", "--max-model-len", dest="ctx_size", type=positive_int, default=None,
                         help="tokens of context, prompt and answer together (default: the model's max_len)")
 
 
 def add_compile_option(parser: argparse.ArgumentParser) -> None:
-    """``--compile``: decode through one compiled graph (``Engine(compile=True)``)."""
+    """``--compile``: decode through one compiled graph (``Engine(compile=True)``).
+
+    Args:
+        parser: the command's parser (or an argument group of it).
+    """
     parser.add_argument("--compile", action="store_true",
                         help="run decode steps through one compiled graph (tens of seconds to compile first)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:
     """The sampling options of ``generate`` and ``chat``; a value not given stays ``None`` so that the model's
-    defaults apply (``sampling_params``)."""
+    defaults apply (``sampling_params``).
+
+    Args:
+        parser: the command's parser.
+        max_tokens: the default of ``-n/--max-tokens``.
+    """
     group = parser.add_argument_group("sampling (defaults: see the end of --help)")
     group.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=positive_int, default=max_tokens,
                        help="tokens to generate at most")
@@ -124,13 +151,24 @@ def add_sampling_options(parser: argparse.ArgumentParser, *, max_tokens: int = 2
 
 
 def add_prompt_options(parser: argparse.ArgumentParser) -> None:
-    """The prompt of ``generate``: an argument, ``-f/--file FILE``, or standard input (``-`` or piped)."""
+    """The prompt of ``generate``: an argument, ``-f/--file FILE``, or standard input (``-`` or piped).
+
+    Args:
+        parser: the command's parser (or an argument group of it).
+    """
     parser.add_argument("prompt", nargs="?", default=None, help="the prompt; '-' or none: read standard input")
     parser.add_argument("-f", "--file", default=None, help="read the prompt from this file")
 
 
 def read_prompt(args: argparse.Namespace, stdin: Any = None) -> str:
     """The prompt the options name: ``-f FILE``, the argument, or standard input.
+
+    Args:
+        args: the parsed options (``prompt``, ``file``).
+        stdin: standard input (default ``sys.stdin``).
+
+    Returns:
+        The prompt's text.
 
     Raises:
         ValueError: both a prompt and ``-f``, an unreadable file, or no prompt at all (one line each).
@@ -154,7 +192,14 @@ def read_prompt(args: argparse.Namespace, stdin: Any = None) -> str:
 
 def model_sampling_defaults(path: str) -> dict[str, Any]:
     """The sampling settings of a local checkpoint's ``generation_config.json`` (``transformers``' file), by
-    ``SamplingParams`` field; empty when there is none (a Hub id, a GGUF file) or it sets none."""
+    ``SamplingParams`` field; empty when there is none (a Hub id, a GGUF file) or it sets none.
+
+    Args:
+        path: the ``MODEL`` argument.
+
+    Returns:
+        ``{option: value}`` (``repeat_penalty`` for ``repetition_penalty``).
+    """
     file = Path(path).expanduser() / "generation_config.json"
     try:
         config = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
@@ -172,6 +217,13 @@ def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
     """The ``SamplingParams`` of the parsed sampling options, each option not given taken from ``defaults``
     (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``, ``do_sample``; see
     ``model_sampling_defaults`` and ``LLAMA_CPP_SAMPLING``). A temperature of 0 is greedy.
+
+    Args:
+        args: the parsed sampling options.
+        defaults: the values of the options not given.
+
+    Returns:
+        The ``SamplingParams``.
 
     Raises:
         ValueError: a negative temperature or top-k, or a value ``SamplingParams`` refuses.
@@ -199,7 +251,14 @@ def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``models.from_pretrained`` options of ``--device`` and ``--dtype`` (``auto``: the checkpoint's own)."""
+    """``models.from_pretrained`` options of ``--device`` and ``--dtype`` (``auto``: the checkpoint's own).
+
+    Args:
+        args: the parsed options.
+
+    Returns:
+        ``{"device": ..., "dtype": ...}`` where they differ from the defaults.
+    """
     options: dict[str, Any] = {}
     if getattr(args, "device", "cpu") not in (None, "cpu"):
         options["device"] = args.device
@@ -209,7 +268,11 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def apply_threads(args: argparse.Namespace) -> None:
-    """``torch.set_num_threads(--threads)`` when given (an engine process takes the server's count)."""
+    """``torch.set_num_threads(--threads)`` when given (an engine process takes the server's count).
+
+    Args:
+        args: the parsed options.
+    """
     if getattr(args, "threads", None):
         import torch
 
@@ -219,7 +282,12 @@ def apply_threads(args: argparse.Namespace) -> None:
 def check_port(host: str, port: int) -> None:
     """Refuse a port that another program holds, before a model is loaded for it.
 
+    Args:
+        host: the address to listen on.
+        port: the port.
+
     Raises:
+        ValueError: a port outside 0..65535.
         OSError: the port cannot be bound (in use, or not allowed), naming it and what to do.
     """
     if not 0 <= port <= 65535:

@@ -31,7 +31,11 @@ class Timing:
 
     def summary(self) -> str:
         """One line: ``prompt: 12 tokens in 0.05 s (240.0 tokens/s) | generation: 64 tokens in 1.20 s (52.5
-        tokens/s)`` (the cached prompt tokens named when there are)."""
+        tokens/s)`` (the cached prompt tokens named when there are).
+
+        Returns:
+            The line.
+        """
         computed = self.prompt_tokens - self.cached_tokens
         cached = f", {self.cached_tokens} cached" if self.cached_tokens else ""
         later = max(0, self.generated_tokens - 1)  # the first token's time is the prompt's
@@ -104,7 +108,15 @@ def stream_reply(engine: Any, ids: list[int], params: Any, max_tokens: int, seed
 
 
 def cut_note(timing: Timing, max_tokens: int) -> str:
-    """Why a reply with ``finish_reason == "length"`` ended: the ``--max-tokens`` limit or the full context."""
+    """Why a reply with ``finish_reason == "length"`` ended: the ``--max-tokens`` limit or the full context.
+
+    Args:
+        timing: the reply's ``Timing``.
+        max_tokens: the ``--max-tokens`` limit.
+
+    Returns:
+        The note.
+    """
     if timing.generated_tokens >= max_tokens:
         return f"cut at the {max_tokens}-token limit; raise it with --max-tokens"
     return "cut: the model's context is full (/reset starts again)"

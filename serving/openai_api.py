@@ -408,7 +408,14 @@ START = time.time()
 
 
 def arrival_of(request: Request) -> float:
-    """When the request arrived (stamped by the first middleware; now, for a request that bypassed it)."""
+    """When the request arrived (stamped by the first middleware; now, for a request that bypassed it).
+
+    Args:
+        request: the request.
+
+    Returns:
+        ``time.perf_counter()`` at its arrival.
+    """
     return getattr(request.state, "arrival", None) or time.perf_counter()
 
 

@@ -16,6 +16,9 @@ def startup_line(name: str, model: Any, args: argparse.Namespace, limits: dict[s
         args: the parsed ``zoo serve`` options (``model``, ``device``, ``threads``).
         limits: the ``Engine`` arguments (``max_num_seqs``, ``num_blocks``, ``block_size``, ``kv_cache_bytes``,
             ``max_model_len``, ``compile``).
+
+    Returns:
+        The line.
     """
     import torch
 

@@ -21,6 +21,16 @@ from .protocol import APIError, flatten_content
 
 
 class TokenizeRequest(BaseModel):
+    """The body of ``/tokenize``: ``prompt`` or ``messages`` (exactly one).
+
+    Attributes:
+        model: the served model's name.
+        prompt: a text.
+        messages: chat messages, through the chat template.
+        add_special_tokens: with ``prompt``: the tokenizer's special tokens placed.
+        add_generation_prompt: with ``messages``: the template's assistant prefix added.
+    """
+
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -31,12 +41,27 @@ class TokenizeRequest(BaseModel):
 
     @model_validator(mode="after")
     def one_input(self) -> TokenizeRequest:
+        """Check that exactly one of ``prompt`` and ``messages`` is given.
+
+        Returns:
+            The request.
+
+        Raises:
+            ValueError: neither or both.
+        """
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
         return self
 
 
 class DetokenizeRequest(BaseModel):
+    """The body of ``/detokenize``.
+
+    Attributes:
+        model: the served model's name.
+        tokens: the ids to decode.
+    """
+
     model_config = ConfigDict(extra="ignore")
 
     model: str

@@ -14,8 +14,11 @@ from typing import Any
 class TrainingInterrupted(KeyboardInterrupt):
     """Training stopped by Ctrl-C after a complete optimiser step.
 
-    Attributes:
+    Args:
         step: the optimiser steps done when it stopped.
+
+    Attributes:
+        step: as given.
     """
 
     def __init__(self, step: int) -> None:
@@ -28,7 +31,14 @@ def step_boundary_interrupt(enabled: bool = True) -> Iterator[Callable[[], bool]
     """While the block runs, the first SIGINT is recorded instead of raised; the block polls the returned function
     (True once Ctrl-C was pressed) between steps. A second SIGINT raises ``KeyboardInterrupt`` at once. Outside the
     main thread, or with ``enabled`` False (several processes, which must stop at the same step), nothing changes
-    and the poll stays False."""
+    and the poll stays False.
+
+    Args:
+        enabled: whether to defer the first SIGINT.
+
+    Yields:
+        The poll: True once Ctrl-C was pressed.
+    """
     pressed = threading.Event()
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield pressed.is_set

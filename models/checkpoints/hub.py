@@ -258,7 +258,15 @@ def naming_the_repo(repo_id: str | None, revision: str | None) -> Iterator[None]
 def hub_unreachable(endpoint: str | None = None, timeout: float = 3.0) -> str | None:
     """Why the Hub at ``endpoint`` (default ``HF_ENDPOINT`` or huggingface.co) cannot be reached — its host name does
     not resolve, or a TCP connection fails within ``timeout`` seconds — or ``None`` when it can. One quick probe, so
-    that a load without a network says so at once instead of after ``huggingface_hub``'s retries."""
+    that a load without a network says so at once instead of after ``huggingface_hub``'s retries.
+
+    Args:
+        endpoint: the Hub's URL.
+        timeout: seconds the connection may take.
+
+    Returns:
+        What failed, in words, or ``None``.
+    """
     url = urllib.parse.urlsplit(endpoint or constants.ENDPOINT)
     host = url.hostname or ""
     port = url.port or (443 if url.scheme == "https" else 80)

@@ -174,6 +174,10 @@ def locate(
 def check_hub_id(text: str, kind: str = "checkpoint") -> None:
     """Refuse a name that is neither a local path (it does not exist) nor a Hub repo id ``OWNER/NAME``, at once.
 
+    Args:
+        text: the name given.
+        kind: what is looked for, in messages (``"checkpoint"``, ``"adapter"``).
+
     Raises:
         FileNotFoundError: a name without an owner (``my-model``; the Hub's unprefixed legacy ids such as ``gpt2``
             now live under an owner, ``openai-community/gpt2``), or one ``huggingface_hub`` refuses as an id.

@@ -16,6 +16,12 @@ from typing import Any
 def preset_key(name: str) -> str:
     """The canonical form of a preset name: lowercase, ``_`` written as ``-``.
 
+    Args:
+        name: a preset name in any spelling.
+
+    Returns:
+        The canonical name.
+
     Raises:
         TypeError: ``name`` is not a string.
     """
@@ -26,7 +32,11 @@ def preset_key(name: str) -> str:
 
 class PresetTable(dict[str, dict[str, Any]]):
     """A dict of preset name -> config overrides whose keys are canonical (``preset_key``): ``table[name]``,
-    ``name in table`` and ``table.get(name)`` accept any spelling of a name."""
+    ``name in table`` and ``table.get(name)`` accept any spelling of a name.
+
+    Args:
+        items: the presets to start with (name -> config overrides).
+    """
 
     def __init__(self, items: Mapping[str, dict[str, Any]] | Iterable[tuple[str, dict[str, Any]]] = ()) -> None:
         super().__init__()
@@ -43,10 +53,27 @@ class PresetTable(dict[str, dict[str, Any]]):
         return isinstance(name, str) and super().__contains__(preset_key(name))
 
     def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        """``table[name]`` in any spelling, or ``default``.
+
+        Args:
+            name: a preset name.
+            default: what an unknown name gives.
+
+        Returns:
+            The config overrides, or ``default``.
+        """
         return super().get(preset_key(name), default) if isinstance(name, str) else default
 
     def unknown(self, name: str, owner: str) -> ValueError:
-        """The error for a name that is not here: the closest names, or all of them when none is close."""
+        """The error for a name that is not here: the closest names, or all of them when none is close.
+
+        Args:
+            name: the name asked for.
+            owner: the model class's name, for the message.
+
+        Returns:
+            The ``ValueError`` to raise.
+        """
         close = difflib.get_close_matches(preset_key(name), list(self), n=3, cutoff=0.6)
         if close:
             names = [repr(c) for c in close]

@@ -65,6 +65,13 @@ def min_p_filter(logits: Tensor, p: float) -> Tensor:
     times the most likely token's, i.e. whose logit is below the maximum + ``log p``. The most likely token is
     always kept.
 
+    Args:
+        logits: next-token logits.
+        p: the fraction of the best token's probability a token needs (0: keep all).
+
+    Returns:
+        The logits with the dropped tokens at ``-inf`` (a new tensor, or ``logits`` itself for ``p <= 0``).
+
     Shapes: ``(B, V)`` -> ``(B, V)``.
     """
     if p <= 0.0:
