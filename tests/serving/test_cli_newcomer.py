@@ -84,7 +84,7 @@ DRIVER = textwrap.dedent("""
                 main(argv)
                 code = 0
             except SystemExit as stop:  # a message is what Python prints on stderr, with status 1
-                code = stop.code if not isinstance(stop.code, str) else err.write(stop.code + "\n") and 1
+                code = stop.code if not isinstance(stop.code, str) else err.write(stop.code + "\\n") and 1
             except BaseException as raised:  # --debug: the exception itself
                 code = "raised " + type(raised).__name__
         results.append({"code": code, "stderr": err.getvalue(), "stdout": out.getvalue(),
