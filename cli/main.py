@@ -17,11 +17,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from serving import bench as bench_commands
 from serving import cli as serving_commands
 
 from . import evaluate, finetune, model_tools
 
-COMMAND_GROUPS: tuple[Any, ...] = (serving_commands, finetune, evaluate, model_tools)
+COMMAND_GROUPS: tuple[Any, ...] = (serving_commands, finetune, evaluate, model_tools, bench_commands)
 
 #: The exceptions that report a user's mistake (bad input, missing files, the network, a port in use): one line
 #: without a traceback. Anything else is a bug and keeps its traceback.

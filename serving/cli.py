@@ -121,7 +121,8 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
                               help="sequences decoded together at most")
     kv = serve_parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
-                    help="KV cache memory, e.g. 512MiB or 2GiB (default: --max-batch full contexts)")
+                    help="KV cache memory, e.g. 512MiB or 2GiB (default: --max-batch full contexts, at most half "
+                         "the memory available; the cache grows with the tokens in use up to it)")
     kv.add_argument("--kv-blocks", type=positive_int, default=None,
                     help="KV cache size in blocks of --block-size positions instead of --kv-cache-memory")
     serve_parser.add_argument("--block-size", type=positive_int, default=16, help="positions per KV cache block")
@@ -129,7 +130,11 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     serve_parser.add_argument("--served-model-name", "--alias", dest="served_model_name", default=None,
                               help="the model's name in the API (default: the folder's or file's name, or the Hub id)")
     compiled = serve_parser.add_mutually_exclusive_group()
-    add_compile_option(compiled)
+    compiled.add_argument("--compile", action="store_true",
+                          help="run decode-only steps through compiled graphs with dynamic shapes (one for a lone "
+                               "request, as generate(compile=True); one for several) and the other steps' decoding "
+                               "rows through a compiled attention (Engine(compile=True): each graph compiles once, "
+                               "at its first step)")
     compiled.add_argument("--compile-attention", action="store_true",
                           help="attend the decoding rows through one compiled graph (Engine(compile=\"attention\"): "
                                "a few seconds to compile at the first step)")

@@ -74,7 +74,8 @@ class Engine:
         block_size: positions per cache block.
         num_blocks: blocks in the cache (default: ``max_num_seqs`` full contexts, or as many as half the host's
             available memory holds (90 % of a GPU's free memory) if fewer — the default context is then cut to what
-            the cache holds; ``serving.cache_size``); the pool grows as blocks are first used, up to this many.
+            the cache holds; ``serving.cache_size``); the pools grow as blocks are first used, up to this many, in
+            compiled steps too.
         kv_cache_bytes: the cache's memory instead of ``num_blocks``: as many blocks as fit in this many bytes
             (``kv_block_nbytes``: keys and values of every layer, in the model's dtype).
         max_num_seqs: sequences in one step at most.
@@ -82,11 +83,11 @@ class Engine:
         max_waiting: requests ``add_request`` queues at most (``QueueFullError`` beyond).
         max_model_len: the context (default ``config.max_len``): prompt + output tokens at most.
         prefix_caching: share full blocks of equal prefixes between requests.
-        compile: ``True``: run the steps where every row decodes one token through one compiled graph with
-            dynamic row and block counts (``serving.runner``; the pools are then allocated whole, and the first such
-            steps compile: one graph for one row, one for several), and the one-token rows' attention in the other
-            steps through one compiled graph; ``"attention"``: only that attention graph (compiled at the first step
-            with a decoding row); ``False``: nothing compiled.
+        compile: ``True``: run the steps where every row decodes one token through a compiled graph with
+            dynamic row and block counts (``serving.runner``; the first such steps compile: one graph for one row,
+            ``serving.single_row``, as ``generate(compile=True)``'s, one for several), and the one-token rows'
+            attention in the other steps through one compiled graph; ``"attention"``: only that attention graph
+            (compiled at the first step with a decoding row); ``False``: nothing compiled.
 
     Raises:
         NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``) or one

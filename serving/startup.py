@@ -22,6 +22,7 @@ def startup_line(name: str, model: Any, args: argparse.Namespace, limits: dict[s
     """
     import torch
 
+    from .cache_size import default_num_blocks
     from .engine import blocks_in_memory, kv_block_nbytes
 
     dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
@@ -35,8 +36,11 @@ def startup_line(name: str, model: Any, args: argparse.Namespace, limits: dict[s
     try:
         if limits.get("kv_cache_bytes") is not None:
             blocks = blocks_in_memory(model, limits["kv_cache_bytes"], block, blocks)
-        elif blocks is None:
-            blocks = limits["max_num_seqs"] * -(-context // block)
+        elif blocks is None:  # as the engine sizes its default cache (within the device's share of its memory)
+            device = torch.device(getattr(args, "device", None) or "cpu")
+            blocks = default_num_blocks(kv_block_nbytes(model, block), block, limits["max_num_seqs"], context, device)
+            if not limits.get("max_model_len"):
+                context = min(context, blocks * block)
         kv = f"KV cache {blocks} blocks of {block} positions ({blocks * kv_block_nbytes(model, block) / 2**20:.1f} MiB)"
     except (ValueError, NotImplementedError, AttributeError):
         kv = "KV cache: see the engine's error"
