@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,10 +167,11 @@ def load_pretrained(
                 sentence = read_sentence_folder(lambda name: located_json(location, name), location.source)
         source = files.source
         if is_transformers_config(raw):
-            cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, source)
-            if sentence is not None and opts.head is None:
-                config, state, allow_missing = with_head(cls, config, state, allow_missing, "embedding", sentence,
-                                                         source)
+            with _unused_by_sentence_models(sentence is not None and opts.head is None):
+                cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, source)
+                if sentence is not None and opts.head is None:
+                    config, state, allow_missing = with_head(cls, config, state, allow_missing, "embedding",
+                                                             sentence, source)
 
     # transformers' BERT config.json does not store the [MASK] id; the checkpoint's tokenizer knows it.
     if tokenizer is not None and getattr(config, "mask_token_id", 0) is None:
@@ -424,6 +426,20 @@ def _read_single_file(
     except ImportError as e:  # the format's packages are an optional extra
         raise ImportError(f"loading {path} needs {file_format.requires}: {e}") from e
     return dict(hf_config), dict(state), tokenizer
+
+
+@contextlib.contextmanager
+def _unused_by_sentence_models(quiet: bool) -> Iterator[None]:
+    """Inside, with ``quiet``: no warning that the base model's pooler or LM head is left out — a
+    sentence-transformers model pools with its own modules and never uses them."""
+    if not quiet:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*leaving out the pooler")
+        warnings.filterwarnings("ignore", message=r".*base-model checkpoint has no LM head")
+        warnings.filterwarnings("ignore", message=r".*the 'embedding' head does not use the checkpoint's")
+        yield
 
 
 def _listing(items: list[str], limit: int = 20) -> str:
