@@ -30,6 +30,7 @@ from .architectures import get_architecture
 from .atomic import reading
 from .files import (
     FORMAT_VERSION,
+    MAX_CONFIG_BYTES,
     QUANTIZATION_KEY,
     is_transformers_config,
     is_zoo_config,
@@ -144,7 +145,7 @@ def load_pretrained(
             path_or_repo_id, revision=opts.revision, token=opts.token, endpoint=opts.endpoint
         )
         with reading(location.folder):  # a local folder is read as one complete checkpoint, never mid-save
-            raw = read_json(location.config)
+            raw = read_json(location.config, MAX_CONFIG_BYTES)
             if is_zoo_config(raw):
                 # Config first: a checkpoint of the wrong class is refused before its weights are downloaded.
                 cls, config = _zoo_class_and_config(raw, expected_class, location.source)

@@ -14,6 +14,10 @@ from blocks.registry import check_option_types, expected_type
 
 C = TypeVar("C", bound="ConfigBase")
 
+#: The longest context (``max_len``) a config may claim: 2**24 tokens (the longest published context is ~10M); a
+#: larger claim is refused before anything is sized from it (rotary tables, default caches).
+MAX_POSITIONS = 1 << 24
+
 
 @dataclasses.dataclass(frozen=True)
 class ConfigBase:
@@ -98,6 +102,8 @@ class TransformerConfig(ConfigBase):
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_len"):
             check_positive_int(self, name)
+        if self.max_len > MAX_POSITIONS:
+            raise ValueError(f"max_len={self.max_len} exceeds MAX_POSITIONS={MAX_POSITIONS} (2**24 positions)")
         check_attention_shape(self)
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise ValueError(f"logit_softcap must be None or a finite number > 0, got {self.logit_softcap!r}")
