@@ -38,6 +38,8 @@ FORMAT_VERSION = 1
 #: the top-level ``config.json`` key recording a quantized checkpoint's scheme and layers (see
 #: ``models.checkpoints.persistence``).
 QUANTIZATION_KEY = "quantization"
+#: the top-level ``config.json`` key recording the ``transformers`` family a converted model came from.
+SOURCE_FAMILY_KEY = "transformers_model_type"
 LIBRARY_NAME = "transformer-zoo"
 #: How deeply the JSON files of a checkpoint (config, shard index, adapter config) may nest objects and arrays.
 #: Real ones nest under 10 levels; Python's parser would recurse once per level and fail with RecursionError.

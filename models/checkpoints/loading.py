@@ -32,6 +32,7 @@ from .files import (
     FORMAT_VERSION,
     MAX_CONFIG_BYTES,
     QUANTIZATION_KEY,
+    SOURCE_FAMILY_KEY,
     is_transformers_config,
     is_zoo_config,
     load_tokenizer,
@@ -129,6 +130,7 @@ def load_pretrained(
     allow_missing: frozenset[str] = frozenset()
     quantization: tuple[dict[str, str], dict[str, dict[str, Any]]] | None = None
     sentence = None  # a sentence-transformers folder's embedding head options
+    family = None  # the transformers model_type the model came from (kept for exports)
     if single is not None:
         gguf_file, file_format = single
         if opts.revision is not None and opts.gguf_file is None:
@@ -136,6 +138,7 @@ def load_pretrained(
         source = str(gguf_file)
         hf_config, hf_state, tokenizer = _read_single_file(gguf_file, file_format, opts.dtype, not opts.dequantize)
         cls, config, state, allow_missing = _convert_transformers(hf_config, hf_state, expected_class, source)
+        family = hf_config.get("model_type")
         redo = with_changed_decoded(hf_state, state, source)
         if redo is not None:  # a converter changed a packed weight: that one loads as float
             cls, config, state, allow_missing = _convert_transformers(hf_config, redo, expected_class, source)
@@ -150,6 +153,10 @@ def load_pretrained(
                 # Config first: a checkpoint of the wrong class is refused before its weights are downloaded.
                 cls, config = _zoo_class_and_config(raw, expected_class, location.source)
                 quantization = quantization_entry(raw, location.source)
+                family = raw.get(SOURCE_FAMILY_KEY)
+                if family is not None and not isinstance(family, str):
+                    raise ValueError(f"{location.source}: config.json has {SOURCE_FAMILY_KEY}={family!r}; "
+                                     "expected a transformers model_type string or null")
                 files = checkpoint_files(location)
                 state = read_weights(files)
                 # Before the real build: the config may not claim more layers or elements than the weights hold.
@@ -168,6 +175,7 @@ def load_pretrained(
         source = files.source
         if is_transformers_config(raw):
             cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, source)
+            family = raw["model_type"]
             if sentence is not None and opts.head is None:
                 config, state, allow_missing = with_head(cls, config, state, allow_missing, "embedding", sentence,
                                                          source)
@@ -201,6 +209,8 @@ def load_pretrained(
     model.eval()
     if tokenizer is not None:
         model.tokenizer = tokenizer
+    if family is not None:
+        model.transformers_model_type = family
     return model
 
 
