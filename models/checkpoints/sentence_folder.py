@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..convert.tasks import export_base
+from ..core.finite import check_finite
 from .files import MAX_JSON_DEPTH, json_depth
 from .paths import confined
 
@@ -123,13 +124,15 @@ def save_sentence_transformers(model: nn.Module, directory: str | os.PathLike[st
     sentence-transformers folder that ``SentenceTransformer(directory)`` loads.
 
     Raises:
-        ValueError: no tokenizer attached, or a base no ``transformers`` family represents.
+        ValueError: no tokenizer attached, a base no ``transformers`` family represents, or a tensor holding NaN or
+            inf (named); nothing is written then.
     """
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise ValueError("a sentence-transformers folder needs the tokenizer: set model.tokenizer first")
     options = model.embedding_options()
     hf_config, state = export_base(model)
+    check_finite(state, "sentence-transformers export")
     path = Path(directory)
     (path / "1_Pooling").mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, path / "model.safetensors",

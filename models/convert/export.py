@@ -23,6 +23,8 @@ from blocks.adapters import check_exportable
 from blocks.heads import LM_HEADS
 from blocks.quantized import check_unquantized
 
+from ..core.finite import check_finite
+
 EXPORTER_KIND = "hf_exporter"
 #: kind of ``models.convert.tasks.export_task`` (models with a task head), looked up so this module imports it not.
 TASK_EXPORT_KIND = "hf_task_export"
@@ -89,9 +91,10 @@ def save_transformers(model: nn.Module, directory: str | os.PathLike[str], model
     """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads as ``model``'s equivalent.
 
     Raises:
-        ValueError: as ``to_transformers``; nothing is written then.
+        ValueError: as ``to_transformers``, or a tensor holding NaN or inf (named); nothing is written then.
     """
     config, state_dict = to_transformers(model, model_type)
+    check_finite(state_dict, "export to transformers")
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     save_file(state_dict, path / "model.safetensors", metadata={"format": "pt"})
