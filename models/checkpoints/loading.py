@@ -45,7 +45,7 @@ from .locate import checkpoint_files, locate
 from .new_head import with_head
 from .options import LoadOptions, ParsedOptions, parse_options
 from .packed import packed_into_skeleton, with_changed_decoded
-from .sentence_folder import located_json, read_sentence_folder
+from .sentence_folder import fit_sentence_options, located_json, read_sentence_folder
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +177,7 @@ def load_pretrained(
             cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, source)
             family = raw["model_type"]
             if sentence is not None and opts.head is None:
+                sentence = fit_sentence_options(sentence, config.max_len)
                 config, state, allow_missing = with_head(cls, config, state, allow_missing, "embedding", sentence,
                                                          source)
 

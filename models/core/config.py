@@ -125,6 +125,10 @@ class TransformerConfig(ConfigBase):
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name}={value!r} must be None or an id in [0, vocab_size={self.vocab_size})")
         object.__setattr__(self, "options", check_options(self, self.options, "options"))
+        length = self.options.get("head", {}).get("max_seq_length")
+        if isinstance(length, int) and length > self.max_len:
+            raise ValueError(f"options['head'].max_seq_length={length} exceeds the model's positions "
+                             f"(max_len={self.max_len})")
         if isinstance(self.layer_options, (list, tuple)):
             object.__setattr__(self, "layer_options", tuple(
                 check_options(self, entry, f"layer_options[{i}]") for i, entry in enumerate(self.layer_options)
