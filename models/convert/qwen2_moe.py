@@ -56,7 +56,7 @@ def _qwen2_moe_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
     if cfg["qkv_bias"]:
         fields["options"] = {**fields["options"], "attention": {"qkv_bias": True}}
     fields["ffn"] = "moe"
-    fields["d_ff"], ffn = moe_options(cfg, "num_experts", "moe_intermediate_size", bool(cfg["norm_topk_prob"]))
+    fields["d_ff"], ffn = moe_options(cfg, "num_experts", "moe_intermediate_size", cfg.boolean("norm_topk_prob"))
     ffn.update(d_shared=cfg.positive_int("shared_expert_intermediate_size"), shared_gate=True)
     fields["options"] = {**fields["options"], "ffn": ffn}
     return window_layers(cfg, fields)

@@ -55,7 +55,7 @@ def _qwen3_moe_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
     if cfg["use_sliding_window"] and cfg["sliding_window"] is not None:
         attention["window"] = cfg.positive_int("sliding_window")
     fields["ffn"] = "moe"
-    fields["d_ff"], ffn = moe_options(cfg, "num_experts", "moe_intermediate_size", bool(cfg["norm_topk_prob"]))
+    fields["d_ff"], ffn = moe_options(cfg, "num_experts", "moe_intermediate_size", cfg.boolean("norm_topk_prob"))
     fields["options"] = {**fields["options"], "attention": attention, "ffn": ffn}
     return fields
 
