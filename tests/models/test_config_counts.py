@@ -182,7 +182,7 @@ def test_a_hostile_count_in_a_zoo_checkpoint_is_refused(
     [
         ("num_labels", 10**9, r"options\['head'\]\.num_labels=1000000000"),
         # the head's own check refuses a map of another size by its length
-        ("id2label", {str(i): f"L{i}" for i in range(5000)}, r"id2label has 5000 entries, which do not match"),
+        ("id2label", {str(i): f"L{i}" for i in range(5000)}, r"id2label has ids for 5000 labels, which do not match"),
     ],
 )
 def test_a_hostile_label_count_in_a_zoo_checkpoint_is_refused(tmp_path: Path, key: str, value: Any,
@@ -197,7 +197,7 @@ def test_a_hostile_label_count_in_a_zoo_checkpoint_is_refused(tmp_path: Path, ke
 
 def test_label_maps_are_sized_before_they_are_compared() -> None:
     """The head's own check: a map of the wrong size is refused by its length (not by listing every id)."""
-    with pytest.raises(ValueError, match="id2label has 3 entries, which do not match num_labels=1000000000"):
+    with pytest.raises(ValueError, match="id2label has ids for 3 labels, which do not match num_labels=1000000000"):
         EncoderLM.from_preset("tiny", head="sequence_classification",
                               options={"head": {"num_labels": 10**9, "id2label": {"0": "a", "1": "b", "2": "c"}}})
 
