@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine with Python 3.11 and make:
 #   make demo   set up, then run the main job
-#   make test   set up, then run the test suite
+#   make test   set up, then run the test suite (the docs site's strict build and the docs' Python blocks included)
+#   make docs   serve the docs site at http://127.0.0.1:8000 (rebuilds on every change)
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-all lint clean
+.PHONY: setup demo test test-all lint docs clean
 
 setup: $(STAMP)
 
@@ -29,9 +30,12 @@ test: $(STAMP)
 test-all: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n auto
 
+docs: $(STAMP)
+	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache site

@@ -1,7 +1,7 @@
 """Continuous batching: ``serving.Engine`` against one-by-one ``generate(compile=True)`` and ``transformers``'
 continuous batching, on requests of mixed lengths arriving over time.
 
-    python -m benchmarks.engine                  # demo-sized and GPT-2-shaped models (see the README for figures)
+    python -m benchmarks.engine                  # demo-sized and GPT-2-shaped models (figures: docs/serving.md)
     python -m benchmarks.engine --models demo    # one model
     python -m benchmarks.engine --quick          # tiny model, few requests: checks that the script runs
     python -m benchmarks.engine --models demo --compile   # adds Engine(compile=True) (one graph, compiled first)

@@ -1,7 +1,7 @@
 """The HTTP server's overhead: concurrent ``openai`` clients against ``zoo serve``'s application, beside the engine
 driven in-process and the same requests one after another through ``generate``, on one workload.
 
-    python -m benchmarks.serve                  # the demo-sized model, 64 requests (see the README for figures)
+    python -m benchmarks.serve                  # the demo-sized model, 64 requests (figures: docs/serving.md)
     python -m benchmarks.serve --quick          # a tiny model, few requests: checks that the script runs
     python -m benchmarks.serve --ipc            # the engine process's pipe: one message per step or per delta
 

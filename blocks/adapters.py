@@ -72,7 +72,13 @@ class LoRA(nn.Module):
         return F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scaling
 
     def delta_weight(self) -> Tensor:
-        """The update as an ``nn.Linear`` weight, ``(out_features, in_features)``."""
+        """The update as an ``nn.Linear`` weight: ``scaling · B A``.
+
+        Returns:
+            The update.
+
+        Shapes: -> ``(out_features, in_features)``.
+        """
         return (self.lora_B @ self.lora_A) * self.scaling
 
 
@@ -124,7 +130,11 @@ class AdaptedLinear(nn.Linear):
         self.merged = None
 
     def plain(self) -> nn.Linear:
-        """A plain ``nn.Linear`` holding this layer's ``weight`` and ``bias`` Parameters (adapters dropped)."""
+        """A plain ``nn.Linear`` holding this layer's ``weight`` and ``bias`` Parameters (adapters dropped).
+
+        Returns:
+            The plain layer.
+        """
         layer = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         layer.weight = self.weight
         layer.bias = self.bias
@@ -236,7 +246,11 @@ class AdaptedQuantizedLinear(nn.Module):
         self.merged = None
 
     def plain(self) -> nn.Module:
-        """The base layer (adapters dropped)."""
+        """The base layer (adapters dropped).
+
+        Returns:
+            The packed layer.
+        """
         return self.base
 
 
@@ -247,6 +261,12 @@ ADAPTED_LAYERS = (AdaptedLinear, AdaptedQuantizedLinear)
 def adapter_placement(layer: nn.Module) -> tuple[torch.device, torch.dtype]:
     """Where an adapter of ``layer`` lives: its weight's device and dtype for a float linear layer (adapted or
     not); the packed tensors' device and float32 for a quantized one (adapted or not).
+
+    Args:
+        layer: the layer an adapter is for.
+
+    Returns:
+        ``(device, dtype)``.
 
     Raises:
         ValueError: ``layer`` is neither a linear nor a quantized linear layer.
@@ -264,6 +284,12 @@ def adapted(layer: nn.Module) -> nn.Module:
     """``layer`` ready to carry adapters: an adapted layer as it is, an ``nn.Linear`` as an ``AdaptedLinear``, a
     quantized layer as an ``AdaptedQuantizedLinear``.
 
+    Args:
+        layer: a linear, quantized or adapted layer.
+
+    Returns:
+        The adapted layer.
+
     Raises:
         ValueError: as ``adapter_placement``.
     """
@@ -279,6 +305,11 @@ def check_exportable(model: nn.Module, action: str, *, allow_merged: bool) -> No
     ``save_pretrained`` (``allow_merged=False``) writes only the base model's tensors, so any adapter would be lost or
     stored under names no loader reads; an export to ``transformers`` (``allow_merged=True``) computes what the model
     computes when no adapter is active or the active one is merged into the weights.
+
+    Args:
+        model: the model about to be written.
+        action: what is being done, for the message (``"save_pretrained"`` ...).
+        allow_merged: accept an active adapter that is merged into the weights.
 
     Raises:
         ValueError: naming the adapted module and what to call instead (``merge_and_unload()`` or ``save_adapter()``).

@@ -47,6 +47,10 @@ class MultiHeadAttention(nn.Module):
         sinks: attention sinks (gpt-oss): a learned logit per query head, parameter ``sinks`` ``(n_heads,)``, that
             joins every softmax denominator as a key with no value, so a head may attend to (almost) nothing.
 
+    Raises:
+        ValueError: naming the bad value: heads that do not divide, widths below 1, a dropout outside [0, 1), a
+            scale, window or ``qk_norm_scope`` out of range.
+
     Shapes: x ``(B, Lq, d_model)``, context ``(B, Lk, d_context)`` -> ``(B, Lq, d_model)``.
     """
 
@@ -117,7 +121,11 @@ class MultiHeadAttention(nn.Module):
         self.set_backend(backend)
 
     def set_backend(self, name: str) -> None:
-        """Switch the compute backend (a registered ``attention_backend`` name)."""
+        """Switch the compute backend.
+
+        Args:
+            name: a registered ``attention_backend`` name (``math``, ``sdpa``, ``flex``, ``chunked``).
+        """
         self._backend = get("attention_backend", name)
         self.backend = name
 
@@ -197,6 +205,12 @@ class MultiHeadAttention(nn.Module):
 
         Returns:
             ``(out, weights)``: out ``(B, Lq, d_model)``; weights ``(B, H, Lq, Lk)`` or None.
+
+        Raises:
+            ValueError: rotary attention without ``positions``.
+            NotImplementedError: a paged cache with an attention bias or ``need_weights``.
+
+        Shapes: x ``(B, Lq, d_model)``, context ``(B, Lk, d_context)`` -> ``(B, Lq, d_model)``.
         """
         if isinstance(cache, StaticKVCache) and cache.filled:
             q = self._normed(self.q_norm, self.q_proj(x), self.n_heads)  # (B, H, Lq, Dk)

@@ -12,6 +12,15 @@ from .registry import register
 class FeedForward(nn.Module):
     """``down_proj(dropout(act(up_proj(x))))``: two linear maps with an activation between.
 
+    Args:
+        d_model: the model's width.
+        d_ff: the inner width.
+        dropout: dropout after the activation.
+        bias: biases in both linear maps.
+
+    Raises:
+        ValueError: ``d_model`` or ``d_ff`` below 1.
+
     Shapes: ``(..., d_model)`` -> ``(..., d_model)``.
     """
 
@@ -24,6 +33,19 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def activation(self, x: Tensor) -> Tensor:
+        """The nonlinearity; each registered subclass defines it.
+
+        Args:
+            x: the up projection's output.
+
+        Returns:
+            The activated values.
+
+        Raises:
+            NotImplementedError: on the base class.
+
+        Shapes: ``(..., d_ff)`` -> same.
+        """
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
@@ -65,6 +87,15 @@ class SiluFFN(FeedForward):
 class GatedFeedForward(nn.Module):
     """``down_proj(dropout(act(gate_proj(x)) * up_proj(x)))`` (GLU variants, Shazeer 2020).
 
+    Args:
+        d_model: the model's width.
+        d_ff: the inner width.
+        dropout: dropout after the gated product.
+        bias: biases in the three linear maps.
+
+    Raises:
+        ValueError: ``d_model`` or ``d_ff`` below 1.
+
     Shapes: ``(..., d_model)`` -> ``(..., d_model)``.
     """
 
@@ -78,6 +109,19 @@ class GatedFeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def activation(self, x: Tensor) -> Tensor:
+        """The nonlinearity; each registered subclass defines it.
+
+        Args:
+            x: the up projection's output.
+
+        Returns:
+            The activated values.
+
+        Raises:
+            NotImplementedError: on the base class.
+
+        Shapes: ``(..., d_ff)`` -> same.
+        """
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
@@ -116,11 +160,17 @@ class ClampedSwiGLUFFN(GatedFeedForward):
     sigmoid approximation of GELU), and the ``+ 1`` passes the gated value through where ``up`` is 0.
 
     Args:
+        d_model: the model's width.
+        d_ff: the inner width.
+        dropout: dropout after the gated product.
+        bias: biases in the three linear maps (gpt-oss has them).
         limit: clamp bound (gpt-oss ``swiglu_limit``).
         alpha: sigmoid slope (gpt-oss ``swiglu_alpha``).
 
     Raises:
         ValueError: ``limit`` or ``alpha`` not a finite number > 0.
+
+    Shapes: ``(..., d_model)`` -> ``(..., d_model)``.
     """
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, bias: bool = False, limit: float = 7.0,

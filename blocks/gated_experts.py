@@ -39,7 +39,15 @@ ACTIVATIONS: dict[type, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tens
 def fast_experts(experts: Sequence[nn.Module], dtype: torch.dtype) -> bool:
     """Whether ``experts`` can run as ``GatedExperts``: all plain SwiGLU/GeGLU blocks (exact classes) of bias-free
     ``nn.Linear`` maps with ``dtype`` weights that are ordinary tensors, no hooks, no active dropout, no autocast.
-    Anything else (LoRA or int8 linears, tensor-parallel shards, other FFNs) keeps the autograd path."""
+    Anything else (LoRA or int8 linears, tensor-parallel shards, other FFNs) keeps the autograd path.
+
+    Args:
+        experts: the routed experts.
+        dtype: the activations' dtype.
+
+    Returns:
+        True when the fast path applies.
+    """
     if not experts or type(experts[0]) not in ACTIVATIONS:
         return False
     kind = type(experts[0])
@@ -79,6 +87,8 @@ def gated_experts(h: Tensor, weights: Tensor, order: Tensor, counts: list[int], 
 
     Returns:
         ``(N, d_model)``.
+
+    Shapes: h ``(N, d_model)``, weights ``(N, top_k)``, order ``(N · top_k,)`` -> ``(N, d_model)``.
     """
     tokens = order // top_k  # (S,) the token of each sorted pair
     w = weights.reshape(-1)[order]  # (S,) its weight
@@ -102,7 +112,16 @@ def gated_experts(h: Tensor, weights: Tensor, order: Tensor, counts: list[int], 
 def two_rows(x: Tensor) -> Tensor:
     """``x`` ``(n, d)``, a single row repeated to two: one row would take the matrix-vector kernel, whose rounding
     depends on the weight's address (weights loaded from safetensors sit at 8-byte offsets); two rows take the matrix
-    kernel, as every other group (callers keep the first ``n`` rows of the product)."""
+    kernel, as every other group (callers keep the first ``n`` rows of the product).
+
+    Args:
+        x: an expert's rows.
+
+    Returns:
+        ``x``, or its single row twice.
+
+    Shapes: ``(n, d)`` -> ``(max(n, 2), d)``.
+    """
     return x.expand(2, -1).contiguous() if x.shape[0] == 1 else x
 
 
@@ -123,8 +142,22 @@ class GatedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: Tensor, x: Tensor, w: Tensor, tokens: Tensor, counts: list[int], kind: type,
                 *params: Tensor) -> Tensor:
-        """``out`` ``(N, d_model)`` += the group's weighted outputs; ``x`` ``(S, d_model)`` its pairs' rows (sorted by
-        expert), ``w`` ``(S,)`` their weights, ``tokens`` ``(S,)`` their tokens, ``counts`` pairs per expert."""
+        """Add the group's weighted outputs into ``out``.
+
+        Args:
+            out: the layer's output, added into in place.
+            x: the group's pairs' rows, sorted by expert.
+            w: their routing weights.
+            tokens: their tokens.
+            counts: pairs per expert.
+            kind: the experts' class (SwiGLU or GeGLU).
+            *params: each expert's gate, up and down weights.
+
+        Returns:
+            ``out``.
+
+        Shapes: out ``(N, d_model)``, x ``(S, d_model)``, w and tokens ``(S,)`` -> ``(N, d_model)``.
+        """
         act = ACTIVATIONS[kind][0]
         pairs, d_ff, d_model = tokens.shape[0], params[0].shape[0], x.shape[1]
         used = [e for e, n in enumerate(counts) if n]

@@ -18,6 +18,9 @@ class KVCache:
 
     Args:
         max_len: number of positions to preallocate (prompt + new tokens).
+
+    Raises:
+        ValueError: ``max_len`` below 1.
     """
 
     def __init__(self, max_len: int) -> None:
@@ -29,7 +32,20 @@ class KVCache:
         self.v: Tensor | None = None
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append ``k, v`` ``(B, Hkv, L, D)`` and return all cached keys/values so far (views)."""
+        """Append new keys and values and return all cached so far.
+
+        Args:
+            k: the new positions' keys.
+            v: their values.
+
+        Returns:
+            ``(keys, values)``: views of every cached position, the new ones included.
+
+        Raises:
+            ValueError: the new positions would overflow ``max_len``.
+
+        Shapes: k, v ``(B, Hkv, L, D)`` -> ``(B, Hkv, length, D)`` each.
+        """
         if self.k is None:
             b, h, _, d = k.shape
             self.k = k.new_empty((b, h, self.max_len, d))
@@ -46,7 +62,13 @@ class KVCache:
 
     def reorder(self, index: Tensor) -> None:
         """Select batch rows ``index`` (beam search); only the filled positions are moved, in place when
-        the batch size is unchanged."""
+        the batch size is unchanged.
+
+        Args:
+            index: the rows to keep, in their new order.
+
+        Shapes: index ``(B',)`` long.
+        """
         if self.k is None:
             return
         filled = slice(0, self.length)
@@ -70,10 +92,28 @@ class StaticKVCache:
         return self.k is not None
 
     def set(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the keys and values (computed once from the encoder memory).
+
+        Args:
+            k: the keys.
+            v: the values.
+
+        Returns:
+            ``(k, v)``.
+
+        Shapes: k, v ``(B, Hkv, S, D)``.
+        """
         self.k, self.v = k, v
         return k, v
 
     def reorder(self, index: Tensor) -> None:
+        """Select batch rows ``index`` (beam search).
+
+        Args:
+            index: the rows to keep, in their new order.
+
+        Shapes: index ``(B',)`` long.
+        """
         if self.k is not None:
             self.k = self.k.index_select(0, index)
             self.v = self.v.index_select(0, index)
@@ -81,20 +121,40 @@ class StaticKVCache:
 
 class LayerCache:
     """The caches of one decoder layer: self-attention (a registered ``kv_cache`` kind, ``"contiguous"`` by default;
-    ``"latent"`` for latent attention) and (for encoder-decoders) cross-attention."""
+    ``"latent"`` for latent attention) and (for encoder-decoders) cross-attention.
+
+    Args:
+        max_len: positions the self-attention cache holds.
+        cross: add a cross-attention cache (encoder-decoders).
+        kind: registered ``kv_cache`` name of the self-attention cache.
+    """
 
     def __init__(self, max_len: int, cross: bool = False, kind: str = "contiguous") -> None:
         self.self_attn = get("kv_cache", kind)(max_len)
         self.cross_attn = StaticKVCache() if cross else None
 
     def reorder(self, index: Tensor) -> None:
+        """Select batch rows ``index`` in both caches (beam search).
+
+        Args:
+            index: the rows to keep, in their new order.
+
+        Shapes: index ``(B',)`` long.
+        """
         self.self_attn.reorder(index)
         if self.cross_attn is not None:
             self.cross_attn.reorder(index)
 
 
 def reorder_caches(caches: list[LayerCache], index: Tensor) -> None:
-    """Reorder every layer cache along the batch dimension (beam search)."""
+    """Reorder every layer cache along the batch dimension (beam search).
+
+    Args:
+        caches: one ``LayerCache`` per layer.
+        index: the rows to keep, in their new order.
+
+    Shapes: index ``(B',)``.
+    """
     index = index.to(torch.long)
     for cache in caches:
         cache.reorder(index)
@@ -110,8 +170,14 @@ class BucketKVCache:
     that a compiled graph would specialise on — one graph serves every step and every prompt length of the bucket.
 
     Args:
-        k, v: ``(B, Hkv, bucket, D)`` buffers (written in place).
+        k: the keys' ``(B, Hkv, bucket, D)`` buffer (written in place).
+        v: the values' ``(B, Hkv, bucket, D)`` buffer (written in place).
         index: ``(1,)`` long, the slot of the next write (shared by all layers).
+
+    Raises:
+        ValueError: buffers of different shapes, or an index that is not a ``(1,)`` long tensor.
+
+    Shapes: k, v ``(B, Hkv, bucket, D)``, index ``(1,)``.
     """
 
     def __init__(self, k: Tensor, v: Tensor, index: Tensor) -> None:
@@ -131,7 +197,17 @@ class BucketKVCache:
         return self.k.shape[2]
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write one position ``k, v`` ``(B, Hkv, 1, D)`` at ``index``; return the whole buffers."""
+        """Write one position at ``index``; return the whole buffers.
+
+        Args:
+            k: the new position's keys.
+            v: its values.
+
+        Returns:
+            ``(keys, values)``: the whole buffers.
+
+        Shapes: k, v ``(B, Hkv, 1, D)`` -> ``(B, Hkv, bucket, D)`` each.
+        """
         self.k.index_copy_(2, self.index, k)
         self.v.index_copy_(2, self.index, v)
         return self.k, self.v

@@ -117,7 +117,11 @@ class MultiHeadLatentAttention(nn.Module):
         self.set_backend(backend)
 
     def set_backend(self, name: str) -> None:
-        """Switch the compute backend (a registered ``attention_backend`` name)."""
+        """Switch the compute backend.
+
+        Args:
+            name: a registered ``attention_backend`` name.
+        """
         self._backend = get("attention_backend", name)
         self.backend = name
 
@@ -144,6 +148,23 @@ class MultiHeadLatentAttention(nn.Module):
         ``cache``: a ``LatentKVCache`` (or any ``KVCache``-like cache: it is given latents as keys and rotary keys as
         values); the new tokens' latents are appended and attention runs in latent space over all of them. Or a
         ``PagedLatentCache``: ``x`` holds the packed new tokens of several sequences (``blocks.paged_latent_cache``).
+
+        Args:
+            x: the new tokens' hidden states.
+            context: must be None (no cross-attention).
+            mask: bool, True = may attend.
+            bias: must be None.
+            is_causal: bottom-right aligned causal masking.
+            rotary: the rotary encoding of the ``d_rope`` dimensions.
+            positions: the new tokens' positions.
+            key_positions: unused (windows are not supported).
+            cache: the latent cache (see above), or None.
+            need_weights: also return the attention weights.
+
+        Returns:
+            ``(out, weights or None)``.
+
+        Shapes: x ``(B, Lq, d_model)`` -> ``(B, Lq, d_model)``, weights ``(B, H, Lq, Lk)``.
 
         Raises:
             ValueError: cross-attention, no rotary encoding, a rotary encoding that rotates other than ``d_rope``
@@ -197,6 +218,12 @@ class MultiHeadLatentAttention(nn.Module):
         ``d_head + d_value`` expanded; expanding costs ``r · (d_nope + d_value)`` per head and key once. So absorb
         while ``n_queries · (2r − d_nope − d_value) < r · (d_nope + d_value)``: decoding steps (a few queries) absorb,
         a long prefill expands (DeepSeek-V2-Lite's shapes: up to 170 queries).
+
+        Args:
+            n_queries: new queries per row.
+
+        Returns:
+            True to absorb, False to expand.
         """
         r, spent = self.kv_lora_rank, self.d_nope + self.d_value
         return n_queries * (2 * r - spent) < r * spent

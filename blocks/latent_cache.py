@@ -23,8 +23,16 @@ class LatentKVCache(KVCache):
     """
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append latents ``k`` ``(B, 1, L, kv_lora_rank)`` and rotary keys ``v`` ``(B, 1, L, d_rope)``; return all
-        cached so far (views).
+        """Append latents and rotary keys; return all cached so far (views).
+
+        Args:
+            k: the new positions' latents.
+            v: their rotary keys.
+
+        Returns:
+            ``(latents, rotary keys)`` of every cached position.
+
+        Shapes: k ``(B, 1, L, kv_lora_rank)``, v ``(B, 1, L, d_rope)`` -> ``(B, 1, length, ·)`` each.
 
         Raises:
             ValueError: more than one head (a latent cache holds one shared latent per token), or an overflow.
@@ -46,7 +54,11 @@ class LatentKVCache(KVCache):
         return None if self.v is None else self.v[:, :, : self.length]
 
     def bytes_per_token(self) -> int:
-        """Bytes one cached position takes in one batch row: ``(kv_lora_rank + d_rope) · element size``."""
+        """Bytes one cached position takes in one batch row: ``(kv_lora_rank + d_rope) · element size``.
+
+        Returns:
+            The byte count (0 before the first update).
+        """
         if self.k is None:
             return 0
         return self.k.shape[-1] * self.k.element_size() + self.v.shape[-1] * self.v.element_size()

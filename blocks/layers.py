@@ -35,6 +35,12 @@ SUPPLIED: dict[str, tuple[str, ...]] = {
 class EncoderLayer(nn.Module):
     """Self-attention then a feed-forward network, each wrapped in a residual sublayer connection.
 
+    Args:
+        self_attn: the self-attention block (e.g. ``MultiHeadAttention``).
+        ffn: the feed-forward block.
+        self_attn_sublayer: the residual connection (and norm) around the attention.
+        ffn_sublayer: the residual connection (and norm) around the feed-forward block.
+
     Shapes: ``(B, L, d_model)`` -> ``(B, L, d_model)``.
     """
 
@@ -58,7 +64,23 @@ class EncoderLayer(nn.Module):
         positions: Tensor | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """Returns ``(x, self-attention weights or None)``."""
+        """Run the layer.
+
+        Args:
+            x: the hidden states.
+            mask: bool attention mask, True = may attend.
+            bias: additive attention bias (ALiBi, relative positions).
+            is_causal: attend causally (bottom-right aligned).
+            rotary: the rotary encoding to apply to queries and keys, if any.
+            positions: each token's position, for ``rotary``.
+            need_weights: also return the attention weights (computed by the ``math`` backend).
+
+        Returns:
+            ``(x, self-attention weights or None)``.
+
+        Shapes: x ``(B, L, d_model)``, mask broadcastable to ``(B, H, L, L)``, positions ``(B, L)`` ->
+        ``(B, L, d_model)``, weights ``(B, H, L, L)``.
+        """
         h = self.self_attn_sublayer.normalize(x)
         h, weights = self.self_attn(
             h, mask=mask, bias=bias, is_causal=is_causal, rotary=rotary, positions=positions, need_weights=need_weights
@@ -72,6 +94,17 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention, optional cross-attention over the encoder memory, then a feed-forward
     network, each in a residual sublayer connection (§3.1). Without ``cross_attn`` it is a GPT block.
+
+    Args:
+        self_attn: the self-attention block.
+        ffn: the feed-forward block.
+        self_attn_sublayer: the residual connection (and norm) around the self-attention.
+        ffn_sublayer: the residual connection (and norm) around the feed-forward block.
+        cross_attn: the cross-attention block over the encoder memory, or None (decoder-only).
+        cross_attn_sublayer: its residual connection; given exactly when ``cross_attn`` is.
+
+    Raises:
+        ValueError: ``cross_attn`` without ``cross_attn_sublayer`` or the other way round.
 
     Shapes: x ``(B, L, d_model)``, memory ``(B, S, d_model)`` -> ``(B, L, d_model)``.
     """
@@ -109,10 +142,26 @@ class DecoderLayer(nn.Module):
         cache: LayerCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Causal self-attention (``mask`` is combined with the bottom-right causal mask).
+        """Causal self-attention (``mask`` is combined with the bottom-right causal mask), then cross-attention and
+        the feed-forward block.
 
-        ``key_positions`` are the positions of every key, cached ones included (for sliding windows).
-        Returns ``(x, self-attention weights, cross-attention weights)`` (weights None unless asked).
+        Args:
+            x: the hidden states of the new tokens.
+            memory: the encoder's output (with cross-attention).
+            mask: bool self-attention mask, True = may attend.
+            memory_mask: bool cross-attention mask over ``memory``.
+            bias: additive self-attention bias.
+            rotary: the rotary encoding to apply to queries and keys, if any.
+            positions: the new tokens' positions.
+            key_positions: the positions of every key, cached ones included (for sliding windows).
+            cache: this layer's KV caches (self- and cross-attention), updated in place.
+            need_weights: also return the attention weights.
+
+        Returns:
+            ``(x, self-attention weights, cross-attention weights)`` (weights None unless asked).
+
+        Shapes: x ``(B, L, d_model)``, memory ``(B, S, d_model)``, positions ``(B, L)``, key_positions
+        ``(B, Lk)`` -> ``(B, L, d_model)``.
         """
         h = self.self_attn_sublayer.normalize(x)
         h, self_weights = self.self_attn(
@@ -155,7 +204,25 @@ class ParallelDecoderLayer(DecoderLayer):
         cache: LayerCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None, None]:
-        """Returns ``(x, self-attention weights or None, None)``."""
+        """Run both branches on ``x`` and add them to it.
+
+        Args:
+            x: the hidden states of the new tokens.
+            memory: must be None (no cross-attention); kept for ``DecoderLayer``'s signature.
+            mask: bool self-attention mask, True = may attend.
+            memory_mask: unused (no cross-attention).
+            bias: additive self-attention bias.
+            rotary: the rotary encoding to apply to queries and keys, if any.
+            positions: the new tokens' positions.
+            key_positions: the positions of every key, cached ones included.
+            cache: this layer's KV cache, updated in place.
+            need_weights: also return the attention weights.
+
+        Returns:
+            ``(x, self-attention weights or None, None)``.
+
+        Shapes: x ``(B, L, d_model)`` -> ``(B, L, d_model)``.
+        """
         attn_out, weights = self.self_attn(
             self.self_attn_sublayer.normalize(x), mask=mask, bias=bias, is_causal=True, rotary=rotary,
             positions=positions, key_positions=key_positions, cache=None if cache is None else cache.self_attn,
@@ -233,8 +300,27 @@ def encoder_layer(
 ) -> EncoderLayer:
     """Build an ``EncoderLayer`` from registry names (defaults: the paper's base layer).
 
-    ``options`` maps a block kind (``attention``, ``ffn``, ``norm``, ``sublayer``) to that block's keyword options;
-    ``attention_norm`` names another registered norm for the attention sublayer (ModernBERT's first layer has none).
+    Args:
+        d_model: the model's width.
+        n_heads: attention heads.
+        d_ff: the feed-forward block's inner width.
+        n_kv_heads: key/value heads (default ``n_heads``; fewer is GQA/MQA).
+        d_head: width of each query/key head (default ``d_model // n_heads``).
+        d_value: width of each value head (default ``d_head``).
+        dropout: dropout on each sublayer's output.
+        attention_dropout: dropout on the attention weights.
+        ffn: registered name of the feed-forward block.
+        norm: registered name of the norm.
+        norm_eps: the norm's epsilon.
+        sublayer: registered name of the residual connection (``post_norm``, ``pre_norm``, ``sandwich_norm``).
+        attention: registered name of the attention block.
+        attention_backend: registered name of the attention backend.
+        bias: biases in the linear layers.
+        options: maps a block kind (``attention``, ``ffn``, ``norm``, ``sublayer``) to that block's keyword options.
+        attention_norm: another registered norm for the attention sublayer (ModernBERT's first layer has none).
+
+    Returns:
+        The layer.
     """
     b = _Builder(d_model, n_heads, d_ff, n_kv_heads, d_head, d_value, dropout, attention_dropout, ffn, norm,
                  norm_eps, sublayer, attention, attention_backend, bias, options)
@@ -266,8 +352,31 @@ def decoder_layer(
 ) -> DecoderLayer:
     """Build a ``DecoderLayer`` from registry names; ``cross_attention=False`` gives a decoder-only block.
 
-    ``options`` and ``attention_norm`` as for ``encoder_layer``. Cross-attention takes the attention options
-    except ``window`` (it attends to the whole source).
+    Cross-attention takes the attention options except ``window`` (it attends to the whole source). Every argument
+    but ``cross_attention`` is as for ``encoder_layer``.
+
+    Args:
+        d_model: the model's width.
+        n_heads: attention heads.
+        d_ff: the feed-forward block's inner width.
+        n_kv_heads: key/value heads (default ``n_heads``).
+        d_head: width of each query/key head.
+        d_value: width of each value head.
+        dropout: dropout on each sublayer's output.
+        attention_dropout: dropout on the attention weights.
+        ffn: registered name of the feed-forward block.
+        norm: registered name of the norm.
+        norm_eps: the norm's epsilon.
+        sublayer: registered name of the residual connection.
+        attention: registered name of the attention block.
+        attention_backend: registered name of the attention backend.
+        bias: biases in the linear layers.
+        cross_attention: add cross-attention over an encoder's memory (False: a GPT-style block).
+        options: each block kind's keyword options.
+        attention_norm: another registered norm for the self-attention sublayer.
+
+    Returns:
+        The layer.
     """
     b = _Builder(d_model, n_heads, d_ff, n_kv_heads, d_head, d_value, dropout, attention_dropout, ffn, norm,
                  norm_eps, sublayer, attention, attention_backend, bias, options)
@@ -305,6 +414,15 @@ def parallel_layer(
     attention_norm: str | None = None,
 ) -> ParallelDecoderLayer:
     """Build a ``ParallelDecoderLayer`` (GPT-NeoX's ``use_parallel_residual``); decoder-only, pre-norm.
+
+    The arguments not listed are as for ``encoder_layer``.
+
+    Args:
+        sublayer: must be ``pre_norm`` (both branches read ``x``).
+        cross_attention: must be False.
+
+    Returns:
+        The layer.
 
     Raises:
         ValueError: ``cross_attention=True`` or a sublayer other than ``pre_norm``.

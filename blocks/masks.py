@@ -27,6 +27,14 @@ def _offsets(lq: int, lk: int, device: torch.device | str | None) -> Tensor:
 def causal_mask(lq: int, lk: int | None = None, device: torch.device | str | None = None) -> Tensor:
     """Causal mask, bottom-right aligned: query ``i`` may attend key ``j`` iff ``j <= i + Lk - Lq``.
 
+    Args:
+        lq: number of queries.
+        lk: number of keys (default ``lq``).
+        device: where to build the mask.
+
+    Returns:
+        The bool mask, True = may attend.
+
     Shapes: returns ``(Lq, Lk)``.
     """
     lk = lq if lk is None else lk
@@ -38,6 +46,15 @@ def sliding_window_mask(
     lq: int, lk: int | None = None, window: int = 128, device: torch.device | str | None = None
 ) -> Tensor:
     """Causal mask restricted to the ``window`` most recent keys (the query's own position included).
+
+    Args:
+        lq: number of queries.
+        lk: number of keys (default ``lq``).
+        window: keys each query sees, its own included (>= 1).
+        device: where to build the mask.
+
+    Returns:
+        The bool mask, True = may attend.
 
     Shapes: returns ``(Lq, Lk)``.
 
@@ -54,6 +71,12 @@ def sliding_window_mask(
 @register("mask", "padding")
 def padding_mask(key_padding: Tensor) -> Tensor:
     """Key padding mask from a ``(B, Lk)`` bool tensor (True = real token).
+
+    Args:
+        key_padding: True where the key is a real token.
+
+    Returns:
+        The mask, broadcastable over heads and queries.
 
     Shapes: ``(B, Lk)`` -> ``(B, 1, 1, Lk)``.
 
@@ -74,7 +97,17 @@ def prefix_lm_mask(
 ) -> Tensor:
     """Prefix-LM mask: bidirectional over the first ``prefix_len`` keys, causal after them.
 
-    ``prefix_len`` is an int or a ``(B,)`` tensor (one prefix length per row).
+    Args:
+        lq: number of queries.
+        lk: number of keys (default ``lq``).
+        prefix_len: an int, or a ``(B,)`` tensor with one prefix length per row.
+        device: where to build the mask.
+
+    Returns:
+        The bool mask, True = may attend.
+
+    Raises:
+        ValueError: a negative ``prefix_len``, or a ``prefix_len`` tensor that is not 1-D.
 
     Shapes: returns ``(Lq, Lk)`` for an int prefix, ``(B, 1, Lq, Lk)`` for a tensor.
     """
@@ -95,7 +128,17 @@ def prefix_lm_mask(
 def document_mask(doc_ids_q: Tensor, doc_ids_k: Tensor | None = None) -> Tensor:
     """Block-diagonal mask for packed sequences: a query attends only keys of its own document.
 
-    ``doc_ids_*`` are ``(B, L)`` integer document ids. Combine with ``causal_mask`` for packed causal LM.
+    Combine with ``causal_mask`` for a packed causal LM.
+
+    Args:
+        doc_ids_q: the document id of each query position.
+        doc_ids_k: the document id of each key position (default ``doc_ids_q``).
+
+    Returns:
+        The bool mask, True where query and key belong to the same document.
+
+    Raises:
+        ValueError: ids that are not ``(B, Lq)`` and ``(B, Lk)`` with the same ``B``.
 
     Shapes: ``(B, Lq)``, ``(B, Lk)`` -> ``(B, 1, Lq, Lk)``.
     """

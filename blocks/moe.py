@@ -147,6 +147,14 @@ class MixtureOfExperts(nn.Module):
         """``(weights, experts)``, both ``(N, top_k)``: the kept experts of each token and their weights.
 
         Probabilities are computed in float32 (as ``transformers`` does) and returned in the logits' dtype.
+
+        Args:
+            logits: the router's logits.
+
+        Returns:
+            ``(weights, experts)``.
+
+        Shapes: logits ``(N, n_experts)`` -> ``(N, top_k)`` each.
         """
         if self.router_name == "sigmoid_group":
             return self._route_sigmoid_group(logits)
@@ -234,7 +242,18 @@ class MixtureOfExperts(nn.Module):
 
 def check_groups(n_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
     """Raise ``ValueError`` unless ``n_group`` groups of experts fit ``n_experts`` and ``topk_group`` of them hold at
-    least ``top_k`` experts (every grouped router's precondition; ``n_group=topk_group=1`` is no grouping)."""
+    least ``top_k`` experts (every grouped router's precondition; ``n_group=topk_group=1`` is no grouping).
+
+    Args:
+        n_experts: routed experts.
+        top_k: experts per token.
+        n_group: groups the experts are split into.
+        topk_group: groups a token's experts may come from.
+
+    Raises:
+        ValueError: a group count that is not a positive integer or does not divide ``n_experts``, ``topk_group``
+            above ``n_group``, or groups too few to hold ``top_k`` experts.
+    """
     for name, value in (("n_group", n_group), ("topk_group", topk_group)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
@@ -254,10 +273,14 @@ def load_balancing_loss(logits: Sequence[Tensor], n_experts: int, top_k: int, ma
 
     Args:
         logits: per layer ``(N, n_experts)`` router logits, ``N = B · L`` tokens in the same order in every layer.
+        n_experts: the number of experts.
+        top_k: experts per token.
         mask: ``(B, L)`` True = real token (padding is left out), or None.
 
     Returns:
         A scalar tensor.
+
+    Shapes: logits ``(N, n_experts)`` each, mask ``(B, L)`` -> ``()``.
     """
     rows = logits[0].shape[0]
     real = torch.ones(rows, device=logits[0].device) if mask is None else mask.reshape(-1).float()
@@ -274,7 +297,17 @@ def load_balancing_loss(logits: Sequence[Tensor], n_experts: int, top_k: int, ma
 
 def router_z_loss(logits: Sequence[Tensor], mask: Tensor | None = None) -> Tensor:
     """The router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): mean over real tokens and layers of
-    ``logsumexp(logits)²``; it keeps router logits small. Arguments as for ``load_balancing_loss``."""
+    ``logsumexp(logits)²``; it keeps router logits small.
+
+    Args:
+        logits: per layer ``(N, n_experts)`` router logits (as for ``load_balancing_loss``).
+        mask: ``(B, L)`` True = real token, or None.
+
+    Returns:
+        A scalar tensor.
+
+    Shapes: logits ``(N, n_experts)`` each, mask ``(B, L)`` -> ``()``.
+    """
     z = torch.stack([torch.logsumexp(layer.float(), dim=-1) ** 2 for layer in logits])  # (layers, N)
     if mask is None:
         return z.mean()
@@ -292,6 +325,12 @@ def router_loss(modules: Iterable[nn.Module], mask: Tensor | None = None, comput
         modules: the model's FFN blocks (others are ignored).
         mask: the model's ``(B, L)`` padding mask (True = real), or None; with a longer mask (a cache) its last
             ``L`` columns are used.
+        compute: False only clears the kept logits.
+
+    Returns:
+        The weighted loss (a scalar), or None.
+
+    Shapes: mask ``(B, L)`` -> ``()``.
     """
     groups: dict[tuple[int, int, float, float], list[Tensor]] = {}
     for module in modules:

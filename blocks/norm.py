@@ -10,7 +10,15 @@ from .registry import register
 
 @register("norm", "layernorm")
 class LayerNorm(nn.LayerNorm):
-    """Layer normalisation (Ba et al. 2016), as in the paper; ``bias=False`` for ModernBERT-style norms."""
+    """Layer normalisation (Ba et al. 2016), as in the paper; ``bias=False`` for ModernBERT-style norms.
+
+    Args:
+        d_model: the normalised width.
+        eps: added to the variance.
+        bias: learn a bias beside the scale.
+
+    Shapes: ``(..., d_model)`` -> same.
+    """
 
     def __init__(self, d_model: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__(d_model, eps=eps, bias=bias)
@@ -18,7 +26,14 @@ class LayerNorm(nn.LayerNorm):
 
 @register("norm", "rmsnorm")
 class RMSNorm(nn.RMSNorm):
-    """Root-mean-square normalisation (Zhang & Sennrich 2019): no centring, no bias."""
+    """Root-mean-square normalisation (Zhang & Sennrich 2019): no centring, no bias.
+
+    Args:
+        d_model: the normalised width.
+        eps: added to the mean square.
+
+    Shapes: ``(..., d_model)`` -> same.
+    """
 
     def __init__(self, d_model: int, eps: float = 1e-6) -> None:
         super().__init__(d_model, eps=eps)
@@ -27,6 +42,10 @@ class RMSNorm(nn.RMSNorm):
 @register("norm", "rmsnorm_offset")
 class OffsetRMSNorm(nn.Module):
     """RMSNorm scaled by ``(1 + weight)`` with the weight initialised to 0 (Gemma), computed in float32.
+
+    Args:
+        d_model: the normalised width.
+        eps: added to the mean square.
 
     Shapes: ``(..., d_model)`` -> same.
     """
@@ -47,7 +66,14 @@ class OffsetRMSNorm(nn.Module):
 
 @register("norm", "identity")
 class IdentityNorm(nn.Identity):
-    """No normalisation (a sublayer whose input is already normalised, e.g. ModernBERT's first attention)."""
+    """No normalisation (a sublayer whose input is already normalised, e.g. ModernBERT's first attention).
+
+    Args:
+        d_model: accepted for the norms' common signature, unused.
+        eps: accepted for the norms' common signature, unused.
+
+    Shapes: ``(...)`` -> same.
+    """
 
     def __init__(self, d_model: int, eps: float = 1e-6) -> None:
         super().__init__()

@@ -187,10 +187,33 @@ class PagedKVCache:
         """Numbers one cached position of one layer takes: keys and values of every key/value head."""
         return attention.n_kv_heads * (attention.d_head + attention.d_value)
 
-    def reserve(self, attention: Any, like: Tensor) -> None:
-        """Allocate the whole pools now (compiled steps do not grow them), zeroed, in ``like``'s dtype and device."""
-        self.k = like.new_zeros((attention.n_kv_heads, self.n_blocks, self.block_size, attention.d_head))
-        self.v = like.new_zeros((attention.n_kv_heads, self.n_blocks, self.block_size, attention.d_value))
+    def reserve(self, attention: Any, like: Tensor, blocks: int | None = None) -> None:
+        """Allocate the pools of ``blocks`` blocks (default: all ``n_blocks``) now, zeroed, in ``like``'s dtype and
+        device (what they held is dropped: ``grow`` keeps it)."""
+        n = self.n_blocks if blocks is None else blocks
+        self.k = like.new_zeros((attention.n_kv_heads, n, self.block_size, attention.d_head))
+        self.v = like.new_zeros((attention.n_kv_heads, n, self.block_size, attention.d_value))
+
+    def grow(self, attention: Any, like: Tensor, needed: int) -> None:
+        """Make the pools hold at least ``needed`` blocks (doubling, at most ``n_blocks``), their contents kept, the
+        new blocks zeroed: what a compiled step calls between steps, since a graph never grows a pool (it takes the
+        pools as inputs whose block count is dynamic).
+
+        Args:
+            attention: the layer's attention module (its key/value head count and head sizes).
+            like: a tensor of the pools' dtype and device.
+            needed: blocks the pools must hold.
+
+        Shapes: pools ``(Hkv, blocks, block_size, D)``.
+        """
+        have = 0 if self.k is None else self.k.shape[1]
+        if needed <= have:
+            return
+        old = (self.k, self.v)
+        self.reserve(attention, like, min(self.n_blocks, max(needed, 2 * have)))
+        for pool, before in zip((self.k, self.v), old, strict=True):
+            if before is not None:
+                pool[:, :have] = before
 
     def scrub(self, blocks: Tensor) -> None:
         """Zero ``blocks`` (long ids) in the pools (what a failed request wrote must not be read again)."""
@@ -230,7 +253,8 @@ class PagedKVCache:
             raise ValueError(
                 f"a paged cache takes packed keys (1, Hkv, T={batch.n_tokens}, D), got {tuple(k.shape)}"
             )
-        self._grow(k, v, batch.max_block)
+        if not torch.compiler.is_compiling():  # a graph's pools were grown before it runs (``grow``)
+            self._grow(k, v, batch.max_block)
         self.k.view(self.k.shape[0], -1, self.k.shape[-1]).index_copy_(1, batch.slots, k[0])
         self.v.view(self.v.shape[0], -1, self.v.shape[-1]).index_copy_(1, batch.slots, v[0])
         return k, v

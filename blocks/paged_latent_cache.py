@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .paged_cache import PagedKVCache
@@ -39,9 +40,11 @@ class PagedLatentCache(PagedKVCache):
         """Numbers one cached position of one layer takes: ``kv_lora_rank + d_rope``."""
         return attention.kv_lora_rank + attention.d_rope
 
-    def reserve(self, attention: Any, like: Tensor) -> None:
-        """Allocate the whole pool now (compiled steps do not grow it), zeroed, in ``like``'s dtype and device."""
-        self.k = like.new_zeros((1, self.n_blocks, self.block_size, self.numbers_per_position(attention)))
+    def reserve(self, attention: Any, like: Tensor, blocks: int | None = None) -> None:
+        """Allocate the pool of ``blocks`` blocks (default: all ``n_blocks``) now, zeroed, in ``like``'s dtype and
+        device."""
+        n = self.n_blocks if blocks is None else blocks
+        self.k = like.new_zeros((1, n, self.block_size, self.numbers_per_position(attention)))
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +66,7 @@ class PagedLatentCache(PagedKVCache):
         have = 0 if self.k is None else self.k.shape[1]
         if self.k is not None and self.k.shape[-1] != width:
             raise ValueError(f"this pool holds rows of {self.k.shape[-1]} numbers, got {width}")
-        if batch.max_block > have:
+        if not torch.compiler.is_compiling() and batch.max_block > have:  # a graph's pool was grown before it runs
             # Zeros, not empty memory: the masked slots of a gathered block are still multiplied (0 · NaN = NaN).
             grown = latent.new_zeros((1, min(self.n_blocks, max(batch.max_block, 2 * have)), self.block_size, width))
             if self.k is not None:

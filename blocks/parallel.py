@@ -27,14 +27,28 @@ FFN_COLUMNWISE = ("gate_proj", "up_proj")
 
 
 def is_attention(module: nn.Module) -> bool:
-    """Whether ``module`` is a multi-head attention with the zoo's projection names and head counts."""
+    """Whether ``module`` is a multi-head attention with the zoo's projection names and head counts.
+
+    Args:
+        module: any module.
+
+    Returns:
+        True for one a tensor-parallel plan can shard.
+    """
     return all(isinstance(getattr(module, n, None), nn.Linear) for n in (*ATTENTION_COLUMNWISE, "o_proj")) and all(
         isinstance(getattr(module, n, None), int) for n in ("n_heads", "n_kv_heads")
     )
 
 
 def is_feed_forward(module: nn.Module) -> bool:
-    """Whether ``module`` is a (gated) feed-forward network with ``up_proj``/``down_proj`` linear maps."""
+    """Whether ``module`` is a (gated) feed-forward network with ``up_proj``/``down_proj`` linear maps.
+
+    Args:
+        module: any module.
+
+    Returns:
+        True for one a tensor-parallel plan can shard.
+    """
     return isinstance(getattr(module, "up_proj", None), nn.Linear) and isinstance(
         getattr(module, "down_proj", None), nn.Linear
     )

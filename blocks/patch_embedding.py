@@ -42,6 +42,8 @@ class PatchEmbedding(nn.Module):
         Raises:
             ValueError: not a 4-d floating-point tensor, ``C != num_channels``, or a height or width that
                 the patch size does not divide.
+
+        Shapes: pixel_values ``(B, C, H, W)``.
         """
         if not isinstance(pixel_values, Tensor) or pixel_values.dim() != 4:
             got = f"shape {tuple(pixel_values.shape)}" if isinstance(pixel_values, Tensor) else type(pixel_values)

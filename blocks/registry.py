@@ -24,6 +24,13 @@ _REGISTRY: dict[str, dict[str, Any]] = {}
 def register(kind: str, name: str) -> Callable[[T], T]:
     """Decorator registering a class or function under ``(kind, name)``.
 
+    Args:
+        kind: the component kind (``"attention"``, ``"ffn"`` ...); a new kind is created on first use.
+        name: the component's short name (``"swiglu"``).
+
+    Returns:
+        The decorator; it returns the object unchanged.
+
     Raises:
         ValueError: if ``name`` is already registered for ``kind``.
     """
@@ -42,12 +49,22 @@ def register(kind: str, name: str) -> Callable[[T], T]:
 
 
 def kinds() -> list[str]:
-    """All component kinds that have at least one registered entry, sorted."""
+    """All component kinds that have at least one registered entry, sorted.
+
+    Returns:
+        The kinds.
+    """
     return sorted(_REGISTRY)
 
 
 def names(kind: str) -> list[str]:
     """The registered names of one kind, sorted.
+
+    Args:
+        kind: a component kind.
+
+    Returns:
+        The names.
 
     Raises:
         ValueError: if ``kind`` is not a known component kind.
@@ -57,6 +74,13 @@ def names(kind: str) -> list[str]:
 
 def get(kind: str, name: str) -> Any:
     """Return the registered class or function ``name`` of ``kind``.
+
+    Args:
+        kind: a component kind.
+        name: a registered name of that kind.
+
+    Returns:
+        The class or function.
 
     Raises:
         ValueError: if the kind or the name is unknown; the message lists the valid ones.
@@ -71,6 +95,14 @@ def build(kind: str, name: str, **cfg: Any) -> Any:
     """Construct the registered component ``name`` of ``kind`` with keyword arguments ``cfg``.
 
     Unknown keys are rejected (never silently dropped), and so are missing required keys.
+
+    Args:
+        kind: a component kind.
+        name: a registered name of that kind.
+        **cfg: the component's keyword arguments.
+
+    Returns:
+        The component (what the class or function returns).
 
     Raises:
         ValueError: unknown kind or name, unknown or missing configuration keys.
@@ -87,6 +119,15 @@ def check_kwargs(
 
     ``supplied`` names keys the caller passes itself (a block's shape, given by the model): ``cfg`` may not
     set them, and they do not count as missing. This is how block options in a model config are checked.
+
+    Args:
+        obj: the class or function.
+        cfg: the keyword arguments to check.
+        what: names the component in messages.
+        supplied: keys the caller passes itself.
+
+    Raises:
+        ValueError: unknown keys, keys in ``supplied``, or missing required keys (each named).
     """
     supplied = set(supplied)
     params = inspect.signature(obj).parameters
@@ -128,6 +169,13 @@ def expected_type(annotation: Any, value: Any) -> str | None:
     Plain annotations are checked strictly: a bool is not an int, a string is not a bool, a float must be finite
     (an int is a float). ``Mapping[...]``/``dict[...]`` need a mapping. An annotation with any other part
     (``Tensor``, ``Any``, a module) accepts every value.
+
+    Args:
+        annotation: a parameter's annotation (a string under ``from __future__ import annotations``).
+        value: the value given.
+
+    Returns:
+        The expected type as text, or None.
     """
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
     parts = [part.strip() for part in text.replace("Optional[", "None | ").rstrip("]").split("|")]
@@ -149,6 +197,11 @@ def check_option_types(obj: Callable[..., Any], cfg: Mapping[str, Any], *, what:
     float or str). Every float anywhere in a value, nested mappings and lists included, must be finite:
     ``{"scale": inf}`` or ``{"bias": "false"}`` are refused when the config is built, not used by the model.
     Call ``check_kwargs`` first (it rejects unknown keys).
+
+    Args:
+        obj: the class or function.
+        cfg: the options.
+        what: names the component in messages.
 
     Raises:
         ValueError: naming ``what``, the option, its value and what was expected.

@@ -53,6 +53,8 @@ def small_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, sca
 
     Raises:
         ValueError: ``x``'s last dimension is not ``weight``'s ``in``.
+
+    Shapes: x ``(..., in)``, weight ``(out, in)`` -> ``(..., out)``.
     """
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"small_rows_linear needs x (..., {weight.shape[-1]}) and a 2-d weight, got x "

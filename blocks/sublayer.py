@@ -30,11 +30,36 @@ class SublayerConnection(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def normalize(self, x: Tensor) -> Tensor:
-        """The sublayer's input, from the residual stream ``x`` ``(B, L, d_model)``."""
+        """The sublayer's input, from the residual stream.
+
+        Args:
+            x: the residual stream.
+
+        Returns:
+            What the sublayer reads.
+
+        Raises:
+            NotImplementedError: on the base class.
+
+        Shapes: ``(B, L, d_model)`` -> same.
+        """
         raise NotImplementedError
 
     def residual(self, x: Tensor, out: Tensor) -> Tensor:
-        """The new residual stream from the old one ``x`` and the sublayer's output ``out``."""
+        """The new residual stream from the old one and the sublayer's output.
+
+        Args:
+            x: the residual stream.
+            out: the sublayer's output.
+
+        Returns:
+            The new residual stream.
+
+        Raises:
+            NotImplementedError: on the base class.
+
+        Shapes: x, out ``(B, L, d_model)`` -> ``(B, L, d_model)``.
+        """
         raise NotImplementedError
 
 
@@ -64,7 +89,12 @@ class PreNorm(SublayerConnection):
 @register("sublayer", "sandwich_norm")
 class SandwichNorm(PreNorm):
     """``x + Dropout(PostNorm(Sublayer(Norm(x))))`` — a norm on both sides of the sublayer (Gemma 2; Ding et al.
-    2021, CogView). ``post_norm`` is a second norm of the same kind, with its own weights."""
+    2021, CogView). ``post_norm`` is a second norm of the same kind, with its own weights.
+
+    Args:
+        norm: the norm before the sublayer (the one after it is a copy with its own weights).
+        dropout: dropout on the sublayer's output.
+    """
 
     def __init__(self, norm: nn.Module, dropout: float = 0.0) -> None:
         super().__init__(norm, dropout)

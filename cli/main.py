@@ -11,9 +11,12 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from serving import bench as bench_commands
 from serving import cli as serving_commands
 
-COMMAND_GROUPS: tuple[Any, ...] = (serving_commands,)
+from . import evaluate, finetune, model_tools
+
+COMMAND_GROUPS: tuple[Any, ...] = (serving_commands, finetune, evaluate, model_tools, bench_commands)
 
 
 def parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], None]]]:

@@ -35,6 +35,11 @@ def from_pretrained(path_or_repo_id: str | os.PathLike[str], **options: Unpack[L
     Same arguments and behaviour as ``Model.from_pretrained`` (see ``models.checkpoints.loading.load_pretrained``
     and ``LoadOptions``), without naming the class.
 
+    Args:
+        path_or_repo_id: a local folder, a ``.gguf`` file, or a Hub repository id (``"org/name"``).
+        **options: the ``LoadOptions`` (``revision``, ``device``, ``dtype``, ``attention_backend``, ``token``,
+            ``endpoint``, ``gguf_file``, ``head``, ``head_options``, ``num_labels``, ``id2label``, ``dequantize``).
+
     Returns:
         The model (in eval mode), with ``model.tokenizer`` set when the checkpoint holds a tokenizer.
     """

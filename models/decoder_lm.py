@@ -44,7 +44,19 @@ class DecoderLMConfig(TransformerConfig):
 
     ``layer`` names the registered layer builder: ``"decoder"`` (sequential residuals) or ``"parallel"``
     (GPT-NeoX's attention and FFN side by side). ``head`` names the registered head (``"lm"`` or a task head of
-    ``models.tasks.TASK_HEADS``), its options go in ``options["head"]``.
+    ``models.tasks.TASK_HEADS``), its options go in ``options["head"]``. The fields every model shares are those
+    of ``TransformerConfig``.
+
+    Attributes:
+        n_layers: decoder layers.
+        positional: registered ``positional`` block (default ``learned``).
+        ffn: registered ``ffn`` block (default ``gelu_tanh``).
+        sublayer: registered ``sublayer`` (default ``pre_norm``).
+        layer: registered ``layer`` builder (``decoder`` or ``parallel``).
+        head: registered ``head`` (``lm`` or a task head).
+
+    Raises:
+        ValueError: a field out of range or naming no registered block (named with its value).
     """
 
     n_layers: int = 2
@@ -88,6 +100,11 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, Persist
 
     With a task head (``config.head``) the output projection is replaced by that head (``model.head``); sequence
     classification reads the last real token (``pooling="last"``), as ``transformers``' decoders do.
+
+    Args:
+        config: the model's ``DecoderLMConfig``.
+
+    Shapes: input_ids ``(B, L)`` -> logits ``(B, L, vocab_size)``.
     """
 
     default_pooling = classification_pooling = "last"
@@ -131,6 +148,16 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, Persist
         """The real tokens a task head reads: the attention mask, else (as ``transformers``) the tokens that are not
         ``pad_token_id``; None (every token) for a single row without either.
 
+        Args:
+            input_ids: the token ids.
+            attention_mask: the padding mask, or None.
+            cache: must be None.
+
+        Returns:
+            The mask of real tokens, or None.
+
+        Shapes: input_ids ``(B, L)``, attention_mask ``(B, L)`` -> ``(B, L)`` bool.
+
         Raises:
             ValueError: a cache (task heads read whole sequences), or a batch of several rows without an attention
                 mask on a model without ``pad_token_id`` (the last real token of each row is unknown).
@@ -151,13 +178,34 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, Persist
     def final_hidden(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, document_ids: Tensor | None = None
     ) -> Tensor:
-        """The last hidden state ``(B, L, d_model)`` after the final norm (what the heads read)."""
+        """The last hidden state after the final norm (what the heads read).
+
+        Args:
+            input_ids: the token ids.
+            attention_mask: the padding mask, or None.
+            document_ids: packed documents' ids, or None (see ``forward``).
+
+        Returns:
+            The hidden states.
+
+        Shapes: input_ids ``(B, L)`` -> ``(B, L, d_model)``.
+        """
         out = self.forward(input_ids, attention_mask, document_ids=document_ids, output_hidden_states=True,
                            logits_to_keep=0 if self.has_task_head else 1)
         return out.hidden_states[-1]
 
     def save_gguf(self, path: Any, dtype: str = "F32", **options: Any) -> Any:
-        """Write this model (and ``self.tokenizer``) as a GGUF file llama.cpp runs; see ``models.gguf.export``."""
+        """Write this model (and ``self.tokenizer``) as a GGUF file llama.cpp runs; see ``models.gguf.export``.
+
+        Args:
+            path: the file to write (atomically).
+            dtype: the float tensors' type: ``F32``, ``F16``, ``BF16``, ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``,
+                ``Q5_1`` (layers already in a GGUF block format are written as they are).
+            **options: further options of ``models.gguf.export.save_gguf``.
+
+        Returns:
+            What ``save_gguf`` returns (the file's path).
+        """
         from .gguf.export import save_gguf
 
         return save_gguf(self, path, dtype, **options)
@@ -199,6 +247,8 @@ class DecoderLM(DecoderLMGenerationMixin, TaskHeadMixin, TextTasksMixin, Persist
         Raises:
             ValueError: ids outside the vocabulary, a mask or labels of the wrong shape, or a sequence
                 longer than ``max_len`` with learned positions.
+
+        Shapes: input_ids ``(B, L)``, attention_mask ``(B, past + L)`` -> logits ``(B, L, vocab_size)``.
         """
         self.check_ids(input_ids, "input_ids")
         b, length = input_ids.shape

@@ -40,7 +40,20 @@ class EncoderLMConfig(TransformerConfig):
 
     ``type_vocab_size`` is the number of segment (token-type) embeddings (0: none);
     ``mask_token_id`` is the ``[MASK]`` id used by ``fill_mask``. ``head`` names the registered head (``"mlm"``
-    or a task head of ``models.tasks.TASK_HEADS``), its options go in ``options["head"]``.
+    or a task head of ``models.tasks.TASK_HEADS``), its options go in ``options["head"]``. The fields every model
+    shares are those of ``TransformerConfig``.
+
+    Attributes:
+        n_layers: encoder layers.
+        positional: registered ``positional`` block (default ``learned``).
+        ffn: registered ``ffn`` block (default ``gelu``).
+        norm_eps: the norms' epsilon (BERT: 1e-12).
+        type_vocab_size: segment embeddings (0: none).
+        mask_token_id: the ``[MASK]`` id.
+        head: registered ``head`` (``mlm`` or a task head).
+
+    Raises:
+        ValueError: a field out of range or naming no registered block (named with its value).
     """
 
     n_layers: int = 2
@@ -85,6 +98,11 @@ class EncoderLM(EncoderLMFillMaskMixin, TaskHeadMixin, TextTasksMixin, Persisten
     is tied to the token embedding; or, with a task head (``config.head``), that head as ``model.head``.
 
     Initialisation (BERT): every weight ~ N(0, 0.02), biases 0, norms 1.
+
+    Args:
+        config: the model's ``EncoderLMConfig``.
+
+    Shapes: input_ids ``(B, L)`` -> logits ``(B, L, vocab_size)``.
     """
 
     config_class: ClassVar[type[TransformerConfig]] = EncoderLMConfig
@@ -130,10 +148,26 @@ class EncoderLM(EncoderLMFillMaskMixin, TaskHeadMixin, TextTasksMixin, Persisten
         output_hidden_states: bool = False,
         output_attentions: bool = False,
     ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
-        """The encoder without the MLM head: ``(last hidden state (B, L, d_model), hidden states, attentions)``.
+        """The encoder without the MLM head.
 
-        ``document_ids`` ``(B, L)``: several sequences packed in a row (``embed`` packs them): attention stays
-        inside each document and positions restart at every document start."""
+        Args:
+            input_ids: the token ids.
+            attention_mask: bool, True = real token.
+            token_type_ids: segment ids (default 0).
+            document_ids: several sequences packed in a row (``embed`` packs them): attention stays inside each
+                document and positions restart at every document start.
+            output_hidden_states: collect every layer's output.
+            output_attentions: collect every layer's attention weights (the ``math`` backend computes them).
+
+        Returns:
+            ``(last hidden state, hidden states, attentions)``; the lists are empty unless asked for.
+
+        Raises:
+            ValueError: ids outside the vocabulary, a mask, segments or document ids of the wrong shape, segments
+                on a model without them, or a sequence longer than ``max_len`` with learned positions.
+
+        Shapes: input_ids ``(B, L)`` -> ``(B, L, d_model)``.
+        """
         self.check_ids(input_ids, "input_ids")
         b, length = input_ids.shape
         attention_mask = self.check_mask(attention_mask, (b, length), "attention_mask")
@@ -182,7 +216,18 @@ class EncoderLM(EncoderLMFillMaskMixin, TaskHeadMixin, TextTasksMixin, Persisten
     def final_hidden(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, document_ids: Tensor | None = None
     ) -> Tensor:
-        """The last hidden state ``(B, L, d_model)`` (what the heads read); ``document_ids`` as in ``encode``."""
+        """The last hidden state (what the heads read).
+
+        Args:
+            input_ids: the token ids.
+            attention_mask: bool, True = real token.
+            document_ids: as in ``encode``.
+
+        Returns:
+            The hidden states.
+
+        Shapes: input_ids ``(B, L)`` -> ``(B, L, d_model)``.
+        """
         return self.encode(input_ids, attention_mask, document_ids=document_ids)[0]
 
     def forward(
@@ -218,6 +263,8 @@ class EncoderLM(EncoderLMFillMaskMixin, TaskHeadMixin, TextTasksMixin, Persisten
         Raises:
             ValueError: ids outside the vocabulary, masks/labels/segments of the wrong shape, or a
                 sequence longer than ``max_len`` with learned positions.
+
+        Shapes: input_ids ``(B, L)`` -> logits ``(B, L, vocab_size)`` (``(N, vocab_size)`` with ``masked_only``).
         """
         if labels is not None and not self.has_task_head and tuple(labels.shape) != tuple(input_ids.shape):
             raise ValueError(f"labels must have shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")

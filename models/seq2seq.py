@@ -43,8 +43,12 @@ SEQ2SEQ_HEADS = ("lm", "sequence_classification", "question_answering")
 class Seq2SeqConfig(TransformerConfig):
     """Config of ``Seq2SeqTransformer``; defaults follow the paper.
 
-    Fields beyond the shared ones:
-        n_encoder_layers, n_decoder_layers: N of each stack.
+    ``layer_options`` has one entry per encoder layer, then one per decoder layer. The fields every model shares are
+    those of ``TransformerConfig``.
+
+    Attributes:
+        n_encoder_layers: N of the encoder stack.
+        n_decoder_layers: N of the decoder stack.
         share_embeddings: one embedding matrix for source and target (§3.4, with a shared vocabulary).
         tie_embeddings: the pre-softmax projection shares the target embedding's weights (§3.4).
         scale_embeddings: multiply embeddings by sqrt(d_model) (§3.4).
@@ -55,7 +59,8 @@ class Seq2SeqConfig(TransformerConfig):
             ``ForSequenceClassification`` (pooling ``"last"``: the decoder state at the source's last EOS token)
             and ``ForQuestionAnswering`` (start/end logits over the decoder positions).
 
-    ``layer_options`` has one entry per encoder layer, then one per decoder layer.
+    Raises:
+        ValueError: a field out of range or naming no registered block (named with its value).
     """
 
     n_encoder_layers: int = 2
@@ -110,6 +115,11 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, AdapterFilesM
     Initialisation: Xavier-uniform for every weight matrix (as the paper's reference implementation
     tensor2tensor), embeddings ~ N(0, d_model^-1/2) so that scaled embeddings have unit variance,
     biases 0.
+
+    Args:
+        config: the model's ``Seq2SeqConfig``.
+
+    Shapes: src_ids ``(B, S)``, tgt_ids ``(B, L)`` -> logits ``(B, L, vocab_size)``.
     """
 
     config_class: ClassVar[type[TransformerConfig]] = Seq2SeqConfig
@@ -199,6 +209,8 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, AdapterFilesM
 
         Returns:
             The memory ``(B, S, d_model)``.
+
+        Shapes: src_ids ``(B, S)`` -> ``(B, S, d_model)``.
         """
         return self._encode(src_ids, src_mask, False, False)[0]
 
@@ -267,6 +279,8 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, AdapterFilesM
 
         Returns:
             Logits ``(B, L, vocab_size)``.
+
+        Shapes: memory ``(B, S, d_model)``, tgt_ids ``(B, L)`` -> ``(B, L, vocab_size)``.
         """
         check_token_head(self, "decode")
         x = self._decode(memory, tgt_ids, src_mask, tgt_mask, cache, False, False)[0]
@@ -304,6 +318,8 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, AdapterFilesM
             ValueError: ids outside the vocabulary, masks or labels of the wrong shape, sequences
                 longer than ``max_len`` with learned positions; no ``tgt_ids`` for the LM head; a source row
                 without ``eos_token_id`` for the classification head.
+
+        Shapes: src_ids ``(B, S)``, tgt_ids ``(B, L)`` -> logits ``(B, L, vocab_size)``.
         """
         task = self.config.head != "lm"
         if tgt_ids is None:
@@ -343,6 +359,14 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, AdapterFilesM
         """The decoder inputs BART and T5 build from the source when none are given: ``decoder_start_token_id``
         then ``src_ids[:, :-1]``.
 
+        Args:
+            src_ids: the source ids.
+
+        Returns:
+            The decoder inputs.
+
+        Shapes: ``(B, S)`` -> ``(B, S)``.
+
         Raises:
             ValueError: the config has no ``decoder_start_token_id``.
         """
@@ -357,6 +381,15 @@ class Seq2SeqTransformer(Seq2SeqGenerationMixin, PersistenceMixin, AdapterFilesM
     def eos_mask(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
         """Where the source holds ``eos_token_id`` ``(B, S)`` bool: the classification head pools the decoder
         state at each row's last one (BART's and T5's ``ForSequenceClassification``).
+
+        Args:
+            src_ids: the source ids.
+            tgt_ids: the decoder inputs (of the source's shape).
+
+        Returns:
+            The bool mask.
+
+        Shapes: src_ids, tgt_ids ``(B, S)`` -> ``(B, S)``.
 
         Raises:
             ValueError: no ``eos_token_id``, decoder inputs of another length than the source, or a row without EOS.

@@ -29,7 +29,16 @@ PROGRESS_THRESHOLD = 256
 
 
 def document_positions(document_ids: Tensor) -> Tensor:
-    """Positions that restart at 0 at every document start of packed rows ``(B, L)``."""
+    """Positions that restart at 0 at every document start of packed rows.
+
+    Args:
+        document_ids: each token's document.
+
+    Returns:
+        The positions, long.
+
+    Shapes: ``(B, L)`` -> ``(B, L)``.
+    """
     b, length = document_ids.shape
     index = torch.arange(length, device=document_ids.device).expand(b, length)
     starts = torch.ones_like(document_ids, dtype=torch.bool)
@@ -43,7 +52,13 @@ def packed_batches(lengths: list[int], batch_size: int) -> list[list[list[int]]]
 
     Each row takes the longest text left, then the shortest ones while they fit in the longest text's length, so
     rows are nearly full and little padding is computed; a pass takes rows until it holds ``batch_size`` texts.
-    Returns, per pass, rows of text indices.
+
+    Args:
+        lengths: each text's length in tokens.
+        batch_size: texts per pass (about).
+
+    Returns:
+        Per pass, rows of text indices.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     width = lengths[order[0]] if order else 0
@@ -69,7 +84,22 @@ def packed_batches(lengths: list[int], batch_size: int) -> list[list[list[int]]]
 
 def pool_documents(hidden: Tensor, documents: Tensor, count: int, pooling: str) -> Tensor:
     """Pool the tokens of each packed document: ``hidden (R, W, D)``, ``documents (R, W)`` ids in ``[0, count)``
-    (-1 for padding) -> ``(count, D)``, as ``blocks.heads.pool`` computes each alone."""
+    (-1 for padding) -> ``(count, D)``, as ``blocks.heads.pool`` computes each alone.
+
+    Args:
+        hidden: the packed rows' hidden states.
+        documents: each token's document id.
+        count: the number of documents.
+        pooling: ``cls``, ``mean``, ``max``, ``last`` or ``mean_sqrt_len``.
+
+    Returns:
+        One vector per document.
+
+    Raises:
+        ValueError: an unknown pooling.
+
+    Shapes: hidden ``(R, W, D)``, documents ``(R, W)`` -> ``(count, D)``.
+    """
     flat, ids = hidden.reshape(-1, hidden.shape[-1]), documents.reshape(-1)
     real = ids >= 0
     flat, ids = flat[real], ids[real]  # (T, D), (T,)
@@ -98,7 +128,11 @@ class TaskHeadMixin:
     classification_pooling = "cls"
 
     def build_task_head(self) -> nn.Module:
-        """The configured task head (``config.head`` with ``config.options["head"]``)."""
+        """The configured task head (``config.head`` with ``config.options["head"]``).
+
+        Returns:
+            The head module.
+        """
         c = self.config
         options = c.block_options("head")
         if c.head == "sequence_classification":
@@ -117,7 +151,20 @@ class TaskHeadMixin:
         self, x: Tensor, mask: Tensor | None, labels: Tensor | None, hidden_states: list[Tensor] | None,
         attentions: list[Tensor | None] | None,
     ) -> ModelOutput:
-        """The head's logits (and loss) from the final hidden states ``x (B, L, d_model)``.
+        """The head's logits (and loss) from the final hidden states.
+
+        Args:
+            x: the final hidden states.
+            mask: the real tokens the head reads, or None.
+            labels: the head's labels, or None.
+            hidden_states: every layer's output (returned), or None.
+            attentions: every layer's attention weights (returned), or None.
+
+        Returns:
+            The output (``QuestionAnsweringOutput`` for the QA head).
+
+        Shapes: x ``(B, L, d_model)``, mask ``(B, L)`` -> logits ``(B, num_labels)``, ``(B, L, num_labels)``,
+        ``(B, L, 2)`` or ``(B, d_model)`` by head.
 
         Raises:
             ValueError: labels for the embedding head, or labels the head's loss refuses.
@@ -141,11 +188,22 @@ class TaskHeadMixin:
     # ------------------------------------------------------------------ sentence embeddings
     def save_sentence_transformers(self, directory: Any) -> Any:
         """Write the model and its tokenizer as a sentence-transformers folder (see
-        ``models.checkpoints.sentence_folder.save_sentence_transformers``)."""
+        ``models.checkpoints.sentence_folder.save_sentence_transformers``).
+
+        Args:
+            directory: the folder to write (``SentenceTransformer(directory)`` loads it).
+
+        Returns:
+            The folder's path.
+        """
         return save_sentence_transformers(self, directory)
 
     def embedding_options(self) -> dict[str, Any]:
-        """The embedding head's options (pooling, normalize, max_seq_length, prompts), or the defaults."""
+        """The embedding head's options (pooling, normalize, max_seq_length, prompts), or the defaults.
+
+        Returns:
+            The options.
+        """
         if self.config.head == "embedding":
             return self.config.block_options("head")
         return {"pooling": self.default_pooling}
@@ -172,6 +230,11 @@ class TaskHeadMixin:
             normalize: L2-normalise the vectors (default: the head's ``normalize``).
             prompt: a prompt name of the head's ``prompts`` or a literal string, prepended to every text.
             progress: show a tqdm bar (default: for more than 256 inputs when stderr is a terminal).
+
+        Returns:
+            The vectors, in input order.
+
+        Shapes: -> ``(N, d_model)``.
 
         Raises:
             ValueError: texts without an attached tokenizer, a bad ``batch_size``, an empty or non-string text,
@@ -220,7 +283,19 @@ class TaskHeadMixin:
     def token_rows(
         self, texts_or_ids: Any, prompt: str | None, options: dict[str, Any]
     ) -> list[list[int]]:
-        """Token-id lists of ``embed``'s input, truncated at the maximum sequence length."""
+        """Token-id lists of ``embed``'s input, truncated at the maximum sequence length.
+
+        Args:
+            texts_or_ids: what ``embed`` received.
+            prompt: a prompt name or string, or None.
+            options: the embedding head's options.
+
+        Returns:
+            One id list per input.
+
+        Raises:
+            ValueError: texts without a tokenizer, a prompt with token ids, empty id lists, or inputs of another kind.
+        """
         limit = options.get("max_seq_length") or self.config.max_len
         if isinstance(texts_or_ids, Tensor):
             if prompt is not None:

@@ -23,6 +23,13 @@ class TextTasksMixin:
     def require_task(self, head: str, helper: str) -> Any:
         """The attached tokenizer, after checking the model has ``head``.
 
+        Args:
+            head: the head the helper needs.
+            helper: the helper's name, for the message.
+
+        Returns:
+            The tokenizer.
+
         Raises:
             ValueError: another head, or no tokenizer.
         """
@@ -34,6 +41,14 @@ class TextTasksMixin:
         return tokenizer
 
     def label_name(self, index: int) -> str:
+        """A class's name (``id2label``, else ``LABEL_<index>``, as ``transformers``).
+
+        Args:
+            index: the class id.
+
+        Returns:
+            Its name.
+        """
         id2label = self.config.block_options("head").get("id2label") or {}
         return id2label.get(str(index), f"LABEL_{index}")
 
@@ -41,6 +56,11 @@ class TextTasksMixin:
     def classify(self, texts: str | Sequence[str], top_k: int | None = 1, batch_size: int = 32) -> Any:
         """Labels and scores per text, as ``transformers``' text-classification pipeline gives them: softmax for
         single-label classifiers, sigmoid for multi-label ones (and ``num_labels == 1``), raw scores for regression.
+
+        Args:
+            texts: one text or a list of texts.
+            top_k: labels per text, best first (None: all).
+            batch_size: texts per forward pass.
 
         Returns:
             per text ``{"label", "score"}`` (``top_k=1``), else a list of them, best first (``top_k=None``: all);
@@ -74,7 +94,19 @@ class TextTasksMixin:
         return results[0] if isinstance(texts, str) else results
 
     def forward_texts(self, tokenizer: Any, texts: list[str], pairs: list[str] | None = None) -> Any:
-        """The model's output on a padded batch of texts (truncated at ``max_len``)."""
+        """The model's output on a padded batch of texts (truncated at ``max_len``).
+
+        Args:
+            tokenizer: the attached tokenizer.
+            texts: the texts.
+            pairs: second segments, or None.
+
+        Returns:
+            The model's output.
+
+        Raises:
+            ValueError: ``texts`` is not a non-empty list of strings.
+        """
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError(f"texts must be a non-empty list of strings, got {texts!r}")
         enc = tokenizer(texts, pairs, truncation=True, max_length=self.config.max_len)
@@ -87,6 +119,10 @@ class TextTasksMixin:
         """Word-level entities, as ``transformers``' token-classification pipeline gives them with
         ``aggregation_strategy`` ``first`` / ``average`` / ``max``: tokens joined into words, words into entity groups
         (``B-``/``I-`` tags), the ``O`` label left out.
+
+        Args:
+            texts: one text or a list of texts.
+            aggregation: how a word's tokens give its label: ``"first"``, ``"average"`` or ``"max"``.
 
         Returns:
             per text a list of ``{"entity_group", "score", "word", "start", "end"}`` (character offsets).
@@ -111,7 +147,19 @@ class TextTasksMixin:
 
     @staticmethod
     def words(tokenizer: Any, text: str, enc: Any, scores: Tensor) -> list[list[dict[str, Any]]]:
-        """The non-special tokens grouped into words by the pipeline's rule (subword prefix, else no space)."""
+        """The non-special tokens grouped into words by the pipeline's rule (subword prefix, else no space).
+
+        Args:
+            tokenizer: the attached tokenizer.
+            text: the text.
+            enc: its encoding (offsets and tokens).
+            scores: the label probabilities of every token.
+
+        Returns:
+            Per word, its tokens' ``{"word", "scores", "start", "end"}`` entries.
+
+        Shapes: scores ``(L, num_labels)``.
+        """
         prefix = getattr(tokenizer.backend.model, "continuing_subword_prefix", None)
         words: list[list[dict[str, Any]]] = []
         for index in range(len(scores)):
@@ -139,6 +187,13 @@ class TextTasksMixin:
         and end probabilities, widened to whole words; long contexts are cut into windows overlapping by ``stride``
         tokens (default ``min(max_seq_len // 2, 128)``; ``max_seq_len`` is capped at the model's ``max_len``) and the
         best span of all windows wins.
+
+        Args:
+            question: the question.
+            context: the text that holds the answer.
+            max_answer_len: the longest answer, in tokens.
+            stride: tokens shared by consecutive windows of a long context.
+            max_seq_len: tokens per window (question and context).
 
         Returns:
             ``{"score", "start", "end", "answer"}`` (character offsets into ``context``).
@@ -197,7 +252,18 @@ class TextTasksMixin:
         return {"score": score, "start": start, "end": end, "answer": context[start:end]}
 
     def similarity(self, a: str | Sequence[str], b: str | Sequence[str], batch_size: int = 32) -> Tensor:
-        """Cosine similarities ``(len(a), len(b))`` of the ``embed`` vectors (sentence-transformers' default)."""
+        """Cosine similarities of the ``embed`` vectors (sentence-transformers' default).
+
+        Args:
+            a: one text or a list of texts.
+            b: one text or a list of texts.
+            batch_size: texts per forward pass.
+
+        Returns:
+            The similarity of each text of ``a`` to each text of ``b``.
+
+        Shapes: -> ``(len(a), len(b))``.
+        """
         left = nn.functional.normalize(self.embed(a, batch_size=batch_size), dim=-1)
         right = nn.functional.normalize(self.embed(b, batch_size=batch_size), dim=-1)
         return left @ right.T
@@ -205,7 +271,14 @@ class TextTasksMixin:
 
 @contextlib.contextmanager
 def plain_settings(backend: Any) -> Iterator[None]:
-    """No padding and no truncation inside (the caller may set its own), then the backend's own settings again."""
+    """No padding and no truncation inside (the caller may set its own), then the backend's own settings again.
+
+    Args:
+        backend: a ``tokenizers.Tokenizer``.
+
+    Yields:
+        Nothing; the settings hold inside the ``with`` block.
+    """
     padding, truncation = backend.padding, backend.truncation
     backend.no_padding()
     backend.no_truncation()
@@ -221,12 +294,31 @@ def plain_settings(backend: Any) -> Iterator[None]:
 
 
 def tokens_to_string(tokenizer: Any, tokens: list[str]) -> str:
+    """Tokens back to text with the tokenizer's decoder (joined by spaces without one).
+
+    Args:
+        tokenizer: the attached tokenizer.
+        tokens: token strings.
+
+    Returns:
+        The text.
+    """
     decoder = tokenizer.backend.decoder
     return decoder.decode(tokens) if decoder is not None else " ".join(tokens)
 
 
 def aggregate_word(tokenizer: Any, entries: list[dict[str, Any]], aggregation: str, name: Any) -> dict[str, Any]:
-    """One word's label and score from its tokens (the pipeline's ``first`` / ``max`` / ``average``)."""
+    """One word's label and score from its tokens (the pipeline's ``first`` / ``max`` / ``average``).
+
+    Args:
+        tokenizer: the attached tokenizer.
+        entries: the word's tokens (from ``words``).
+        aggregation: ``"first"``, ``"max"`` or ``"average"``.
+        name: maps a class id to its name.
+
+    Returns:
+        ``{"entity", "score", "word", "start", "end"}``.
+    """
     if aggregation == "first":
         scores = entries[0]["scores"]
     elif aggregation == "max":
@@ -240,14 +332,29 @@ def aggregate_word(tokenizer: Any, entries: list[dict[str, Any]], aggregation: s
 
 
 def split_tag(label: str) -> tuple[str, str]:
-    """``("B" | "I", type)`` of a ``B-``/``I-`` label; other labels count as ``I``."""
+    """``("B" | "I", type)`` of a ``B-``/``I-`` label; other labels count as ``I``.
+
+    Args:
+        label: a class name.
+
+    Returns:
+        ``(tag, type)``.
+    """
     if label.startswith(("B-", "I-")):
         return label[0], label[2:]
     return "I", label
 
 
 def group_entities(tokenizer: Any, words: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Adjacent words of one type (a ``B-`` starts a new group) as entity groups; ``O`` left out."""
+    """Adjacent words of one type (a ``B-`` starts a new group) as entity groups; ``O`` left out.
+
+    Args:
+        tokenizer: the attached tokenizer.
+        words: the labelled words (from ``aggregate_word``).
+
+    Returns:
+        ``{"entity_group", "score", "word", "start", "end"}`` per group.
+    """
     groups: list[list[dict[str, Any]]] = []
     for word in words:
         if groups and split_tag(word["entity"])[1] == split_tag(groups[-1][-1]["entity"])[1] \

@@ -47,6 +47,30 @@ class VisionTransformerConfig(ConfigBase):
     patch tokens). ``positional`` is ``"learned"`` or ``"none"``. ``head`` names the registered head
     (``"image_classification"``, the only one); ``num_labels`` and ``pooling`` are its options.
 
+    Attributes:
+        image_size: the side of the (square) images.
+        patch_size: the side of each patch.
+        num_channels: image channels.
+        d_model: the model's width.
+        n_layers: encoder layers.
+        n_heads: attention heads.
+        n_kv_heads: key/value heads (default ``n_heads``).
+        d_head: query/key width per head.
+        d_value: value width per head.
+        d_ff: the feed-forward block's inner width.
+        dropout: dropout on embeddings and sublayer outputs.
+        attention_dropout: dropout on the attention weights.
+        norm: registered ``norm`` block.
+        norm_eps: the norms' epsilon.
+        ffn: registered ``ffn`` block.
+        sublayer: registered ``sublayer`` block.
+        attention: registered ``attention`` block.
+        attention_backend: registered ``attention_backend``.
+        patch_embedding: registered ``patch_embedding`` block.
+        num_labels: classes of the head.
+        pooling: ``"cls"`` or ``"mean"``.
+        positional: ``"learned"`` or ``"none"``.
+
     Raises:
         ValueError: a bad value; the message quotes it.
     """
@@ -162,6 +186,11 @@ class VisionTransformer(PersistenceMixin, AdapterFilesMixin, ZooModel):
 
     Initialisation (ViT / ``transformers``): every weight, the class token and the position table
     ~ N(0, 0.02) truncated at ±2, biases 0, norms 1.
+
+    Args:
+        config: the model's ``VisionTransformerConfig``.
+
+    Shapes: pixel_values ``(B, C, H, W)`` -> logits ``(B, num_labels)``.
     """
 
     config_class: ClassVar[type[VisionTransformerConfig]] = VisionTransformerConfig
@@ -205,6 +234,15 @@ class VisionTransformer(PersistenceMixin, AdapterFilesMixin, ZooModel):
     def check_pixels(self, pixel_values: Tensor, interpolate_pos_encoding: bool = False) -> tuple[int, int]:
         """Check a batch of images and return its patch grid ``(rows, cols)``.
 
+        Args:
+            pixel_values: the images.
+            interpolate_pos_encoding: other image sizes are allowed (the positions are resampled).
+
+        Returns:
+            ``(rows, cols)`` of patches.
+
+        Shapes: pixel_values ``(B, num_channels, H, W)``.
+
         Raises:
             ValueError: not ``(B, num_channels, H, W)`` floating point, a side the patch size does not divide,
                 or (with learned positions and no interpolation) a size other than ``image_size``.
@@ -221,8 +259,17 @@ class VisionTransformer(PersistenceMixin, AdapterFilesMixin, ZooModel):
         return grid
 
     def check_labels(self, labels: Tensor | None, batch: int) -> None:
-        """Raise ``ValueError`` unless ``labels`` is None or ``(B,)`` integer classes in ``[0, num_labels)``
-        (or -100, ignored)."""
+        """Check that ``labels`` is None or ``(B,)`` integer classes in ``[0, num_labels)`` (or -100, ignored).
+
+        Args:
+            labels: the labels, or None.
+            batch: the number of images.
+
+        Raises:
+            ValueError: another shape or dtype, or a class out of range (named).
+
+        Shapes: labels ``(B,)``.
+        """
         if labels is None:
             return
         if not isinstance(labels, Tensor) or tuple(labels.shape) != (batch,):
@@ -240,6 +287,13 @@ class VisionTransformer(PersistenceMixin, AdapterFilesMixin, ZooModel):
     # ------------------------------------------------------------------ model
     def embed(self, pixel_values: Tensor, interpolate_pos_encoding: bool = False) -> Tensor:
         """Patch tokens with the class token prepended and positions added (before dropout).
+
+        Args:
+            pixel_values: the images.
+            interpolate_pos_encoding: resample the learned positions to the input's patch grid.
+
+        Returns:
+            The tokens.
 
         Shapes: ``(B, C, H, W)`` -> ``(B, 1 + (H / p) * (W / p), d_model)``.
         """
@@ -261,6 +315,13 @@ class VisionTransformer(PersistenceMixin, AdapterFilesMixin, ZooModel):
     ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
         """The encoder without pooling or head.
 
+        Args:
+            pixel_values: the images.
+            output_attentions: collect each layer's attention weights.
+            interpolate_pos_encoding: resample the learned positions to the input's patch grid.
+
+        Shapes: pixel_values ``(B, C, H, W)`` -> ``(B, 1 + N, d_model)``.
+
         Returns:
             ``(last hidden state (B, 1 + N, d_model) after the final norm, hidden states, attentions)``:
             the embeddings' output then every layer's output (the last one normalised), and per layer the
@@ -278,6 +339,12 @@ class VisionTransformer(PersistenceMixin, AdapterFilesMixin, ZooModel):
 
     def pool(self, x: Tensor) -> Tensor:
         """The image representation: the class token (``pooling="cls"``) or the mean of the patch tokens.
+
+        Args:
+            x: the encoder's output.
+
+        Returns:
+            One vector per image.
 
         Shapes: ``(B, 1 + N, d_model)`` -> ``(B, d_model)``.
         """
@@ -310,6 +377,8 @@ class VisionTransformer(PersistenceMixin, AdapterFilesMixin, ZooModel):
         Raises:
             ValueError: wrong rank, dtype or channel count, a side the patch size does not divide, another
                 image size without ``interpolate_pos_encoding``, or bad labels — before any computation.
+
+        Shapes: pixel_values ``(B, C, H, W)``, labels ``(B,)`` -> logits ``(B, num_labels)``.
         """
         self.check_pixels(pixel_values, interpolate_pos_encoding)
         self.check_labels(labels, pixel_values.shape[0])

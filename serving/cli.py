@@ -90,7 +90,8 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     serve_parser.add_argument("--max-batch", type=_positive, default=16, help="sequences decoded together at most")
     kv = serve_parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
-                    help="KV cache memory, e.g. 512MiB or 2GiB (default: --max-batch full contexts)")
+                    help="KV cache memory, e.g. 512MiB or 2GiB (default: --max-batch full contexts, at most half "
+                         "the memory available; the cache grows with the tokens in use up to it)")
     kv.add_argument("--kv-blocks", type=_positive, default=None,
                     help="KV cache size in blocks of --block-size positions instead of --kv-cache-memory")
     serve_parser.add_argument("--block-size", type=_positive, default=16)
@@ -98,9 +99,10 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     serve_parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
     compiled = serve_parser.add_mutually_exclusive_group()
     compiled.add_argument("--compile", action="store_true",
-                          help="run decode-only steps through one compiled graph with dynamic shapes and the other "
-                               "steps' decoding rows through a compiled attention (Engine(compile=True): the pools are "
-                               "allocated whole; tens of seconds to compile at the first steps)")
+                          help="run decode-only steps through compiled graphs with dynamic shapes (one for a lone "
+                               "request, as generate(compile=True); one for several) and the other steps' decoding "
+                               "rows through a compiled attention (Engine(compile=True): each graph compiles once, "
+                               "at its first step)")
     compiled.add_argument("--compile-attention", action="store_true",
                           help="attend the decoding rows through one compiled graph (Engine(compile=\"attention\"): "
                                "a few seconds to compile at the first step)")

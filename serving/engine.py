@@ -20,6 +20,7 @@ from models.generation.requests import check_token_head
 from models.generation.sampling import has_nan, nan_rows
 from models.generation.steps import refuse_longrope_switch
 
+from .cache_size import check_num_blocks, default_num_blocks, memory_device
 from .requests import (
     IncrementalText,
     RequestDelta,
@@ -68,10 +69,13 @@ class Engine:
     Args:
         model: a ``DecoderLM`` (any family; positional attention biases such as ALiBi are not supported).
         tokenizer: encodes string prompts and decodes outputs and stop strings (``tokenization.Tokenizer`` or
-            anything with ``encode(text)`` and ``decode(ids, skip_special_tokens=True)``); optional.
+            anything with ``encode(text)`` and ``decode(ids, skip_special_tokens=True)``); default: the one the
+            model carries (``model.tokenizer``, set by ``from_pretrained``), if any.
         block_size: positions per cache block.
-        num_blocks: blocks in the cache (default: ``max_num_seqs`` full contexts); the pool grows as blocks are
-            first used, up to this many.
+        num_blocks: blocks in the cache (default: ``max_num_seqs`` full contexts, or as many as half the host's
+            available memory holds (90 % of a GPU's free memory) if fewer — the default context is then cut to what
+            the cache holds; ``serving.cache_size``); the pools grow as blocks are first used, up to this many, in
+            compiled steps too.
         kv_cache_bytes: the cache's memory instead of ``num_blocks``: as many blocks as fit in this many bytes
             (``kv_block_nbytes``: keys and values of every layer, in the model's dtype).
         max_num_seqs: sequences in one step at most.
@@ -79,16 +83,17 @@ class Engine:
         max_waiting: requests ``add_request`` queues at most (``QueueFullError`` beyond).
         max_model_len: the context (default ``config.max_len``): prompt + output tokens at most.
         prefix_caching: share full blocks of equal prefixes between requests.
-        compile: ``True``: run the steps where every row decodes one token through one compiled graph with
-            dynamic row and block counts (``serving.runner``; the pools are then allocated whole, and the first such
-            steps compile: one graph for one row, one for several), and the one-token rows' attention in the other
-            steps through one compiled graph; ``"attention"``: only that attention graph (compiled at the first step
-            with a decoding row); ``False``: nothing compiled.
+        compile: ``True``: run the steps where every row decodes one token through a compiled graph with
+            dynamic row and block counts (``serving.runner``; the first such steps compile: one graph for one row,
+            ``serving.single_row``, as ``generate(compile=True)``'s, one for several), and the one-token rows'
+            attention in the other steps through one compiled graph; ``"attention"``: only that attention graph
+            (compiled at the first step with a decoding row); ``False``: nothing compiled.
 
     Raises:
         NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``) or one
             with attention biases.
-        ValueError: a limit that is not a positive integer.
+        ValueError: a limit that is not a positive integer, or ``num_blocks`` more than the device's whole memory
+            holds.
     """
 
     def __init__(
@@ -105,6 +110,8 @@ class Engine:
             )
         check_token_head(model, "the engine")
         check_compile(compile)
+        if tokenizer is None:
+            tokenizer = getattr(model, "tokenizer", None)  # the one a loaded model carries
         context = model.config.max_len if max_model_len is None else max_model_len
         limits = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                       max_waiting=max_waiting, max_model_len=context)
@@ -114,8 +121,13 @@ class Engine:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if kv_cache_bytes is not None:
             num_blocks = blocks_in_memory(model, kv_cache_bytes, block_size, num_blocks)
-        if num_blocks is None:
-            num_blocks = max_num_seqs * -(-context // block_size)
+        device, per_block = memory_device(model), kv_block_nbytes(model, block_size)
+        if num_blocks is None:  # max_num_seqs full contexts, within what the machine holds
+            num_blocks = default_num_blocks(per_block, block_size, max_num_seqs, context, device)
+            if max_model_len is None:  # a context the cache cannot hold is not the default
+                context = min(context, num_blocks * block_size)
+        else:
+            check_num_blocks(num_blocks, per_block, block_size, device)
         if context < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt and one new token), got {context}")
         self.model, self.tokenizer = model, tokenizer
@@ -217,23 +229,28 @@ class Engine:
             if seq.num_computed < len(seq.tokens):
                 continue  # a prefill chunk: nothing to choose yet
             if row in bad:  # nothing to choose from: the request ends with "error"
-                deltas += self._fail(seq.request_id)
+                deltas += self._fail(seq.request_id, "its next-token logits are NaN (the model's weights or inputs "
+                                                      "hold NaN or inf values)")
                 continue
-            samples = [seq]
-            if seq.spec.n > 1 and not seq.forked:
-                samples += self._fork(seq)
-            params = seq.spec.params
-            token = None
-            if not (params.do_sample or params.uses_history or params.uses_counts):
-                greedy = logits.float().argmax(dim=-1).tolist() if greedy is None else greedy
-                token = greedy[row]
-            for sample in samples:
-                deltas.append(self._choose(sample, logits[row], token))
+            try:  # isolated per row: whatever fails here fails this request only, never the batch
+                samples = [seq]
+                if seq.spec.n > 1 and not seq.forked:
+                    samples += self._fork(seq)
+                params = seq.spec.params
+                token = None
+                if not (params.do_sample or params.uses_history or params.uses_counts):
+                    greedy = logits.float().argmax(dim=-1).tolist() if greedy is None else greedy
+                    token = greedy[row]
+                for sample in samples:
+                    deltas.append(self._choose(sample, logits[row], token))
+            except Exception as err:  # noqa: BLE001 - reported as this request's "error" finish
+                deltas += self._fail(seq.request_id, f"choosing its next token failed: {type(err).__name__}: {err}")
         return deltas
 
-    def _fail(self, request_id: str) -> list[RequestDelta]:
-        """End every unfinished sample of a request whose next-token logits are NaN (NaN weights, or values that
-        overflowed): ``finish_reason="error"``, blocks released, the other requests of the batch unaffected."""
+    def _fail(self, request_id: str, reason: str) -> list[RequestDelta]:
+        """End every unfinished sample of a request whose next token cannot be chosen (NaN logits, or a failure in
+        its own sampling step): ``finish_reason="error"`` (``reason`` kept as the samples' ``error``), blocks
+        released, the other requests of the batch unaffected."""
         deltas = []
         seqs = self.requests[request_id]
         blocks = {b for seq in seqs for b in seq.block_table}
@@ -241,7 +258,7 @@ class Engine:
             seq = next((s for s in seqs if s.index == i), None)
             if seq is None or seq.finish_reason is None:
                 if seq is not None:
-                    seq.finish_reason = "error"
+                    seq.finish_reason, seq.error = "error", reason
                     self.scheduler.finish(seq)
                 deltas.append(RequestDelta(request_id, i, [], "", "error"))  # also for samples not forked yet
         freed = [b for b in blocks if self.allocator.refs[b] == 0]  # blocks another request holds stay as they are
@@ -251,12 +268,13 @@ class Engine:
         return deltas
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """The other samples of ``parent``'s request, sharing its prompt blocks, each with generator seed + index."""
+        """The other samples of ``parent``'s request, sharing its prompt blocks, each with generator seed + index
+        (modulo 2**64, the generator's range: a seed near its top does not overflow)."""
         parent.forked = True
         seed = parent.generator.initial_seed()
         children = []
         for j in range(1, parent.spec.n):
-            child = Sequence(parent.request_id, j, parent.spec, torch.Generator().manual_seed(seed + j),
+            child = Sequence(parent.request_id, j, parent.spec, torch.Generator().manual_seed((seed + j) % 2**64),
                              parent.arrival, tokens=list(parent.tokens), forked=True)
             self.scheduler.fork(parent, child)
             self.requests[parent.request_id].append(child)
@@ -326,6 +344,8 @@ class Engine:
                  seed: Any = None, logprobs: Any = None) -> list[RequestOutput]:
         """Continue every prompt, all of them batched continuously; one ``RequestOutput`` per prompt, in order.
 
+        Each of ``sampling`` … ``logprobs`` is one value for all prompts or a list with one per prompt.
+
         Args:
             prompts: a list of prompts, each a string (needs the tokenizer) or a list of token ids; one string or
                 one list of ids is a single prompt.
@@ -335,8 +355,6 @@ class Engine:
             n: samples per prompt (>= 1; > 1 needs sampling); they share the prompt's cache blocks.
             seed: sample ``j`` draws from a generator seeded ``seed + j`` (None: drawn from torch's generator).
             logprobs: report the log-probability of each new token and of the ``logprobs`` most likely ones.
-
-            Each of ``sampling`` … ``logprobs`` is one value for all prompts or a list with one per prompt.
 
         Returns:
             One ``RequestOutput`` per prompt.
@@ -366,9 +384,10 @@ class Engine:
         while pending:
             self.step()
             pending = {r for r in pending if any(s.finish_reason is None for s in self.requests[r])}
-        failed = [i for i, r in enumerate(ids) if any(s.finish_reason == "error" for s in self.requests[r])]
+        failed = {i: next(s.error for s in self.requests[r] if s.finish_reason == "error") for i, r in enumerate(ids)
+                  if any(s.finish_reason == "error" for s in self.requests[r])}
         outputs = [self.pop_output(r) for r in ids]
         if failed:
-            raise ValueError(f"the next-token logits of prompt(s) {failed} are NaN; expected finite logits to choose "
-                             "tokens from (the model's weights or inputs hold NaN or inf values)")
+            reasons = "; ".join(sorted({f"{reason}" for reason in failed.values()}))
+            raise ValueError(f"no next token could be chosen for prompt(s) {sorted(failed)}: {reasons}")
         return outputs

@@ -48,6 +48,7 @@ from .protocol import (
     EmbeddingRequest,
     SamplingFields,
     flatten_content,
+    refuse_surrogates,
     sampling_params,
     top_by_text,
     usage,
@@ -246,8 +247,9 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                 async def each() -> AsyncIterator[Any]:
                     async for delta in state["engine"].stream(request_id):
                         if delta.finish_reason == "error":
-                            raise EngineStepError("the model's next-token logits are NaN: no token to choose from "
-                                                  "(the weights or the computation overflowed)")
+                            raise EngineStepError("no next token could be chosen for this request (NaN logits, or "
+                                                  "a failure in its own sampling step); other requests are "
+                                                  "unaffected")
                         now = time.perf_counter()
                         if delta.token_ids:
                             metrics.observe_tokens(len(delta.token_ids), now - clock["started"], now - clock["last"],
@@ -339,6 +341,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
+        refuse_surrogates(body)
         check_model(body.model)
         prompt = body.prompt
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
@@ -349,12 +352,15 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest) -> Response:
+        refuse_surrogates(body)
         check_model(body.model)
         tok = state["tokenizer"]
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise APIError(400, f"{model_name!r} has no chat template: use /v1/completions", param="messages")
         try:
-            ids = tok.apply_chat_template(flatten_content(body.messages), add_generation_prompt=True)
+            # In a worker thread: a template that runs to its time limit (a second) does not stall the event loop.
+            ids = await asyncio.to_thread(tok.apply_chat_template, flatten_content(body.messages),
+                                          add_generation_prompt=True)
         except ValueError as err:
             raise APIError(400, f"messages: {err}", param="messages") from err
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -363,6 +369,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> Response:
+        refuse_surrogates(body)
         check_model(body.model)
         model = state["model"]
         if getattr(model.config, "head", None) != "embedding":

@@ -3,6 +3,7 @@ the zoo's ``SamplingParams``."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -44,7 +45,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(default=None)
     n: int = Field(default=1, ge=1, le=128)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's range (int64)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -86,17 +87,54 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
 
 
 def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Content given as parts (``[{"type": "text", "text": ...}]``) joined to the string templates expect."""
+    """Content given as parts (``[{"type": "text", "text": ...}]``) joined to the string templates expect.
+
+    Raises:
+        APIError: 400 naming ``messages[i].role`` or ``messages[i].content``: a role that is not a string, content
+            that is neither a string, a list of text parts nor null.
+    """
     out = []
     for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str):
+            raise APIError(400, f"messages[{i}].role: expected a string, got {message.get('role')!r:.60}",
+                           param=f"messages[{i}].role")
         content = message.get("content")
         if isinstance(content, list):
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+                raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                               param=f"messages[{i}].content")
             message = {**message, "content": "".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content: expected a string or a list of text parts, got "
+                                f"{type(content).__name__} {content!r:.60}", param=f"messages[{i}].content")
         out.append(message)
     return out
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def refuse_surrogates(body: BaseModel) -> None:
+    """Refuse text holding a lone surrogate (``"\\ud800"`` in the JSON): it is not Unicode text, no tokenizer can
+    encode it and no answer could quote it.
+
+    Raises:
+        APIError: 400 naming the field (``messages[0].content``, ``prompt``, ``stop[1]`` …).
+    """
+    stack: list[tuple[str, Any]] = [("", body.model_dump())]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found is not None:
+                raise APIError(400, f"{path}: a lone surrogate {found.group()!r} at character {found.start()}; "
+                                    "expected Unicode text (UTF-8)", param=path)
+        elif isinstance(value, dict):
+            stack += [(f"{path}.{key}" if path else str(key), item) for key, item in value.items()]
+            stack += [(path or "body", key) for key in value if isinstance(key, str)]
+        elif isinstance(value, (list, tuple)):
+            stack += [(f"{path}[{i}]", item) for i, item in enumerate(value)]
 
 
 def top_by_text(top: dict[int, float], text: Any) -> dict[str, float]:

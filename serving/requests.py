@@ -41,8 +41,8 @@ class RequestOutput:
         prompt_token_ids: the prompt's ids.
         token_ids: the new tokens (a stop token is included; the text of a stop string is not).
         text: the new tokens decoded (without a stop string or special tokens); ``""`` without a tokenizer.
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (the logits were NaN; the step API
-            reports it, ``Engine.generate`` raises ``ValueError``).
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (the logits were NaN, or choosing the
+            request's token failed; the step API reports it, ``Engine.generate`` raises ``ValueError``).
         logprobs: one ``TokenLogprob`` per new token when ``logprobs`` was asked, else None.
     """
 
@@ -102,6 +102,7 @@ class Sequence:
     seen: torch.Tensor | None = None  # (1, V) bool, for the repetition penalty
     counts: torch.Tensor | None = None  # (1, V) int32: each token's count in the output (presence/frequency)
     forked: bool = False  # the request's other samples exist
+    error: str | None = None  # why the sample ended with finish_reason "error"
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -249,8 +250,8 @@ def check_request(
         raise ValueError(f"n must be an integer >= 1, got {n!r}")
     if n > 1 and not sampling.do_sample:
         raise ValueError(f"n={n} samples need sampling (SamplingParams(do_sample=True)); greedy samples are equal")
-    if seed is not None and not _is_int(seed):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
+        raise ValueError(f"seed must be an integer in [-2**63, 2**63) (int64, as OpenAI's) or None, got {seed!r}")
     if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= vocab_size):
         raise ValueError(f"logprobs must be None or an integer in [0, {vocab_size}], got {logprobs!r}")
     stop_ids, stop_strings = check_stop(stop, tokenizer, vocab_size)

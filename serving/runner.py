@@ -1,10 +1,11 @@
 """The model step over a paged cache: one packed forward pass of prefill chunks and decode rows together.
 
-With ``compile=True`` the steps whose rows all decode one token run one compiled graph of the whole step
-(``DynamicStep``, as ``generate(compile=True)`` does for one request), its token, row and block counts dynamic:
-one graph serves every such step, with no padding. Its one-token rows attend without padding
-(``blocks.paged_attention``: one entry per row and block read); the pools are allocated whole, so a graph never
-grows them. Steps holding a prefill chunk stay eager.
+With ``compile=True`` the steps whose rows all decode one token run a compiled graph of the whole step: a step of
+one row (a lone request) the single-row graph (``serving.single_row.SingleRowStep``, as ``generate(compile=True)``
+compiles its batch-1 step), a step of several rows ``DynamicStep``, its token, row and block counts dynamic: one
+graph serves every such step, with no padding. Its one-token rows attend without padding
+(``blocks.paged_attention``: one entry per row and block read). A graph never grows the pools: the runner grows them
+before it runs (``grow_pools``), and their block count is a dynamic input. Steps holding a prefill chunk stay eager.
 
 With ``compile="attention"`` (and in the eager steps of ``compile=True``) only the attention of the one-token rows
 is compiled (``RaggedAttention``): one graph with dynamic counts, so every step, a prefill chunk's included, reads
@@ -25,8 +26,11 @@ from torch import Tensor
 from blocks import get
 from blocks.paged_attention import RaggedRows, ragged_decode_attention
 from blocks.paged_cache import PagedBatch, PagedLayerCache
+from models.core import stack
 from models.generation import compiled
 from models.generation.steps import eval_mode
+
+from .single_row import SingleRowStep, mark_pools
 
 #: The values of ``compile`` (``PagedRunner``, ``serving.Engine``).
 COMPILE_MODES = (False, True, "attention")
@@ -98,14 +102,17 @@ def mark_ragged(rows: RaggedRows) -> None:
                  (rows.layout, (0, 1)))
 
 
-def compile_dynamic(fn: Callable[..., Any]) -> Callable[..., Any]:
+def compile_dynamic(fn: Callable[..., Any], regions: bool = False) -> Callable[..., Any]:
     """``fn`` compiled under a code object of its own (the graphs of one runner are not offered to another's), run
     size-oblivious (``backed_size_oblivious``): a count of 1 is not specialised, so one graph serves every size of
-    the dims marked dynamic."""
+    the dims marked dynamic; with ``regions``, each decoder layer structure is traced and compiled once
+    (``models.core.stack.repeated_layer_regions``)."""
     compiled_fn = torch.compile(compiled.own_code(fn), backend=compiled.BACKEND)
 
     def run(*args: Any) -> Any:
-        with fx_config.patch(backed_size_oblivious=True):
+        # With regions, every decoder layer of one structure is one nested compile region: a 30-layer model's step
+        # compiles about as fast as a one-layer model's (its weights are graph inputs).
+        with fx_config.patch(backed_size_oblivious=True), stack.repeated_layer_regions(regions):
             return compiled_fn(*args)
 
     return run
@@ -126,10 +133,15 @@ class RaggedAttention:
 
 class DynamicStep:
     """``packed_logits`` of a decode-only step compiled once, its token, row, entry and block counts dynamic: one
-    graph for every step. Called as ``packed_logits``."""
+    graph for every step. Called as ``packed_logits``.
 
-    def __init__(self) -> None:
-        self.compiled = compile_dynamic(packed_logits)
+    Args:
+        regions: compile each decoder layer structure once (``compile_dynamic``; not for latent attention, whose
+            batch holds aliasing index tensors).
+    """
+
+    def __init__(self, regions: bool = False) -> None:
+        self.compiled = compile_dynamic(packed_logits, regions)
 
     def __call__(self, model: Any, ids: Tensor, positions: Tensor, caches: list[PagedLayerCache],
                  keep: Tensor) -> Tensor:
@@ -177,14 +189,15 @@ class PagedRunner:
         self.decode = "ragged" if compile and plain else "split"
         self.compiled_decode = "ragged" if plain else "one"
         self.step: DynamicStep | None = None
+        self.single: SingleRowStep | None = None  # a step of one decoding row (a lone request), compiled apart
+        self.like, self.attentions = like, [layer.self_attn for layer in model.layers]
+        self.modules = list(model.modules())
         if compile and plain:
             attention = RaggedAttention()
             for cache in self.caches:
                 cache.self_attn.ragged_attention = attention
-        if compile is True:
-            for layer, cache in zip(model.layers, self.caches, strict=True):  # whole pools: no growth in a graph
-                cache.self_attn.reserve(layer.self_attn, like)
-            self.step = DynamicStep()
+        if compile is True:  # the pools grow between steps (``grow_pools``): a graph takes them as inputs
+            self.step, self.single = DynamicStep(regions=plain), SingleRowStep(regions=plain)
 
     @torch.inference_mode()
     def scrub(self, blocks: Sequence[int]) -> None:
@@ -193,6 +206,17 @@ class PagedRunner:
         index = torch.as_tensor(list(blocks), dtype=torch.long)
         for cache in self.caches:
             cache.self_attn.scrub(index)
+
+    def grow_pools(self, needed: int) -> None:
+        """Grow every layer's pools to hold ``needed`` blocks (doubling; before a compiled step, which never grows
+        them) and mark their block counts dynamic (a grown pool reuses the graph).
+
+        Args:
+            needed: blocks the pools must hold (the step's highest block id + 1).
+        """
+        for attention, cache in zip(self.attentions, self.caches, strict=True):
+            cache.self_attn.grow(attention, self.like, needed)
+        mark_pools(self.caches)
 
     @property
     def nbytes(self) -> int:
@@ -217,13 +241,14 @@ class PagedRunner:
         device = self.device
         step, decode = packed_logits, self.decode
         if self.step is not None and all(n_query == 1 for n_query, _, _ in rows):
-            step, decode = self.step, self.compiled_decode
-        capacity = None if self.step is None else self.n_blocks  # pools allocated whole
-        batch = PagedBatch(rows, self.block_size, device, decode=decode, capacity=capacity)
+            step, decode = self.step if len(rows) > 1 else self.single, self.compiled_decode
+        batch = PagedBatch(rows, self.block_size, device, decode=decode)
+        if step is not packed_logits:
+            self.grow_pools(batch.max_block)
         for cache in self.caches:
             cache.self_attn.batch = batch
         # eval_mode sets and restores every submodule's flag (a tenth of a small step): only when one is training.
-        training = any(m.training for m in self.model.modules())
+        training = any(m.training for m in self.modules)  # a list kept: walking a 30-layer tree costs a millisecond
         with eval_mode(self.model) if training else contextlib.nullcontext():
             logits = step(self.model, torch.tensor([list(ids)], device=device), batch.positions[None], self.caches,
                           batch.last)

@@ -52,3 +52,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny ``transformers`` Llama checkpoint with a tokenizer and a chat template (``tests.tiny_checkpoint``),
+    written once per session: what the fine-tuning and evaluation tests load into the zoo, TRL and lm-eval."""
+    from tests.tiny_checkpoint import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

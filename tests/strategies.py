@@ -284,3 +284,61 @@ def token_ids(draw: st.DrawFn, vocab_size: int, b: int, length: int) -> Tensor:
     """``(B, L)`` int64 token ids in ``[0, vocab_size)``."""
     gen = torch.Generator().manual_seed(draw(SEEDS))
     return torch.randint(0, vocab_size, (b, length), generator=gen)
+
+
+#: Valid sampling settings at their extremes: what ``SamplingParams`` accepts, down to a top-p or a temperature that
+#: underflows float32 and a repetition penalty that overflows it.
+EXTREME_FLOATS = st.sampled_from([5e-324, 1e-300, 1e-45, 1e-8, 0.3, 1.0, 7.0, 1e30, 1e300])
+
+
+@st.composite
+def sampling_settings(draw: st.DrawFn) -> dict:
+    """Keyword arguments of a valid ``SamplingParams`` that samples, each field drawn from its extremes."""
+    return {
+        "do_sample": True,
+        "temperature": draw(EXTREME_FLOATS),
+        "top_k": draw(st.none() | st.sampled_from([1, 2, 10**30])),
+        "top_p": draw(st.none() | st.sampled_from([5e-324, 1e-300, 1e-30, 0.5, 1.0])),
+        "repetition_penalty": draw(st.none() | EXTREME_FLOATS.filter(lambda x: x <= 1e300)),
+        "presence_penalty": draw(st.sampled_from([-2.0, 0.0, 2.0])),
+        "frequency_penalty": draw(st.sampled_from([-2.0, 0.0, 2.0])),
+    }
+
+
+@st.composite
+def extreme_logits(draw: st.DrawFn, b: int, v: int) -> Tensor:
+    """``(B, V)`` float32 logits mixing ordinary values with ``±3e38`` and ``±inf`` (no NaN; every row has a value
+    above ``-inf``)."""
+    gen = torch.Generator().manual_seed(draw(SEEDS))
+    logits = torch.randn(b, v, generator=gen) * draw(st.sampled_from([1.0, 1e3]))
+    special = torch.tensor([float("inf"), float("-inf"), 3e38, -3e38, 0.0])
+    where = torch.rand(b, v, generator=gen) < draw(st.sampled_from([0.0, 0.2, 0.9]))
+    logits = torch.where(where, special[torch.randint(0, 5, (b, v), generator=gen)], logits)
+    logits[:, 0] = torch.where(logits[:, 0] == float("-inf"), 0.0, logits[:, 0])
+    return logits
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chat conversations
+# ----------------------------------------------------------------------------------------------------------
+
+_CHAT_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "2+2=4", "Wie", "geht's?", "你好", "🙂"]
+
+
+def chat_texts() -> st.SearchStrategy[str]:
+    """A message text: a few words, sometimes with surrounding spaces or newlines (which some templates trim)."""
+    words = st.lists(st.sampled_from(_CHAT_WORDS), min_size=1, max_size=6).map(" ".join)
+    return st.tuples(st.sampled_from(["", " ", "\n"]), words, st.sampled_from(["", " ", "\n"])).map("".join)
+
+
+@st.composite
+def conversations(draw: st.DrawFn, *, system: bool = True, max_turns: int = 3) -> list[dict[str, str]]:
+    """A conversation that alternates user and assistant turns, ending with the assistant's, optionally after a
+    system message: what a chat SFT file holds."""
+    messages = []
+    if system and draw(st.booleans()):
+        messages.append({"role": "system", "content": draw(chat_texts())})
+    for _ in range(draw(st.integers(min_value=1, max_value=max_turns))):
+        messages.append({"role": "user", "content": draw(chat_texts())})
+        messages.append({"role": "assistant", "content": draw(chat_texts())})
+    return messages

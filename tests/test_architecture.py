@@ -1,5 +1,5 @@
 """The house rules, checked: one-way layers (the ``.importlinter`` contracts), no import cycles between modules, no
-private name imported across modules, small modules, and every import the README documents.
+private name imported across modules, small modules, and every import the README and the docs pages document.
 
 The import graph comes from ``grimp`` (import-linter's graph builder), which reads every import statement of a
 module, including those inside functions.
@@ -183,15 +183,16 @@ def test_modules_stay_small(package: str) -> None:
     assert long == {}, f"split these along their seams (limit {MAX_MODULE_LINES} lines)"
 
 
-# ----------------------------------------------------------------------------------------------- the README's names
-README = (ROOT / "README.md").read_text()
-DOTTED = re.compile(r"`((?:models|blocks|training|serving|tokenization)(?:\.[A-Za-z_]\w*)+)")
-FROM_IMPORT = re.compile(r"^\s*from ((?:models|blocks|training|serving|tokenization)[\w.]*) import ([\w, ]+)", re.M)
+# ------------------------------------------------------------------------------------ the README's and docs' names
+#: The README and every page of the docs site, read as one text.
+README = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
+DOTTED = re.compile(r"`((?:models|blocks|training|serving|tokenization|cli)(?:\.[A-Za-z_]\w*)+)")
+FROM_IMPORT = re.compile(r"^\s*from ((?:models|blocks|training|serving|tokenization|cli)[\w.]*) import ([\w, ]+)", re.M)
 
 
 def documented_names() -> list[str]:
-    """Every ``pkg.module.name`` in backticks and every ``from pkg import a, b`` line of the README."""
-    names = {m.group(1) for m in DOTTED.finditer(README)}
+    """Every ``pkg.module.name`` in backticks and every ``from pkg import a, b`` line of the README and docs/."""
+    names = {m.group(1) for m in DOTTED.finditer(README) if not m.group(1).endswith(".py")}  # `cli.py` is a file
     for m in FROM_IMPORT.finditer(README):
         names.update(f"{m.group(1)}.{n.strip()}" for n in m.group(2).split(",") if n.strip())
     return sorted(names)

@@ -14,15 +14,18 @@ A chat template is a Jinja template shipped with the tokenizer (``chat_template`
   continues it.
 
 Every value the template sees is rebuilt from plain JSON types first (objects with methods of their own could
-otherwise reach the sandbox). A template that raises, does not parse or breaks the sandbox gives a ``ValueError``
-naming the problem.
+otherwise reach the sandbox). The rendering is bounded in time and memory while it runs (``tokenization.
+template_bounds``: a template may not loop for ever or build gigabytes), and a template is rendered alone
+(``include``, ``import`` and ``extends`` are refused). A template that raises, does not parse, breaks the sandbox or
+reaches a limit gives a ``ValueError`` naming the problem and the template's line.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
-import json
+import traceback
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -31,16 +34,24 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .template_bounds import BoundedEnvironment, render_bounded
+from .template_budget import Bounds, TemplateLimitError, charge, deep_size
 
 #: The file a template is saved to beside ``tokenizer.json`` (what ``transformers`` writes and reads).
 TEMPLATE_FILE = "chat_template.jinja"
 #: The largest template read from a file (real ones are under 20 KB).
 MAX_TEMPLATE_CHARS = 1 << 20
+#: The most Jinja tokens a template may have (Qwen3's has 591; compiling 12288 takes about a second at worst).
+MAX_TEMPLATE_TOKENS = 12288
 
 # Marks the end of the final message for continue_final_message (transformers' tag, so that cuts agree).
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+#: While set to a ``(start, end)`` pair of strings, ``{% generation %}`` blocks render their body between them
+#: (``tokenization.chat_spans`` finds the assistant's text so); unset, they render the body alone.
+GENERATION_MARKS: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("generation_marks",
+                                                                                         default=None)
 
 
 class _Generation(jinja2.ext.Extension):
@@ -55,7 +66,8 @@ class _Generation(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller: Any) -> str:
-        return caller()
+        marks = GENERATION_MARKS.get()
+        return caller() if marks is None else marks[0] + caller() + marks[1]
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -70,7 +82,7 @@ class _Namespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _Namespace.check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
+        jinja2.utils.Namespace.__setitem__(self, name, charge(value, f"the namespace attribute {name!r}"))
 
     @staticmethod
     def check(name: object) -> None:
@@ -92,37 +104,75 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
 def _strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
     return datetime.now().strftime(format)
 
 
 @functools.lru_cache(maxsize=32)
 def compile_template(template: str) -> jinja2.Template:
-    """The template compiled in the sandbox (cached by its text).
+    """The template compiled in the bounded sandbox (cached by its text).
+
+    Args:
+        template: the Jinja source.
+
+    Returns:
+        The compiled template.
 
     Raises:
-        ValueError: the template does not parse (jinja2's message and line).
+        ValueError: the template does not parse (jinja2's message and line), is over ``MAX_TEMPLATE_CHARS`` or
+            ``MAX_TEMPLATE_TOKENS``, or
+            includes, imports or extends another template (a chat template is rendered alone).
     """
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise ValueError(f"the chat template has {len(template)} characters; expected at most {MAX_TEMPLATE_CHARS}")
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
                        namespace=_Namespace)
     try:
-        return env.from_string(template)
+        for count, _ in enumerate(env.lex(template), 1):  # compiling takes ~60 µs a token: a bound on the time too
+            if count > MAX_TEMPLATE_TOKENS:
+                raise ValueError(f"the chat template has over {MAX_TEMPLATE_TOKENS} Jinja tokens; expected at most "
+                                 f"{MAX_TEMPLATE_TOKENS} (real templates have a few thousand)")
+        tree = env.parse(template)
+        for kind, tag in _ALONE:
+            node = next(tree.find_all(kind), None)
+            if node is not None:
+                raise ValueError(f"the chat template uses {{% {tag} %}} (line {node.lineno}): a chat template is "
+                                 "rendered alone, with no other template to load")
+        return env.from_string(tree)
     except jinja2.exceptions.TemplateSyntaxError as err:
         raise ValueError(f"the chat template does not parse: {err.message} (line {err.lineno})") from err
+    except (RecursionError, MemoryError, OverflowError) as err:
+        raise ValueError(f"the chat template does not compile: {type(err).__name__}: {err}") from err
+
+
+_ALONE = ((jinja2.nodes.Include, "include"), (jinja2.nodes.Import, "import"), (jinja2.nodes.FromImport, "from import"),
+          (jinja2.nodes.Extends, "extends"))
+
+
+def _where(err: BaseException, template: str) -> str:
+    """The template line an exception was raised at (jinja2 rewrites tracebacks to template lines), quoted."""
+    line = None
+    for frame, lineno in traceback.walk_tb(err.__traceback__):
+        if frame.f_code.co_filename == "<template>":
+            line = lineno
+    if line is None:
+        return "the template"
+    lines = template.splitlines()
+    text = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+    return f"line {line} ({text[:80]!r})"
 
 
 def plain(value: Any) -> Any:
     """``value`` rebuilt from plain JSON types (subclasses stripped to their base type, dataclasses and pydantic
-    models as dicts); anything else becomes a placeholder naming its type, e.g. ``"<ndarray>"``."""
+    models as dicts); anything else becomes a placeholder naming its type, e.g. ``"<ndarray>"``.
+
+    Args:
+        value: what a caller passed into a template (messages, tools, documents, context).
+
+    Returns:
+        The plain copy.
+    """
     if value is None or type(value) in (str, int, float, bool):
         return value
     for kind in (bool, str, int, float):
@@ -174,8 +224,12 @@ def render_chat(
         add_generation_prompt: end with the header that opens the assistant's turn.
         continue_final_message: leave the final message open for the model to continue (not with
             ``add_generation_prompt``).
-        tools, documents: JSON schemas of tools and ``{"title", "text"}`` documents, for templates that use them.
+        tools: JSON schemas of tools, for templates that use them.
+        documents: ``{"title", "text"}`` documents, for templates that use them.
         context: further names for the template (the special tokens, ``enable_thinking`` …).
+
+    Returns:
+        The rendered prompt text.
 
     Raises:
         ValueError: bad messages, tools or documents; both generation flags; a template that raises
@@ -198,15 +252,19 @@ def render_chat(
         fields = [k for k in ("content", *_REASONING_FIELDS) if chat[-1].get(k) == final] or ["content"]
         for field in fields:
             chat[-1][field] = final + _CONTINUE_TAG
+    values = dict(messages=chat, tools=plain(tools), documents=plain(documents),
+                  add_generation_prompt=bool(add_generation_prompt), **plain(dict(context)))
+    compiled = compile_template(template)
     try:
-        text = compile_template(template).render(
-            messages=chat, tools=plain(tools), documents=plain(documents),
-            add_generation_prompt=bool(add_generation_prompt), **plain(dict(context)),
-        )
+        text = render_bounded(compiled, Bounds().widened(deep_size(values, 1 << 40)[0]), values)
+    except TemplateLimitError as err:
+        raise ValueError(f"the chat template went past a limit at {_where(err, template)}: {err}") from err
     except jinja2.exceptions.SecurityError as err:
-        raise ValueError(f"the chat template broke the sandbox: {err}") from err
+        raise ValueError(f"the chat template broke the sandbox at {_where(err, template)}: {err}") from err
     except jinja2.exceptions.TemplateError as err:
-        raise ValueError(f"the chat template raised: {err}") from err
+        raise ValueError(f"the chat template raised: {err} (at {_where(err, template)})") from err
+    except Exception as err:  # noqa: BLE001 - TypeError, OverflowError, RecursionError …: the template's failure
+        raise ValueError(f"the chat template failed at {_where(err, template)}: {type(err).__name__}: {err}") from err
     if final is not None:
         tag = _CONTINUE_TAG.strip()
         if final.strip() not in text or tag not in text:
@@ -221,6 +279,13 @@ def read_template(tokenizer_file: Path, config: Mapping[str, Any] | None) -> str
     """The chat template saved with a tokenizer: ``chat_template.jinja`` beside ``tokenizer_file``, else
     ``chat_template`` in its ``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}`` of which
     the one named ``default`` is taken), else None.
+
+    Args:
+        tokenizer_file: the ``tokenizer.json`` the template belongs to.
+        config: its parsed ``tokenizer_config.json`` (``read_config``), or None.
+
+    Returns:
+        The template text, or None.
 
     Raises:
         ValueError: a template file over ``MAX_TEMPLATE_CHARS`` or not UTF-8, or a config value of another shape.
@@ -244,7 +309,12 @@ def read_template(tokenizer_file: Path, config: Mapping[str, Any] | None) -> str
 
 
 def write_template(tokenizer_file: Path, template: str | None) -> None:
-    """Save ``template`` as ``chat_template.jinja`` beside ``tokenizer_file`` (removing a stale one if None)."""
+    """Save ``template`` as ``chat_template.jinja`` beside ``tokenizer_file`` (removing a stale one if None).
+
+    Args:
+        tokenizer_file: the ``tokenizer.json`` the template belongs to.
+        template: the template text, or None.
+    """
     path = tokenizer_file.with_name(TEMPLATE_FILE)
     if template is None:
         path.unlink(missing_ok=True)

@@ -51,11 +51,17 @@ SUPPORTED_MODELS = ("llama", "gpt2", "t5")
 class GGUFTokenizer(Tokenizer):
     """A ``Tokenizer`` read from a GGUF file, with what the file says beside the vocabulary.
 
-    Attributes:
+    The arguments are kept as attributes of the same names.
+
+    Args:
+        backend: the ``tokenizers.Tokenizer`` built from the file's vocabulary.
+        special_tokens: role -> token string.
         chat_template: ``tokenizer.chat_template`` (a Jinja template), or None.
-        add_bos_token, add_eos_token: whether encoding adds BOS / EOS (the post-processor does it).
+        add_bos_token: whether encoding adds BOS (the post-processor does it).
+        add_eos_token: whether encoding adds EOS.
         special_ids: further special-token ids the file names (``eot``, ``eom``, ``sep``, ``fim_*`` ...).
-        model, pre: ``tokenizer.ggml.model`` and ``tokenizer.ggml.pre`` (None where the file has none).
+        model: ``tokenizer.ggml.model`` (None where the file has none).
+        pre: ``tokenizer.ggml.pre`` (None where the file has none).
         metadata: every ``tokenizer.*`` key of the file (what ``save_gguf`` writes back).
     """
 
@@ -385,6 +391,12 @@ def tokenizer_to_gguf(tokenizer: Tokenizer) -> dict[str, Any]:
     (``tokenizers``' ``BPE`` model behind a ``ByteLevel`` pre-tokenizer, no normalizer) whose pre-tokenizer is one
     of llama.cpp's (``tokenization.gguf_pretokenizers.pre_name_of``): its tokens (by id), merges, token types
     (control for special tokens, user-defined for other added tokens), role ids and whether encoding adds BOS/EOS.
+
+    Args:
+        tokenizer: the model's tokenizer.
+
+    Returns:
+        The ``tokenizer.*`` metadata.
 
     Raises:
         ValueError: a tokenizer llama.cpp cannot run as it is (another model, a normalizer, an unknown

@@ -97,6 +97,11 @@ class PreTokenizer:
     ``ignore_merges``: a whole piece found in the vocabulary is taken before merging (llama.cpp's
     ``ignore_merges``, the ``tokenizer.json`` BPE flag of the same name). ``add_bos``: llama.cpp's default for
     adding BOS when the file does not say (``tokenizer.ggml.add_bos_token``).
+
+    Attributes:
+        splits: the split regular expressions, in order.
+        ignore_merges: take a whole piece found in the vocabulary before merging.
+        add_bos: llama.cpp's default for adding BOS.
     """
 
     splits: tuple[str, ...]
@@ -104,7 +109,11 @@ class PreTokenizer:
     add_bos: bool = False
 
     def build(self) -> pre_tokenizers.PreTokenizer:
-        """The ``tokenizers`` pre-tokenizer: each pattern splits (isolated), then bytes -> GPT-2's alphabet."""
+        """The ``tokenizers`` pre-tokenizer: each pattern splits (isolated), then bytes -> GPT-2's alphabet.
+
+        Returns:
+            The pre-tokenizer.
+        """
         steps = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in self.splits]
         return pre_tokenizers.Sequence([*steps, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
@@ -166,6 +175,12 @@ NOT_BYTE_LEVEL = {
 def pre_tokenizer_for(pre: str | None) -> PreTokenizer:
     """The entry for a ``tokenizer.ggml.pre`` value; a missing value is llama.cpp's ``default``.
 
+    Args:
+        pre: the file's ``tokenizer.ggml.pre``, or None.
+
+    Returns:
+        The pre-type.
+
     Raises:
         ValueError: a value llama.cpp's table does not have, or one that is not byte-level BPE.
     """
@@ -211,6 +226,12 @@ def pre_name_of(pre_tokenizer: pre_tokenizers.PreTokenizer | None) -> str | None
 
     Recognised: every table entry as ``PreTokenizer.build`` makes it, GPT-2's ``ByteLevel(use_regex=True)``
     (``gpt-2``) and SmolLM's individual ``Digits`` before it (``smollm``).
+
+    Args:
+        pre_tokenizer: a ``tokenizers`` pre-tokenizer, or None.
+
+    Returns:
+        The ``pre`` name, or None when llama.cpp has none for it.
     """
     signature = _signature(pre_tokenizer)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

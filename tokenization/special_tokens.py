@@ -60,6 +60,12 @@ def check_special_tokens(special_tokens: Mapping[str, str | None]) -> dict[str, 
 def read_config(tokenizer_file: Path) -> dict[str, Any]:
     """The Hugging Face ``tokenizer_config.json`` beside ``tokenizer_file`` (empty if there is none).
 
+    Args:
+        tokenizer_file: the ``tokenizer.json`` whose folder is read.
+
+    Returns:
+        The parsed config.
+
     Raises:
         ValueError: the file is not UTF-8 JSON (nested beyond the parser's recursion limit included) or not an
             object; the file is named.
@@ -78,7 +84,14 @@ def read_config(tokenizer_file: Path) -> dict[str, Any]:
 
 
 def roles_from_config(config: Mapping[str, Any]) -> dict[str, str]:
-    """Roles named by a Hugging Face ``tokenizer_config.json`` (``read_config``)."""
+    """Roles named by a Hugging Face ``tokenizer_config.json`` (``read_config``).
+
+    Args:
+        config: the parsed config.
+
+    Returns:
+        Role -> token string, for the roles the config names.
+    """
     roles: dict[str, str] = {}
     for role in ROLES:
         value: Any = config.get(f"{role}_token")
@@ -91,7 +104,12 @@ def roles_from_config(config: Mapping[str, Any]) -> dict[str, str]:
 
 
 def write_config(tokenizer_file: Path, roles: Mapping[str, str | None]) -> None:
-    """Write the roles as a ``tokenizer_config.json`` beside ``tokenizer_file`` (the transformers format)."""
+    """Write the roles as a ``tokenizer_config.json`` beside ``tokenizer_file`` (the transformers format).
+
+    Args:
+        tokenizer_file: the ``tokenizer.json`` beside which to write.
+        roles: role -> token string (None: no token for the role).
+    """
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
     for role in ROLES:
         if roles.get(role) is not None:

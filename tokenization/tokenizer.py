@@ -77,6 +77,14 @@ class Tokenizer:
         from conventional names. The chat template comes from ``chat_template.jinja`` in the same folder, else
         from ``chat_template`` in ``tokenizer_config.json``.
 
+        Args:
+            path: the ``tokenizer.json`` file.
+            special_tokens: role -> token string (``pad``, ``unk``, ``bos``, ``eos``, ``mask``), overriding the
+                folder's ``tokenizer_config.json``.
+
+        Returns:
+            The tokenizer.
+
         Raises:
             FileNotFoundError: ``path`` does not exist.
             ValueError: the file is not a valid tokenizer.json.
@@ -93,7 +101,18 @@ class Tokenizer:
 
     @classmethod
     def from_str(cls, json_str: str, special_tokens: Mapping[str, str | None] | None = None) -> Tokenizer:
-        """Build from the JSON text of a ``tokenizer.json``."""
+        """Build from the JSON text of a ``tokenizer.json``.
+
+        Args:
+            json_str: the file's text.
+            special_tokens: role -> token string (default: conventional names).
+
+        Returns:
+            The tokenizer.
+
+        Raises:
+            ValueError: the text is not a valid ``tokenizer.json``.
+        """
         try:
             backend = tokenizers.Tokenizer.from_str(json_str)
         except Exception as err:
@@ -138,11 +157,18 @@ class Tokenizer:
         none are added) or the text.
 
         Args:
-            messages, add_generation_prompt, continue_final_message, tools, documents: see
-                ``tokenization.chat.render_chat``.
+            messages: the conversation, ``{"role", "content"}`` dicts (see ``tokenization.chat.render_chat``).
+            add_generation_prompt: end with the start of an assistant turn.
+            continue_final_message: leave the last message open, for the model to continue.
+            tools: JSON schemas of tools, for templates that use them.
+            documents: ``{"title", "text"}`` documents, for templates that use them.
+            tokenize: return token ids (True) or the rendered text (False).
             chat_template: a template to use instead of the tokenizer's own.
             context: further names for the template; the special tokens (``bos_token``, ``eos_token`` …) are
                 there already.
+
+        Returns:
+            The prompt's token ids (``tokenize=True``) or its text.
 
         Raises:
             ValueError: no chat template, or as ``render_chat``.
@@ -215,6 +241,9 @@ class Tokenizer:
     def set_template(self, family: str) -> None:
         """Install the post-processing template of a model family (see ``tokenization.templates``).
 
+        Args:
+            family: ``"encoder"`` (``[CLS] ... [SEP]``), ``"decoder"`` (BOS ... EOS), ``"seq2seq"`` or ``"none"``.
+
         Raises:
             ValueError: an unknown family or a role it needs is unset.
         """
@@ -224,6 +253,13 @@ class Tokenizer:
     # ------------------------------------------------------------------ encoding
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of one text (special tokens placed by the post-processing template).
+
+        Args:
+            text: the text.
+            add_special_tokens: apply the post-processing template.
+
+        Returns:
+            The ids.
 
         Raises:
             ValueError: ``text`` is not a string.
@@ -348,13 +384,35 @@ class Tokenizer:
     def decode(self, ids: Sequence[int] | Tensor, skip_special_tokens: bool = True) -> str:
         """Text of one sequence of ids.
 
+        Args:
+            ids: a list of ids or a 1-D tensor.
+            skip_special_tokens: leave the special tokens out of the text.
+
+        Returns:
+            The text.
+
+        Shapes: ids ``(L,)``.
+
         Raises:
             ValueError: ``ids`` is not 1-D, or holds an id outside ``[0, vocab_size)``.
         """
         return self.backend.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def batch_decode(self, batch: Iterable[Sequence[int]] | Tensor, skip_special_tokens: bool = True) -> list[str]:
-        """Texts of a batch of id sequences (a ``(B, L)`` tensor or a list of lists)."""
+        """Texts of a batch of id sequences.
+
+        Args:
+            batch: a ``(B, L)`` tensor or a list of id lists.
+            skip_special_tokens: leave the special tokens out of the texts.
+
+        Returns:
+            One text per row.
+
+        Raises:
+            ValueError: a tensor that is not 2-D, or an id outside ``[0, vocab_size)``.
+
+        Shapes: batch ``(B, L)``.
+        """
         if isinstance(batch, Tensor) and batch.dim() != 2:
             raise ValueError(f"batch must be a (B, L) tensor, got shape {tuple(batch.shape)}")
         return self.backend.decode_batch([self._check_ids(ids) for ids in batch],

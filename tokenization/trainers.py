@@ -45,7 +45,9 @@ def train_bpe(
         min_frequency: pairs seen fewer times are not merged.
         special_tokens: role -> token, overriding ``DEFAULT_SPECIAL_TOKENS`` (None drops a role).
         extra_special_tokens: more special tokens, after the roles' tokens.
-        unicode_form, lowercase, strip_accents: normalisation (see ``build_normalizer``).
+        unicode_form: Unicode normal form ("NFC", "NFKC" ...) or None (see ``build_normalizer``).
+        lowercase: lowercase the text (see ``build_normalizer``).
+        strip_accents: strip accents (see ``build_normalizer``).
         template: post-processing family: "encoder", "decoder", "seq2seq" or "none".
         show_progress: the Rust trainer's progress bar.
 
@@ -86,11 +88,18 @@ def train_wordpiece(
 ) -> Tokenizer:
     """Train a BERT-style WordPiece tokenizer (uncased, accents stripped by default).
 
-    Args and Raises: as ``train_bpe``; ``continuing_subword_prefix`` marks pieces inside a word. The
-    ``unk`` role must have a token: WordPiece maps unknown words to it.
+    The ``unk`` role must have a token: WordPiece maps unknown words to it. The arguments not listed are as for
+    ``train_bpe``.
+
+    Args:
+        texts: an iterable of strings to learn from (or ``files``).
+        continuing_subword_prefix: marks pieces inside a word (``##``).
 
     Returns:
         The trained ``Tokenizer``.
+
+    Raises:
+        ValueError: no ``unk`` token, an empty ``continuing_subword_prefix``, or as ``train_bpe``.
     """
     specials = _special_list(special_tokens, extra_special_tokens, vocab_size, reserved=0)
     roles = _roles(special_tokens)
@@ -126,8 +135,12 @@ def train_byte_level_bpe(
     """Train a GPT-2-style byte-level BPE tokenizer: every string encodes (no unknown tokens) and, with no
     normalisation (the default), decodes back exactly.
 
-    Args and Raises: as ``train_bpe``; ``vocab_size`` must leave room for the 256 byte symbols;
-    ``add_prefix_space`` treats the first word like any other (GPT-2 does not).
+    The arguments not listed, and the errors, are as for ``train_bpe``.
+
+    Args:
+        texts: an iterable of strings to learn from (or ``files``).
+        vocab_size: the final vocabulary size; must leave room for the 256 byte symbols.
+        add_prefix_space: treat the first word like any other (GPT-2 does not).
 
     Returns:
         The trained ``Tokenizer``.

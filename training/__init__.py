@@ -9,10 +9,14 @@
   load at any world size (``training.checkpoint``), checked and restored by ``training.resume``.
 - ``default_loss``: the Trainer's loss for a model; ``consolidated_state_dict``: a sharded model's whole weights.
 - ``init_distributed``: join a ``torchrun`` process group.
+- ``ChatSFTDataset``, ``ChatSFTCollator``: chat SFT, the loss on the assistant's tokens, packed
+  (``training.chat_sft``); ``PreferenceCollator``, ``PreferenceLoss``: DPO and SimPO (``training.preference``);
+  ``training.perplexity.perplexity``: llama.cpp's method.
 - ``load_corpus``, ``stdlib_docstrings``, ``split_corpus``: text with no download; ``SyntheticTask``: copy,
   reverse and addition.
 """
 
+from .chat_sft import ChatSFTCollator, ChatSFTDataset
 from .collators import CausalLMCollator, MLMCollator, Seq2SeqCollator, pack_documents, packed_examples, pad_rows
 from .data import load_corpus, split_corpus, stdlib_docstrings
 from .distributed import DistributedContext, cleanup, init_distributed, is_main_process
@@ -25,6 +29,7 @@ from .losses import (
     label_smoothed_cross_entropy,
 )
 from .parallel import PARALLEL_MODES, apply_parallelism, clip_grad_norm, consolidated_state_dict
+from .preference import PreferenceCollator, PreferenceLoss
 from .sampler import ResumableBatchSampler
 from .schedules import NoamLR, WarmupCosineLR, decay_groups, noam_rate, paper_adam, warmup_cosine_rate
 from .synthetic import TASKS, SyntheticTask, held_out
@@ -35,11 +40,15 @@ __all__ = [
     "PARALLEL_MODES",
     "TASKS",
     "CausalLMCollator",
+    "ChatSFTCollator",
+    "ChatSFTDataset",
     "DistributedContext",
     "LabelSmoothedCrossEntropy",
     "MLMCollator",
     "MaskedTokenLoss",
     "NoamLR",
+    "PreferenceCollator",
+    "PreferenceLoss",
     "ResumableBatchSampler",
     "Seq2SeqCollator",
     "SyntheticTask",

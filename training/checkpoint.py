@@ -420,7 +420,14 @@ def recover(root: Path) -> None:
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Checkpoint folders in ``directory``, oldest first (empty if there is none)."""
+    """Checkpoint folders in ``directory``, oldest first (empty if there is none).
+
+    Args:
+        directory: a Trainer's ``checkpoint_dir``.
+
+    Returns:
+        The ``step-NNNNNNNN`` folders.
+    """
     root = Path(directory)
     if not root.is_dir():
         return []

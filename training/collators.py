@@ -26,10 +26,13 @@ class MLMCollator:
 
     Args:
         tokenizer: encodes text examples and supplies the ids below (optional for id examples).
-        pad_token_id, mask_token_id, vocab_size, special_ids: override or replace the tokenizer's.
+        pad_token_id: the padding id (default: the tokenizer's).
+        mask_token_id: the ``[MASK]`` id (default: the tokenizer's).
+        vocab_size: the range random replacements are drawn from (default: the tokenizer's).
+        special_ids: ids never masked (default: the tokenizer's special tokens).
         mlm_probability: the share of tokens (or words) chosen.
-        mask_replace_prob, random_replace_prob: the shares of chosen tokens replaced by ``[MASK]`` and by
-            a random token; the rest stay unchanged.
+        mask_replace_prob: the share of chosen tokens replaced by ``[MASK]``.
+        random_replace_prob: the share of chosen tokens replaced by a random token; the rest stay unchanged.
         whole_word_mask: choose words; needs text examples or ``word_ids`` in dict examples.
         max_length: truncate encoded texts to this many tokens.
         generator: the random source (default: torch's global generator, which the Trainer checkpoints).
@@ -196,8 +199,10 @@ class Seq2SeqCollator:
 
     Args:
         tokenizer: encodes texts and supplies ``pad_token_id`` and ``decoder_start_token_id`` (its BOS).
-        pad_token_id, decoder_start_token_id: override the tokenizer's.
-        max_source_length, max_target_length: truncate longer sequences.
+        pad_token_id: the padding id (default: the tokenizer's).
+        decoder_start_token_id: the id the decoder starts from (default: the tokenizer's).
+        max_source_length: truncate longer sources.
+        max_target_length: truncate longer targets.
 
     Raises:
         ValueError: missing ids.
@@ -294,6 +299,10 @@ def packed_examples(docs: Sequence[Sequence[int]], length: int) -> list[dict[str
     """Pack a whole corpus ahead of time into examples of ``length`` tokens for ``CausalLMCollator``
     (GPT-style training on a token stream); the last, shorter row is dropped so every row is full.
 
+    Args:
+        docs: the documents' ids, in order.
+        length: tokens per example.
+
     Returns:
         A list of ``{"input_ids": [...], "document_ids": [...]}``.
 
@@ -310,6 +319,12 @@ def packed_examples(docs: Sequence[Sequence[int]], length: int) -> list[dict[str
 
 def pad_rows(rows: Sequence[Sequence[int]], pad_value: int) -> tuple[Tensor, Tensor]:
     """Right-pad rows to the longest.
+
+    Args:
+        rows: id lists.
+        pad_value: the id padding takes.
+
+    Shapes: -> ids ``(B, L)``, mask ``(B, L)``.
 
     Returns:
         ``(ids (B, L) long, mask (B, L) bool)`` with True on real entries.
@@ -393,7 +408,14 @@ INPUT_KEYS = (("input_ids", "attention_mask"), ("src_ids", "src_mask"), ("tgt_id
 
 def input_tokens(batch: Mapping[str, Any]) -> int:
     """Real input tokens of a collated batch (what the Trainer's tokens/s counts): the unmasked entries of each id
-    tensor, or all of them when the batch has no mask for it."""
+    tensor, or all of them when the batch has no mask for it.
+
+    Args:
+        batch: a collated batch.
+
+    Returns:
+        The count.
+    """
     total = 0
     for ids, mask in INPUT_KEYS:
         if ids in batch:

@@ -26,7 +26,11 @@ _BLANK_LINES = re.compile(r"\n\s*\n")
 
 
 def cache_dir() -> Path:
-    """Where the built-in corpus is cached (created on first use)."""
+    """Where the built-in corpus is cached (created on first use).
+
+    Returns:
+        The cache folder.
+    """
     if os.environ.get("TZOO_CACHE"):
         return Path(os.environ["TZOO_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -101,6 +105,13 @@ def _pydoc_topics(tree: ast.Module) -> list[str]:
 def read_jsonl(path: str | Path, text_field: str = "text") -> list[str]:
     """The ``text_field`` of every line of a JSONL file.
 
+    Args:
+        path: the file.
+        text_field: the key holding each document's text.
+
+    Returns:
+        The documents.
+
     Raises:
         ValueError: a line that is not a JSON object with a string ``text_field`` (its number is named).
     """
@@ -120,7 +131,14 @@ def read_jsonl(path: str | Path, text_field: str = "text") -> list[str]:
 
 
 def read_text(path: str | Path) -> list[str]:
-    """Documents of a plain-text file: its paragraphs, separated by blank lines."""
+    """Documents of a plain-text file: its paragraphs, separated by blank lines.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The paragraphs.
+    """
     text = Path(path).read_text(encoding="utf-8")
     return [p.strip() for p in _BLANK_LINES.split(text) if p.strip()]
 

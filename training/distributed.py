@@ -21,7 +21,14 @@ from torch import Tensor, nn
 
 @dataclass(frozen=True)
 class DistributedContext:
-    """Where this process stands: ``rank`` of ``world_size``, ``local_rank`` on its machine, its device."""
+    """Where this process stands: ``rank`` of ``world_size``, ``local_rank`` on its machine, its device.
+
+    Attributes:
+        rank: this process's global rank.
+        world_size: the number of processes.
+        local_rank: its rank on this machine (its GPU's index).
+        device: the device it computes on.
+    """
 
     rank: int
     world_size: int
@@ -65,24 +72,52 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
 
 
 def is_distributed() -> bool:
-    """True inside an initialised process group of more than one process."""
+    """True inside an initialised process group of more than one process.
+
+    Returns:
+        Whether collectives have other processes to talk to.
+    """
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def get_rank() -> int:
+    """This process's rank (0 outside a process group).
+
+    Returns:
+        The rank.
+    """
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def get_world_size() -> int:
+    """The number of processes (1 outside a process group).
+
+    Returns:
+        The world size.
+    """
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def is_main_process() -> bool:
+    """Whether this is rank 0 (the one that prints, shows progress bars and writes single files).
+
+    Returns:
+        True on rank 0 and outside a process group.
+    """
     return get_rank() == 0
 
 
 def all_reduce_sum(tensor: Tensor) -> Tensor:
-    """Sum ``tensor`` over all processes, in place (a no-op in a single process); returns it."""
+    """Sum ``tensor`` over all processes, in place (a no-op in a single process).
+
+    Args:
+        tensor: this process's values.
+
+    Returns:
+        ``tensor``, now the sum.
+
+    Shapes: any -> same.
+    """
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
@@ -95,7 +130,15 @@ def barrier() -> None:
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:
-    """``obj`` as held by process ``src`` (a no-op in a single process)."""
+    """``obj`` as held by process ``src`` (a no-op in a single process).
+
+    Args:
+        obj: this process's object (only ``src``'s matters).
+        src: the rank whose object every process receives.
+
+    Returns:
+        ``src``'s object.
+    """
     if not is_distributed():
         return obj
     box = [obj]
@@ -104,7 +147,14 @@ def broadcast_object(obj: object, src: int = 0) -> object:
 
 
 def all_gather_object(obj: object) -> list[object]:
-    """Every process's ``obj``, in rank order (``[obj]`` in a single process)."""
+    """Every process's ``obj``, in rank order (``[obj]`` in a single process).
+
+    Args:
+        obj: this process's object (picklable).
+
+    Returns:
+        One object per rank.
+    """
     if not is_distributed():
         return [obj]
     gathered: list[object] = [None] * get_world_size()
@@ -113,7 +163,11 @@ def all_gather_object(obj: object) -> list[object]:
 
 
 def default_device() -> torch.device:
-    """This process's current GPU if there is one, else the CPU."""
+    """This process's current GPU if there is one, else the CPU.
+
+    Returns:
+        The device.
+    """
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -135,6 +189,9 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restore a random state taken by ``rng_state`` (the GPUs' part only where CUDA is available).
 
+    Args:
+        state: what ``rng_state`` returned.
+
     Raises:
         KeyError, TypeError, RuntimeError: ``state`` is not what ``rng_state`` returns.
     """
@@ -150,7 +207,15 @@ def _as_tuple(value: Any) -> Any:
 
 
 def wrap_model(model: nn.Module, device: torch.device) -> nn.Module:
-    """``DistributedDataParallel(model)`` inside a process group, the model itself otherwise."""
+    """``DistributedDataParallel(model)`` inside a process group, the model itself otherwise.
+
+    Args:
+        model: the model, already on ``device``.
+        device: this process's device.
+
+    Returns:
+        The wrapped (or the same) model.
+    """
     if not is_distributed():
         return model
     device_ids = [device.index] if device.type == "cuda" else None
@@ -158,7 +223,14 @@ def wrap_model(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside a DDP wrapper (the model itself otherwise)."""
+    """The module inside a DDP wrapper (the model itself otherwise).
+
+    Args:
+        model: a model, wrapped or not.
+
+    Returns:
+        The model.
+    """
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 

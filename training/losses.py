@@ -86,7 +86,19 @@ def label_smoothed_cross_entropy(
 
 
 class LabelSmoothedCrossEntropy(nn.Module):
-    """Module form of ``label_smoothed_cross_entropy`` (same arguments)."""
+    """Module form of ``label_smoothed_cross_entropy`` (same arguments).
+
+    Args:
+        epsilon: the smoothing mass ε_ls (the paper: 0.1).
+        ignore_index: targets with this value are left out.
+        reduction: ``"mean"`` (over the targets kept), ``"sum"`` or ``"none"``.
+        exclude_from_smoothing: a class that gets no smoothing mass (e.g. the padding id).
+
+    Raises:
+        ValueError: a bad ``epsilon`` or ``reduction`` (checked when built, not at the first batch).
+
+    Shapes: logits ``(N, C)``, target ``(N,)`` -> a scalar, or ``(N,)`` with ``reduction="none"``.
+    """
 
     def __init__(self, epsilon: float = 0.1, *, ignore_index: int = IGNORE_INDEX, reduction: str = "mean",
                  exclude_from_smoothing: int | None = None) -> None:
@@ -115,6 +127,9 @@ class TokenLoss:
         label_smoothing: ε of ``label_smoothed_cross_entropy``.
         exclude_from_smoothing: a class that gets no smoothing mass (e.g. the padding id).
         label_key: the batch entry that holds the labels; every other entry goes to the model.
+
+    Raises:
+        ValueError: ``label_smoothing`` outside [0, 1).
     """
 
     def __init__(self, *, shift: bool = False, label_smoothing: float = 0.0,
@@ -134,7 +149,14 @@ class TokenLoss:
         return labels
 
     def count(self, batch: Mapping[str, Any]) -> int:
-        """Number of target tokens in ``batch`` (labels that are not -100)."""
+        """Number of target tokens in ``batch`` (labels that are not -100).
+
+        Args:
+            batch: a collated batch holding ``label_key``.
+
+        Returns:
+            The count (after the shift, for causal LMs).
+        """
         return int((self._labels(batch) != IGNORE_INDEX).sum())
 
     def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> Tensor:
@@ -156,7 +178,13 @@ class TokenLoss:
 class MaskedTokenLoss(TokenLoss):
     """``TokenLoss`` for models that can run their output head on labelled positions only
     (``EncoderLM(..., labels=..., masked_only=True)`` returns ``(N, vocab_size)`` logits for the N labelled
-    positions): in MLM training that skips ~85% of the vocabulary projection."""
+    positions): in MLM training that skips ~85% of the vocabulary projection.
+
+    Args:
+        label_smoothing: ε of ``label_smoothed_cross_entropy``.
+        exclude_from_smoothing: a class that gets no smoothing mass.
+        label_key: the batch entry that holds the labels.
+    """
 
     def __init__(self, *, label_smoothing: float = 0.0, exclude_from_smoothing: int | None = None,
                  label_key: str = "labels") -> None:
@@ -202,7 +230,14 @@ class TaskLoss:
         return batch[self.label_key]
 
     def count(self, batch: Mapping[str, Any]) -> int:
-        """The number of labelled units in ``batch`` (see the class docstring)."""
+        """The number of labelled units in ``batch`` (see the class docstring).
+
+        Args:
+            batch: a collated batch holding the labels.
+
+        Returns:
+            Examples (QA, regression) or labelled tokens and examples (the others, -100 left out).
+        """
         labels = self._labels(batch)
         if self.head == "question_answering" or labels.dtype.is_floating_point:
             return int(labels.shape[0])

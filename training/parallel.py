@@ -41,6 +41,13 @@ class ParallelLayout:
     ``dp_rank`` is this process's data-parallel index (which slice of each global batch it reads); processes
     of one tensor-parallel group share it and read the same examples. ``dp_group`` is the process group that
     sums over data-parallel replicas (None: the whole world, or nothing to sum in a single process).
+
+    Attributes:
+        mode: one of ``PARALLEL_MODES``.
+        dp_size: data-parallel replicas.
+        dp_rank: this process's replica.
+        tp_size: processes per tensor-parallel group.
+        mesh: the device mesh (``"dp"``/``"tp"`` dimensions), or None without sharding.
     """
 
     mode: str
@@ -64,6 +71,9 @@ def parallel_layout(mode: str, world_size: int, tp_size: int | None = None) -> t
         world_size: the number of processes.
         tp_size: tensor-parallel processes per group (``"tp"``: default and only choice ``world_size``;
             ``"fsdp+tp"``: required, must divide ``world_size``; other modes: None or 1).
+
+    Returns:
+        ``(dp_size, tp_size)``.
 
     Raises:
         ValueError: an unknown mode, or a tensor-parallel size that does not fit the mode and world size.
@@ -178,6 +188,12 @@ def apply_parallelism(
 def transformer_layers(model: nn.Module) -> list[nn.Module]:
     """The layers of every ``layers`` stack in ``model`` (the decoder's, the encoder's, the ViT's), in order.
 
+    Args:
+        model: a zoo model.
+
+    Returns:
+        The layers.
+
     Raises:
         ValueError: the model has no ``nn.ModuleList`` named ``layers``.
     """
@@ -201,6 +217,8 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> Tenso
 
     Returns:
         The total norm before clipping (a plain scalar tensor, the same on every process).
+
+    Shapes: -> ``()``.
     """
     parameters = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in parameters]
@@ -221,13 +239,29 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> Tenso
 
 
 def is_dtensor(tensor: Any) -> bool:
-    """Whether ``tensor`` is a DTensor (without importing ``torch.distributed.tensor`` when nothing uses it)."""
+    """Whether ``tensor`` is a DTensor (without importing ``torch.distributed.tensor`` when nothing uses it).
+
+    Args:
+        tensor: anything.
+
+    Returns:
+        True for a DTensor.
+    """
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
-    """This process's part of ``tensor``: a DTensor's local shard, a plain tensor itself."""
+    """This process's part of ``tensor``: a DTensor's local shard, a plain tensor itself.
+
+    Args:
+        tensor: a DTensor or a plain tensor.
+
+    Returns:
+        The local tensor.
+
+    Shapes: the global shape -> this process's shard's.
+    """
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
@@ -254,7 +288,14 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 def unsharded_class(model: nn.Module) -> type:
-    """The model's own class (FSDP2 swaps in a subclass ``FSDP<Name>``), to build a plain copy from."""
+    """The model's own class (FSDP2 swaps in a subclass ``FSDP<Name>``), to build a plain copy from.
+
+    Args:
+        model: a model, sharded by FSDP2 or not.
+
+    Returns:
+        Its class before sharding.
+    """
     from torch.distributed.fsdp import FSDPModule
 
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
@@ -297,7 +338,17 @@ def gradient_sync(wrapped: nn.Module, model: nn.Module, layout: ParallelLayout,
 
 def replica_sum(tensor: Tensor, layout: ParallelLayout) -> Tensor:
     """Sum ``tensor`` in place over the data-parallel replicas (not over tensor-parallel peers, which hold the
-    same batch); a no-op with one replica. Returns ``tensor``."""
+    same batch); a no-op with one replica.
+
+    Args:
+        tensor: this process's values.
+        layout: the run's layout.
+
+    Returns:
+        ``tensor``, now the sum.
+
+    Shapes: any -> same.
+    """
     if is_distributed() and layout.dp_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=layout.dp_group)
     return tensor

@@ -30,7 +30,14 @@ TensorShapes = dict[str, tuple[torch.Size, torch.dtype]]
 
 
 def qualified_name(obj: object) -> str:
-    """``module.QualifiedClassName`` of ``obj``'s class (how checkpoints name the optimiser and scheduler)."""
+    """``module.QualifiedClassName`` of ``obj``'s class (how checkpoints name the optimiser and scheduler).
+
+    Args:
+        obj: any object.
+
+    Returns:
+        The qualified name.
+    """
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
@@ -69,10 +76,13 @@ def trainer_state(
     """The checkpoint's ``trainer_state.pt``: everything but the tensors and the random states, as plain data.
 
     Args:
-        model, optimizer, scheduler: the live training objects.
+        model: the model being trained.
+        optimizer: its optimizer.
+        scheduler: its learning-rate scheduler, or None.
         run: ``run_shape`` of this run.
         position: ``(step, epoch, batch_in_epoch)``: optimiser steps done and micro-batches used in the epoch.
-        history, eval_history: the training and evaluation records so far.
+        history: the training records so far.
+        eval_history: the evaluation records so far.
         config: the ``TrainerConfig`` (stored as a dict, for the reader).
 
     Returns:
@@ -109,7 +119,8 @@ def compare_run(
     Args:
         state: the saved trainer state (``trainer_state``).
         run: ``run_shape`` of this run.
-        optimizer, scheduler: this run's (compared by class).
+        optimizer: this run's optimizer (compared by class).
+        scheduler: this run's scheduler, or None (compared by class).
         allow_world_size_change: accept another number of processes.
 
     Returns:
@@ -190,7 +201,11 @@ def rng_source_rank(saved_run: Mapping[str, Any], layout: ParallelLayout, *, ran
     Args:
         saved_run: the saved ``run_shape``.
         layout: this run's parallel layout.
-        rank, world_size: this process's rank and the number of processes now.
+        rank: this process's rank.
+        world_size: the number of processes now.
+
+    Returns:
+        The saved rank.
     """
     if saved_run["world_size"] == world_size and saved_run["tp_size"] == layout.tp_size == 1:
         return rank
@@ -226,7 +241,9 @@ def check_checkpoint(
 
     Args:
         path: the checkpoint folder.
-        model, optimizer, scheduler: what would be restored.
+        model: the model the checkpoint would be restored into.
+        optimizer: the optimizer it would be restored into.
+        scheduler: the scheduler it would be restored into, or None.
         layout: this run's parallel layout.
         run: ``run_shape`` of this run.
         rank: this process's rank.
@@ -279,6 +296,8 @@ def load_targets(model: nn.Module, shapes: TensorShapes) -> dict[str, Tensor]:
 
     Returns:
         ``model/<name>`` for each trainable parameter and every ``optim/...`` key of ``shapes``.
+
+    Shapes: each target has its key's global shape, sharded like the live tensor.
     """
     targets: dict[str, Tensor] = {}
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
@@ -318,6 +337,8 @@ def restore_state(
         ValueError: a target missing or of another shape, optimiser state naming a parameter of no group,
             parameter groups the optimiser does not have, or a scheduler or random state that does not load; the
             model, optimiser, scheduler and random state are then as they were.
+
+    Shapes: each target as its parameter (sharded alike).
     """
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     wrong = [n for n, p in params.items() if f"model/{n}" not in targets or targets[f"model/{n}"].shape != p.shape]
@@ -372,7 +393,9 @@ def restore_checkpoint(
 
     Args:
         path: the checkpoint folder.
-        model, optimizer, scheduler: restored in place (``restore_state``).
+        model: restored in place (``restore_state``).
+        optimizer: restored in place.
+        scheduler: restored in place, or None.
         layout: this run's parallel layout.
         run: ``run_shape`` of this run.
         rank: this process's rank.

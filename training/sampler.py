@@ -21,7 +21,8 @@ class ResumableBatchSampler(Sampler[list[int]]):
         batch_size: examples per batch on this process.
         shuffle: draw a fresh permutation per epoch (else dataset order).
         seed: permutation seed (epoch ``e`` uses ``seed + e``).
-        rank, world_size: this process and the process count.
+        rank: this process and the process count.
+        world_size: this process and the process count.
 
     Raises:
         ValueError: bad sizes, or a dataset smaller than one global batch (the incomplete last global
@@ -49,11 +50,23 @@ class ResumableBatchSampler(Sampler[list[int]]):
         return self.dataset_size // (self.batch_size * self.world_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Iterate epoch ``epoch`` next (as ``DistributedSampler.set_epoch``)."""
+        """Iterate epoch ``epoch`` next (as ``DistributedSampler.set_epoch``).
+
+        Args:
+            epoch: the epoch number (it seeds the shuffle).
+        """
         self.epoch = epoch
 
     def epoch_batches(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
-        """This process's batches of ``epoch``, from batch number ``start`` on."""
+        """This process's batches of ``epoch``, from batch number ``start`` on.
+
+        Args:
+            epoch: the epoch number (it seeds the shuffle).
+            start: the first batch (to resume inside an epoch).
+
+        Yields:
+            Lists of ``batch_size`` dataset indices.
+        """
         if self.shuffle:
             order = torch.randperm(self.dataset_size, generator=torch.Generator().manual_seed(self.seed + epoch))
         else:

@@ -49,7 +49,9 @@ class NoamLR(LRScheduler):
 
     Args:
         optimizer: the optimiser whose groups get the rate.
-        d_model, warmup, factor: as ``noam_rate``.
+        d_model: as ``noam_rate``.
+        warmup: as ``noam_rate``.
+        factor: as ``noam_rate``.
         last_epoch: for resuming by hand (prefer ``load_state_dict``).
     """
 
@@ -84,6 +86,13 @@ def decay_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> l
     vectors (biases, norm gains) without, as GPT-2/3 training does. Pass the result to an optimiser, e.g.
     ``Trainer(model, lambda params: AdamW(decay_groups(params, 0.1), lr=3e-4), ...)``; sharded parameters keep
     their global ``dim``.
+
+    Args:
+        params: the parameters to optimise (the Trainer passes the trainable ones).
+        weight_decay: the decay of the matrices.
+
+    Returns:
+        The two groups, as ``torch.optim`` takes them.
 
     Raises:
         ValueError: a negative or non-finite ``weight_decay``.
@@ -129,7 +138,9 @@ class WarmupCosineLR(LRScheduler):
 
     Args:
         optimizer: the optimiser.
-        warmup, total, min_ratio: as ``warmup_cosine_rate``.
+        warmup: as ``warmup_cosine_rate``.
+        total: as ``warmup_cosine_rate``.
+        min_ratio: as ``warmup_cosine_rate``.
     """
 
     def __init__(self, optimizer: Optimizer, warmup: int, total: int, min_ratio: float = 0.1,

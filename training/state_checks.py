@@ -52,6 +52,9 @@ def check_state(state: Mapping[str, Any]) -> list[str]:
     """The plain-data fields of a trainer state: keys, position, run shape, trainable shapes, histories, and the
     containers of the optimiser and scheduler state (their contents: ``compare_optimizer``, ``compare_scheduler``).
 
+    Args:
+        state: the saved trainer state.
+
     Returns:
         One sentence per bad field, naming it, its value and what was expected.
     """
@@ -147,7 +150,15 @@ def _check_history(records: Any, step: int, field: str, keys: tuple[str, ...]) -
 
 def check_optimizer_tensors(shapes: Mapping[str, tuple[torch.Size, torch.dtype]], model: nn.Module) -> list[str]:
     """The sharded index's ``optim/<name>/<field>`` tensors: each no larger than its parameter (moments are its
-    shape, Adam's step a scalar), so reading them cannot allocate more than the model holds."""
+    shape, Adam's step a scalar), so reading them cannot allocate more than the model holds.
+
+    Args:
+        shapes: tensor name -> (shape, dtype), from the checkpoint's index.
+        model: the model being restored.
+
+    Returns:
+        One sentence per problem, naming the field, its value and what was expected (empty: none).
+    """
     numel = {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}
     problems = []
     for key, (shape, _) in shapes.items():
@@ -190,7 +201,15 @@ def _like(saved: Any, live: Any, field: str, problems: list[str]) -> None:
 
 
 def compare_optimizer(state: Mapping[str, Any], optimizer: Optimizer) -> list[str]:
-    """The saved parameter groups against this optimiser's: the same keys and value types, learning rates >= 0."""
+    """The saved parameter groups against this optimiser's: the same keys and value types, learning rates >= 0.
+
+    Args:
+        state: the saved trainer state.
+        optimizer: this run's optimiser.
+
+    Returns:
+        One sentence per problem, naming the field, its value and what was expected (empty: none).
+    """
     problems: list[str] = []
     saved = state["optimizer"]["param_groups"]
     for i, (group, live) in enumerate(zip(saved, optimizer.param_groups, strict=False)):
@@ -204,7 +223,15 @@ def compare_optimizer(state: Mapping[str, Any], optimizer: Optimizer) -> list[st
 
 def compare_scheduler(state: Mapping[str, Any], scheduler: LRScheduler | None) -> list[str]:
     """The saved scheduler state against this scheduler's: the same keys and value types, the same settings
-    (constructor arguments it keeps, and ``base_lrs``), ``last_epoch`` >= -1 and learning rates >= 0."""
+    (constructor arguments it keeps, and ``base_lrs``), ``last_epoch`` >= -1 and learning rates >= 0.
+
+    Args:
+        state: the saved trainer state.
+        scheduler: this run's scheduler, or None.
+
+    Returns:
+        One sentence per problem, naming the field, its value and what was expected (empty: none).
+    """
     saved = state["scheduler"]
     if scheduler is None or not isinstance(saved, dict):
         return []
@@ -226,7 +253,16 @@ def compare_scheduler(state: Mapping[str, Any], scheduler: LRScheduler | None) -
 
 def check_rng(rng: Any, live: Mapping[str, Any], what: str) -> list[str]:
     """A saved random state against this process's (``training.distributed.rng_state``): the same keys, torch's
-    generator state of the same size (Python's is checked by ``random.setstate`` itself, rolled back on failure)."""
+    generator state of the same size (Python's is checked by ``random.setstate`` itself, rolled back on failure).
+
+    Args:
+        rng: the saved random state.
+        live: this process's.
+        what: names the state in messages.
+
+    Returns:
+        One sentence per problem, naming the field, its value and what was expected (empty: none).
+    """
     problems: list[str] = []
     if not isinstance(rng, dict) or not {"torch", "python"} <= set(rng) <= {"torch", "python", "cuda"}:
         return [f"{what} must be a dict of torch, python (and cuda) states, got {_short(rng)}"]

@@ -31,7 +31,8 @@ class SyntheticTask(Sequence[Example]):
         task: "copy", "reverse" or "add".
         size: number of examples.
         n_symbols: alphabet size of copy/reverse (``add`` always uses the 10 digits and "+").
-        min_len, max_len: sequence length range of copy/reverse, or digit-count range of each number for add.
+        min_len: shortest sequence of copy/reverse, or fewest digits of each number for add.
+        max_len: longest sequence of copy/reverse, or most digits of each number for add.
         seed: selects the examples.
 
     Raises:
@@ -94,7 +95,14 @@ class SyntheticTask(Sequence[Example]):
         return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
 
     def answer(self, source: Sequence[int]) -> list[int]:
-        """The correct target of a source (``[EOS]`` included), computed from the source alone."""
+        """The correct target of a source (``[EOS]`` included), computed from the source alone.
+
+        Args:
+            source: the source ids (``[EOS]`` optional).
+
+        Returns:
+            The target ids, ending with ``[EOS]``.
+        """
         body = [t for t in source if t != EOS_ID]
         if self.task == "copy":
             target = body
@@ -106,7 +114,17 @@ class SyntheticTask(Sequence[Example]):
         return list(target) + [EOS_ID]
 
     def encode(self, text: str) -> list[int]:
-        """Ids of a string of symbols (``a``, ``b``, ... for copy/reverse; digits and "+" for add)."""
+        """Ids of a string of symbols (``a``, ``b``, ... for copy/reverse; digits and "+" for add).
+
+        Args:
+            text: the symbols.
+
+        Returns:
+            Their ids.
+
+        Raises:
+            ValueError: a character that is not a symbol of the task, naming it.
+        """
         alphabet = self._alphabet()
         bad = [c for c in text if c not in alphabet]
         if bad:
@@ -114,7 +132,14 @@ class SyntheticTask(Sequence[Example]):
         return [FIRST_SYMBOL + alphabet.index(c) for c in text]
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The symbols of ``ids`` as a string; special tokens are dropped."""
+        """The symbols of ``ids`` as a string; special tokens are dropped.
+
+        Args:
+            ids: token ids.
+
+        Returns:
+            The string of symbols.
+        """
         alphabet = self._alphabet()
         return "".join(alphabet[i - FIRST_SYMBOL] for i in ids if FIRST_SYMBOL <= i < self.vocab_size)
 
@@ -126,6 +151,14 @@ class SyntheticTask(Sequence[Example]):
 
 def held_out(train: SyntheticTask, size: int, seed: int) -> list[Example]:
     """``size`` examples of ``train``'s task whose sources do not occur in ``train`` (a real test set).
+
+    Args:
+        train: the training set.
+        size: examples to return.
+        seed: the seed of the held-out draw (must differ from ``train``'s).
+
+    Returns:
+        ``(source, target)`` pairs.
 
     Raises:
         ValueError: ``seed`` equals the training seed, or the task space is too small to find enough

@@ -69,7 +69,8 @@ class Trainer:
         collate_fn: list of examples -> batch dict of tensors (see ``training.collators``).
         scheduler: a factory called with the optimiser (or, with a built optimiser, a scheduler over it);
             stepped after every optimiser step.
-        eval_data, eval_collate_fn: the evaluation set and its collator (default ``collate_fn``).
+        eval_data: the evaluation set (indexable, like ``train_data``).
+        eval_collate_fn: its collator (default ``collate_fn``).
         loss_fn: an object with ``count(batch) -> int`` (target tokens) and ``(model, batch) -> summed
             loss``; default ``TokenLoss`` with ``shift=True`` for ``DecoderLM`` (its labels are shifted
             inside the model) and aligned labels otherwise.

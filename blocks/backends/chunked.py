@@ -42,6 +42,22 @@ def chunked_attention(
 ) -> Tensor:
     """Attention by an online softmax over key blocks of ``block_size``; same contract as ``math``.
 
+    Args:
+        q: queries; ``H % Hkv == 0`` (GQA/MQA share key/value heads).
+        k: keys.
+        v: values.
+        mask: bool, True = may attend, broadcastable to ``(B, H, Lq, Lk)``.
+        bias: additive float bias (ALiBi, relative positions), broadcastable to ``(B, H, Lq, Lk)``.
+        is_causal: apply a bottom-right aligned causal mask.
+        dropout_p: dropout on the attention weights.
+        scale: score scale, default ``1 / sqrt(D)``.
+        softcap: if set, scaled scores become ``softcap · tanh(score / softcap)`` before bias and mask.
+        sinks: ``(H,)`` attention-sink logits (see ``math``).
+        block_size: keys per block (memory is ``O(Lq · block_size)`` per head).
+
+    Returns:
+        The output; query rows with no allowed key give zeros.
+
     Shapes: q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)`` -> ``(B, H, Lq, Dv)``.
 
     Raises:

@@ -15,7 +15,22 @@ from ..masks import causal_mask
 
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None) -> None:
-    """Validate the backend signature's shapes; raise ``ValueError`` naming the bad value."""
+    """Validate the backend signature's shapes.
+
+    Args:
+        q: the queries.
+        k: the keys.
+        v: the values.
+        mask: bool mask (True = may attend), or None.
+        bias: additive float bias, or None.
+
+    Raises:
+        ValueError: naming the bad value: tensors that are not 4-D, batch sizes, head dims, heads or lengths that
+            differ, mixed dtypes, ``H`` not a multiple of ``Hkv``, a mask or bias that does not broadcast, a mask
+            that is not bool.
+
+    Shapes: q ``(B, H, Lq, D)``, k and v ``(B, Hkv, Lk, D)``, mask and bias broadcastable to ``(B, H, Lq, Lk)``.
+    """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be 4-D (B, H, L, D); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -46,7 +61,17 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Ten
 
 
 def check_sinks(sinks: Tensor | None, q: Tensor) -> None:
-    """Raise ``ValueError`` unless ``sinks`` is None or a floating ``(H,)`` tensor: one logit per query head."""
+    """Check that ``sinks`` is None or a floating ``(H,)`` tensor: one logit per query head.
+
+    Args:
+        sinks: the sink logits, or None.
+        q: the queries (for ``H``).
+
+    Raises:
+        ValueError: anything else, naming its shape or type.
+
+    Shapes: sinks ``(H,)``, q ``(B, H, Lq, D)``.
+    """
     if sinks is None:
         return
     if not isinstance(sinks, Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (q.shape[1],):
@@ -56,20 +81,48 @@ def check_sinks(sinks: Tensor | None, q: Tensor) -> None:
 
 
 def sink_scale(lse: Tensor, sinks: Tensor) -> Tensor:
-    """``Z / (Z + exp(sink))`` from ``lse = log Z`` ``(B, H, Lq)``: the factor that turns an attention output
-    without sinks into the output with them, ``(B, H, Lq, 1)`` (``sigmoid(lse - sink)``, exact; 0 where ``Z = 0``)."""
+    """``Z / (Z + exp(sink))``: the factor that turns an attention output without sinks into the output with them.
+
+    Args:
+        lse: ``log Z``, each query row's log-sum-exp of its scores.
+        sinks: each head's sink logit.
+
+    Returns:
+        ``sigmoid(lse - sink)`` (exact; 0 where ``Z = 0``).
+
+    Shapes: lse ``(B, H, Lq)``, sinks ``(H,)`` -> ``(B, H, Lq, 1)``.
+    """
     return torch.sigmoid(lse.float() - sinks.float()[:, None])[..., None]
 
 
 def default_scale(q: Tensor, scale: float | None) -> float:
-    """``1 / sqrt(d_k)`` (paper §3.2.1) unless ``scale`` is given."""
+    """``1 / sqrt(d_k)`` (paper §3.2.1) unless ``scale`` is given.
+
+    Args:
+        q: the queries (their last dimension is ``d_k``).
+        scale: the scale to use instead, or None.
+
+    Returns:
+        The scale of the scores.
+
+    Shapes: q ``(B, H, Lq, D)``.
+    """
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
 def soft_cap(scores: Tensor, softcap: float | None) -> Tensor:
     """``softcap · tanh(scores / softcap)`` (Gemma 2): bounds the scores smoothly to (-softcap, softcap).
 
-    Applied to the scaled scores before any bias or mask. ``None`` leaves them unchanged.
+    Applied to the scaled scores before any bias or mask.
+
+    Args:
+        scores: the scaled attention scores.
+        softcap: the cap, or None to leave the scores unchanged.
+
+    Returns:
+        The capped scores.
+
+    Shapes: ``(...)`` -> same.
     """
     if softcap is None:
         return scores
@@ -77,7 +130,14 @@ def soft_cap(scores: Tensor, softcap: float | None) -> Tensor:
 
 
 def check_softcap(softcap: float | None) -> None:
-    """Raise ``ValueError`` unless ``softcap`` is None or a finite positive number."""
+    """Check that ``softcap`` is None or a finite positive number.
+
+    Args:
+        softcap: the value to check.
+
+    Raises:
+        ValueError: anything else (a bool, a string, 0, inf, NaN), naming it.
+    """
     if softcap is not None and (
         isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf
     ):
@@ -93,6 +153,15 @@ def allowed_keys(
     backend (and its gradient) finite, and ``has_key`` (``(..., Lq, 1)`` bool) lets the caller zero those
     rows afterwards. The guard is unconditional tensor algebra (no data-dependent branch), so it traces
     under ``torch.compile(fullgraph=True)``.
+
+    Args:
+        mask: bool mask (True = may attend), or None.
+        is_causal: add the bottom-right aligned causal mask.
+        lq: number of queries.
+        lk: number of keys.
+        device: where to build the causal mask.
+
+    Shapes: mask broadcastable to ``(B, H, Lq, Lk)`` -> allowed of the broadcast shape, has_key ``(..., Lq, 1)``.
 
     Returns:
         ``(allowed, has_key)``: ``allowed`` is None when nothing is masked; ``has_key`` is None when no
@@ -110,19 +179,46 @@ def allowed_keys(
 
 
 def zero_empty_rows(out: Tensor, has_key: Tensor | None) -> Tensor:
-    """Zero the output rows whose queries had no allowed key."""
+    """Zero the output rows whose queries had no allowed key.
+
+    Args:
+        out: the attention output.
+        has_key: from ``allowed_keys``, or None (no row can be empty).
+
+    Returns:
+        ``out`` with those rows zero.
+
+    Shapes: out ``(B, H, Lq, D)``, has_key broadcastable to ``(B, H, Lq, 1)`` -> ``(B, H, Lq, D)``.
+    """
     if has_key is None:
         return out
     return out * has_key.to(out.dtype)
 
 
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """Bool mask (True = may attend) -> additive float mask (0 or -inf). The only ``-inf`` in the zoo."""
+    """Bool mask (True = may attend) -> additive float mask (0 or -inf). The only ``-inf`` in the zoo.
+
+    Args:
+        mask: the bool mask.
+        dtype: the float dtype of the result.
+
+    Returns:
+        0 where the mask is True, ``-inf`` elsewhere.
+
+    Shapes: ``(...)`` -> same.
+    """
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     """Repeat key/value heads for grouped-query attention.
+
+    Args:
+        x: keys or values.
+        n_rep: query heads per key/value head.
+
+    Returns:
+        ``x`` with each head repeated ``n_rep`` times (``x`` itself when ``n_rep == 1``).
 
     Shapes: ``(B, Hkv, L, D)`` -> ``(B, Hkv * n_rep, L, D)``, head ``h`` of the output is head
     ``h // n_rep`` of the input.

@@ -41,6 +41,21 @@ def flex_attention_backend(
     A ``score_mod`` cannot change the softmax's denominator, so attention sinks (``sinks``, ``(H,)``) rescale the
     output afterwards with the kernel's log-sum-exp: ``out · Z / (Z + exp(sink)) = out · sigmoid(lse - sink)``.
 
+    Args:
+        q: queries; ``H % Hkv == 0`` (GQA/MQA share key/value heads).
+        k: keys.
+        v: values.
+        mask: bool, True = may attend, broadcastable to ``(B, H, Lq, Lk)``.
+        bias: additive float bias (ALiBi, relative positions), broadcastable to ``(B, H, Lq, Lk)``.
+        is_causal: apply a bottom-right aligned causal mask.
+        dropout_p: dropout on the attention weights.
+        scale: score scale, default ``1 / sqrt(D)``.
+        softcap: if set, scaled scores become ``softcap · tanh(score / softcap)`` before bias and mask.
+        sinks: ``(H,)`` attention-sink logits (see ``math``).
+
+    Returns:
+        The output; query rows with no allowed key give zeros.
+
     Shapes: q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)`` -> ``(B, H, Lq, Dv)``.
 
     Raises:

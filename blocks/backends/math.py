@@ -39,7 +39,9 @@ def math_attention(
     """Scaled dot-product attention computed explicitly, optionally returning the weights.
 
     Args:
-        q, k, v: queries, keys and values; ``H % Hkv == 0`` (GQA/MQA share key/value heads).
+        q: queries ``(B, H, Lq, D)``; ``H % Hkv == 0`` (GQA/MQA share key/value heads).
+        k: keys ``(B, Hkv, Lk, D)``.
+        v: values ``(B, Hkv, Lk, D)``.
         mask: bool, True = may attend, broadcastable to ``(B, H, Lq, Lk)``.
         bias: additive float bias (ALiBi, relative positions), broadcastable to ``(B, H, Lq, Lk)``.
         is_causal: apply a bottom-right aligned causal mask.

@@ -34,6 +34,21 @@ def sdpa_attention(
     Attention sinks (``sinks``, ``(H,)``) become one more key: a zero key and a zero value whose additive mask is
     the head's sink logit, so the fused kernel adds ``exp(sink)`` to the denominator and nothing to the output.
 
+    Args:
+        q: queries; ``H % Hkv == 0`` (GQA/MQA share key/value heads).
+        k: keys.
+        v: values.
+        mask: bool, True = may attend, broadcastable to ``(B, H, Lq, Lk)``.
+        bias: additive float bias (ALiBi, relative positions), broadcastable to ``(B, H, Lq, Lk)``.
+        is_causal: apply a bottom-right aligned causal mask.
+        dropout_p: dropout on the attention weights.
+        scale: score scale, default ``1 / sqrt(D)``.
+        softcap: if set, scaled scores become ``softcap · tanh(score / softcap)`` before bias and mask.
+        sinks: ``(H,)`` attention-sink logits (see ``math``).
+
+    Returns:
+        The output; query rows with no allowed key give zeros.
+
     Shapes: q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)`` -> ``(B, H, Lq, Dv)``.
     """
     check_inputs(q, k, v, mask, bias)

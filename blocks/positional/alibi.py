@@ -16,6 +16,15 @@ def alibi_slopes(n_heads: int) -> Tensor:
     ``2^(-8/n)`` with that ratio; otherwise the slopes of the nearest lower power of two followed by
     every other slope of the next power of two.
 
+    Args:
+        n_heads: the number of heads.
+
+    Returns:
+        One slope per head, float32.
+
+    Raises:
+        ValueError: ``n_heads`` below 1.
+
     Shapes: returns ``(n_heads,)``.
     """
     if n_heads < 1:
@@ -36,7 +45,19 @@ def alibi_slopes(n_heads: int) -> Tensor:
 @register("positional", "alibi")
 class ALiBiPositionalBias(PositionalEncoding):
     """Adds ``-slope_h · |i - j|`` to the attention scores of head ``h`` (for causal attention this is
-    the paper's ``-slope · (i - j)``; the symmetric form extends it to bidirectional encoders)."""
+    the paper's ``-slope · (i - j)``; the symmetric form extends it to bidirectional encoders).
+
+    The model's shape arguments are those every positional encoding takes; ALiBi uses ``n_heads``.
+
+    Args:
+        d_model: the model's width.
+        n_heads: attention heads.
+        d_head: width of each head.
+        max_len: the longest sequence.
+        causal: the stack is causal.
+
+    Shapes: positions ``(B, Lq)``, ``(B, Lk)`` -> bias ``(B, H, Lq, Lk)``.
+    """
 
     def __init__(
         self, d_model: int, n_heads: int = 1, d_head: int | None = None, max_len: int = 512, causal: bool = False

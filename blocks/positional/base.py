@@ -35,7 +35,14 @@ class PositionalEncoding(nn.Module):
     _fp32_buffers: tuple[str, ...] = ()
 
     def register_fp32_buffer(self, name: str, tensor: Tensor) -> None:
-        """A non-persistent float32 buffer that moves with the module's device but never changes dtype."""
+        """A non-persistent float32 buffer that moves with the module's device but never changes dtype.
+
+        Args:
+            name: the buffer's attribute name.
+            tensor: its values (stored as float32).
+
+        Shapes: tensor: any.
+        """
         self.register_buffer(name, tensor.float(), persistent=False)
         self._fp32_buffers = (*self._fp32_buffers, name)
 
@@ -49,19 +56,58 @@ class PositionalEncoding(nn.Module):
         return self
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Return the embeddings ``x`` ``(B, L, d_model)`` with positional information added."""
+        """Add positional information to the token embeddings (the base class adds nothing).
+
+        Args:
+            x: the embeddings.
+            positions: each token's position.
+
+        Returns:
+            The embeddings with positions added.
+
+        Shapes: x ``(B, L, d_model)``, positions ``(B|1, L)`` -> ``(B, L, d_model)``.
+        """
         return x
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Rotate queries or keys ``(B, H, L, D)`` by their positions ``(B, L)``."""
+        """Rotate queries or keys by their positions (the base class leaves them as they are).
+
+        Args:
+            x: queries or keys.
+            positions: their positions.
+
+        Returns:
+            The rotated tensor.
+
+        Shapes: x ``(B, H, L, D)``, positions ``(B|1, L)`` -> ``(B, H, L, D)``.
+        """
         return x
 
     def attention_bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
-        """Additive bias ``(B, H, Lq, Lk)`` from positions ``(B, Lq)`` and ``(B, Lk)``, or None."""
+        """The additive attention bias these positions give (the base class gives none).
+
+        Args:
+            q_positions: the queries' positions.
+            k_positions: the keys' positions.
+
+        Returns:
+            The bias, or None.
+
+        Shapes: q_positions ``(B, Lq)``, k_positions ``(B, Lk)`` -> ``(B, H, Lq, Lk)``.
+        """
         return None
 
     def check_positions(self, positions: Tensor) -> None:
-        """Raise ``ValueError`` if a position is beyond what this encoding represents."""
+        """Check that no position is beyond what this encoding represents (skipped under ``torch.compile``).
+
+        Args:
+            positions: the positions about to be encoded.
+
+        Raises:
+            ValueError: a position at or past ``max_positions``, naming it.
+
+        Shapes: positions ``(B, L)``.
+        """
         if self.max_positions is None or not positions.numel() or torch.compiler.is_compiling():
             return  # (reading tensor data would break a compiled graph)
         if int(positions.max()) >= self.max_positions:

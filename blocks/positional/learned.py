@@ -11,7 +11,17 @@ from .base import PositionalEncoding
 
 @register("positional", "learned")
 class LearnedPositionalEmbedding(PositionalEncoding):
-    """A ``(max_len, d_model)`` embedding table added to the token embeddings; cannot extend."""
+    """A ``(max_len, d_model)`` embedding table added to the token embeddings; cannot extend.
+
+    Args:
+        d_model: the model's width.
+        n_heads: attention heads.
+        d_head: width of each head.
+        max_len: the longest sequence.
+        causal: the stack is causal.
+
+    Shapes: ``(B, L, d_model)`` -> ``(B, L, d_model)``.
+    """
 
     def __init__(
         self, d_model: int, n_heads: int = 1, d_head: int | None = None, max_len: int = 512, causal: bool = False

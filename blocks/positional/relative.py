@@ -17,6 +17,15 @@ def relative_position_buckets(relative: Tensor, causal: bool, num_buckets: int, 
     Bidirectional: half the buckets for keys after the query, half for keys at or before it. Causal: every bucket
     for keys at or before the query (later keys are masked anyway and share bucket 0).
 
+    Args:
+        relative: the offsets.
+        causal: the stack is causal.
+        num_buckets: the number of buckets.
+        max_distance: distances from this on share the last bucket.
+
+    Returns:
+        The bucket ids.
+
     Shapes: ``relative`` any integer shape -> same shape, long.
     """
     buckets = torch.zeros_like(relative)
@@ -43,7 +52,13 @@ class T5RelativePositionBias(PositionalEncoding):
     Args:
         n_heads: heads of the attention it biases.
         causal: the stack is causal (decoder buckets) or bidirectional (encoder buckets).
-        num_buckets, max_distance: the bucketing (T5: 32 and 128).
+        num_buckets: relative-position buckets (T5: 32).
+        max_distance: distances from this on share the last bucket (T5: 128).
+
+    Raises:
+        ValueError: ``num_buckets`` or ``max_distance`` not an integer >= 4.
+
+    Shapes: positions ``(B, Lq)``, ``(B, Lk)`` -> bias ``(B, H, Lq, Lk)``.
     """
 
     def __init__(

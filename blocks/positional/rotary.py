@@ -50,7 +50,14 @@ _LISTS = ("short_factor", "long_factor")
 @dataclasses.dataclass(frozen=True)
 class RotaryScaling:
     """Frequencies of a scaled rotary encoding: ``inv_freq`` (LongRoPE: the short set), LongRoPE's long set and the
-    position count past which it applies, and the factor cos and sin are multiplied by."""
+    position count past which it applies, and the factor cos and sin are multiplied by.
+
+    Attributes:
+        inv_freq: the frequencies ``(dim // 2,)`` (LongRoPE: the short set).
+        long_inv_freq: LongRoPE's long set, or None.
+        switch_after: the position count past which the long set applies, or None.
+        attention_factor: what cos and sin are multiplied by (YaRN, LongRoPE).
+    """
 
     inv_freq: Tensor
     long_inv_freq: Tensor | None = None
@@ -59,13 +66,31 @@ class RotaryScaling:
 
 
 def rotate_half(x: Tensor) -> Tensor:
-    """``[x1, x2] -> [-x2, x1]`` over the last dimension."""
+    """``[x1, x2] -> [-x2, x1]`` over the last dimension.
+
+    Args:
+        x: queries or keys.
+
+    Returns:
+        The rotated halves.
+
+    Shapes: ``(..., D)`` -> same.
+    """
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
 def rotate_pairs(x: Tensor) -> Tensor:
-    """``(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)``: the interleaved (GPT-J) layout of ``rotate_half``."""
+    """``(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)``: the interleaved (GPT-J) layout of ``rotate_half``.
+
+    Args:
+        x: queries or keys.
+
+    Returns:
+        The rotated pairs.
+
+    Shapes: ``(..., D)`` -> same.
+    """
     pairs = x.reshape(*x.shape[:-1], -1, 2)  # (not unflatten: dynamo breaks its graph on Tensor.unflatten)
     return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
 
@@ -73,6 +98,14 @@ def rotate_pairs(x: Tensor) -> Tensor:
 def rotary_frequencies(dim: int, base: float, scaling: Mapping[str, Any] | None = None) -> Tensor:
     """``inv_freq_i = base^(-2i/dim)`` for ``i < dim/2``, with optional context-extension scaling, in float32
     (LongRoPE: the short set; see ``rotary_scaling`` for the rest).
+
+    Args:
+        dim: the rotated dimensions per head.
+        base: θ.
+        scaling: the scaling (``{"type": "linear" | "llama3" | "yarn" | "longrope", ...}``), or None.
+
+    Returns:
+        The frequencies.
 
     Shapes: returns ``(dim // 2,)``.
 
@@ -84,6 +117,13 @@ def rotary_frequencies(dim: int, base: float, scaling: Mapping[str, Any] | None 
 
 def check_scaling(scaling: Mapping[str, Any], dim: int) -> str:
     """The scaling type, after checking its keys and values.
+
+    Args:
+        scaling: the scaling dict.
+        dim: the rotated dimensions per head (LongRoPE's lists hold ``dim / 2`` factors).
+
+    Returns:
+        The scaling's ``type``.
 
     Raises:
         ValueError: an unknown type, missing or unknown keys, a factor that is not a finite number > 0, a flag that
@@ -120,6 +160,15 @@ def rotary_scaling(dim: int, base: float, scaling: Mapping[str, Any] | None = No
                    max_len: int | None = None) -> RotaryScaling:
     """The frequencies (float32) and attention factor of a rotary encoding with optional scaling; ``max_len`` (the
     model's context) gives LongRoPE's default ``factor``.
+
+    Args:
+        dim: the rotated dimensions per head.
+        base: θ.
+        scaling: the scaling dict, or None.
+        max_len: the model's context.
+
+    Returns:
+        The frequencies and factor.
 
     Raises:
         ValueError: see ``check_scaling``; llama3 with ``high_freq_factor <= low_freq_factor``.
@@ -192,10 +241,18 @@ class RotaryPositionalEncoding(PositionalEncoding):
     Pairs are ``(i, i + d/2)`` (rotate-half layout, GPT-NeoX/LLaMA); see ``rotary_interleaved`` for ``(2i, 2i+1)``.
 
     Args:
-        d_model, n_heads, d_head: the model's shape (``d_head`` defaults to ``d_model // n_heads``).
+        d_model: the model's width.
+        n_heads: attention heads.
+        d_head: width of each head (default ``d_model // n_heads``).
         base: θ of the frequencies.
         fraction: share of each head's dimensions that rotate (the first ``int(d_head · fraction)``).
         scaling: context-extension scaling of the frequencies (see the module docstring), or None.
+
+    Raises:
+        ValueError: a base that is not a finite number > 1, a fraction outside (0, 1], an odd rotated width, or a
+            bad scaling (see ``check_scaling``).
+
+    Shapes: rotate: x ``(B, H, L, D)``, positions ``(B|1, L)`` -> ``(B, H, L, D)``.
     """
 
     rotates = True

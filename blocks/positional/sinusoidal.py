@@ -19,6 +19,18 @@ def sinusoid_table(n_positions: int, d_model: int, layout: str = "interleave", b
     ``layout="interleave"`` puts sin on even and cos on odd dimensions, as in the paper;
     ``layout="concat"`` puts all sines first, then all cosines ``[sin | cos]`` (Marian, fairseq).
 
+    Args:
+        n_positions: rows of the table.
+        d_model: its width (even).
+        layout: ``"interleave"`` or ``"concat"``.
+        base: the wavelength base (10000 in the paper).
+
+    Returns:
+        The table.
+
+    Raises:
+        ValueError: an odd ``d_model`` or an unknown layout.
+
     Shapes: returns ``(n_positions, d_model)`` float32.
     """
     if layout not in LAYOUTS:
@@ -74,7 +86,17 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
 
 @register("positional", "sinusoidal_concat")
 class ConcatSinusoidalPositionalEncoding(SinusoidalPositionalEncoding):
-    """Sinusoids in the ``[sin | cos]`` layout, as Marian and fairseq checkpoints use."""
+    """Sinusoids in the ``[sin | cos]`` layout, as Marian and fairseq checkpoints use.
+
+    Args:
+        d_model: the model's width.
+        n_heads: attention heads (unused).
+        d_head: width of each head (unused).
+        max_len: positions the table holds at first (it extends on demand).
+        causal: the stack is causal (unused).
+
+    Shapes: ``(B, L, d_model)`` -> ``(B, L, d_model)``.
+    """
 
     def __init__(
         self, d_model: int, n_heads: int = 1, d_head: int | None = None, max_len: int = 512, causal: bool = False

@@ -39,13 +39,17 @@ class QuantizedLinear(nn.Module):
     ``decode``; everything else is shared).
 
     Args:
-        in_features, out_features: as ``nn.Linear``.
+        in_features: as ``nn.Linear``.
+        out_features: as ``nn.Linear``.
         bias: whether there is a float bias.
         **options: the scheme's options (see ``options()``).
 
     A freshly built layer is a skeleton: its packed tensors have their checkpoint shapes and are uninitialised (as
     ``torch.empty``: no memory is touched, so a model built to be loaded costs nothing) until a state dict is
     loaded (``quantized_skeleton``) or ``from_float`` fills them.
+
+    Raises:
+        ValueError: a size that is not a positive int, or bad options.
 
     Shapes: ``(..., in_features)`` -> ``(..., out_features)``.
     """
@@ -74,6 +78,13 @@ class QuantizedLinear(nn.Module):
     def check_options(cls, in_features: int, **options: Any) -> dict[str, Any]:
         """The scheme's options, checked against ``in_features`` and completed with defaults.
 
+        Args:
+            in_features: the layer's input width.
+            **options: the options given.
+
+        Returns:
+            The complete options.
+
         Raises:
             ValueError: an unknown option or a bad value (named), e.g. a group size that does not divide the width.
         """
@@ -83,29 +94,82 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def packed_shapes(cls, in_features: int, out_features: int, **options: Any) -> dict[str, tuple[tuple, Any]]:
-        """``state_names`` -> (shape, dtype) of a layer of this size."""
+        """``state_names`` -> (shape, dtype) of a layer of this size.
+
+        Args:
+            in_features: the input width.
+            out_features: the output width.
+            **options: the checked options.
+
+        Returns:
+            Each packed tensor's shape and dtype.
+
+        Raises:
+            NotImplementedError: on the base class.
+        """
         raise NotImplementedError
 
     @classmethod
     def pack(cls, weight: Tensor, **options: Any) -> dict[str, Tensor]:
-        """The packed tensors of a float ``(out, in)`` weight (``options`` already checked)."""
+        """The packed tensors of a float weight (``options`` already checked).
+
+        Args:
+            weight: the float weight.
+            **options: the checked options.
+
+        Returns:
+            ``state_names`` -> packed tensor.
+
+        Raises:
+            NotImplementedError: on the base class.
+
+        Shapes: weight ``(out, in)``.
+        """
         raise NotImplementedError
 
     @classmethod
     def decode(cls, packed: dict[str, Tensor], in_features: int, **options: Any) -> Tensor:
-        """The float32 ``(rows, in_features)`` weight of packed tensors holding ``rows`` output rows; pure torch, so
-        inductor can fuse it into a product."""
+        """The float32 weight of packed tensors holding ``rows`` output rows; pure torch, so inductor can fuse it into
+        a product.
+
+        Args:
+            packed: ``state_names`` -> packed tensor (of ``rows`` rows).
+            in_features: the input width.
+            **options: the checked options.
+
+        Returns:
+            The float32 weight.
+
+        Raises:
+            NotImplementedError: on the base class.
+
+        Shapes: -> ``(rows, in_features)``.
+        """
         raise NotImplementedError
 
     # ---- shared ----------------------------------------------------------------------------------------------------
 
     def options(self) -> dict[str, Any]:
-        """The scheme's options (JSON values), as ``config.json`` records them."""
+        """The scheme's options (JSON values), as ``config.json`` records them.
+
+        Returns:
+            Option name -> value.
+        """
         return dict(self._options)
 
     @classmethod
     def from_float(cls, weight: Tensor, bias: Tensor | None = None, **options: Any) -> QuantizedLinear:
         """Quantize a float ``(out_features, in_features)`` weight (and keep ``bias`` as it is).
+
+        Args:
+            weight: the float weight.
+            bias: the float bias, or None.
+            **options: the scheme's options.
+
+        Returns:
+            The packed layer.
+
+        Shapes: weight ``(out_features, in_features)``, bias ``(out_features,)``.
 
         Raises:
             ValueError: ``weight`` is not a 2-d floating tensor, has non-finite values, or bad ``options``.
@@ -130,6 +194,13 @@ class QuantizedLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, **options: Any) -> QuantizedLinear:
         """Quantize ``linear``'s weight (see ``from_float``).
 
+        Args:
+            linear: the float layer.
+            **options: the scheme's options.
+
+        Returns:
+            The packed layer.
+
         Raises:
             ValueError: ``linear`` is not an ``nn.Linear``, or as ``from_float``.
         """
@@ -138,21 +209,49 @@ class QuantizedLinear(nn.Module):
         return cls.from_float(linear.weight, linear.bias, **options)
 
     def packed(self, rows: Tensor | slice | None = None) -> dict[str, Tensor]:
-        """The packed tensors (``state_names``), restricted to output ``rows`` (indices or a slice) when given."""
+        """The packed tensors (``state_names``), restricted to output ``rows`` (indices or a slice) when given.
+
+        Args:
+            rows: output rows to keep, or None for all.
+
+        Returns:
+            ``state_names`` -> packed tensor.
+
+        Shapes: rows ``(R,)`` long.
+        """
         if rows is None:
             return {name: getattr(self, name) for name in self.state_names}
         return {name: getattr(self, name)[rows] for name in self.state_names}
 
     def unpack(self, rows: Tensor | slice | None = None) -> Tensor:
-        """The float32 weight, ``(out_features, in_features)`` (or the selected output ``rows``), exactly as packed."""
+        """The float32 weight, exactly as packed.
+
+        Args:
+            rows: output rows to unpack, or None for all.
+
+        Returns:
+            The weight.
+
+        Shapes: -> ``(out_features, in_features)``, or ``(R, in_features)`` for ``R`` rows.
+        """
         return self.decode(self.packed(rows), self.in_features, **self._options)
 
     def dequantized_weight(self) -> Tensor:
-        """The float32 weight the packed values represent (``unpack()``)."""
+        """The float32 weight the packed values represent (``unpack()``).
+
+        Returns:
+            The weight ``(out_features, in_features)``.
+
+        Shapes: -> ``(out_features, in_features)``.
+        """
         return self.unpack()
 
     def nbytes(self) -> int:
-        """Bytes one forward reads: every packed tensor and the bias."""
+        """Bytes one forward reads: every packed tensor and the bias.
+
+        Returns:
+            The byte count.
+        """
         tensors = [getattr(self, name) for name in self.state_names]
         if self.bias is not None:
             tensors.append(self.bias)
@@ -164,6 +263,14 @@ class QuantizedLinear(nn.Module):
         Compiled and few rows (decoding): the unpacking written inline so that inductor fuses it into the
         reduction (one pass over the packed bytes). Otherwise the weight is unpacked ``CHUNK_ELEMENTS`` at a time
         and multiplied by BLAS. Schemes with a packed-weight kernel override this.
+
+        Args:
+            x: the inputs.
+
+        Returns:
+            The product.
+
+        Shapes: x ``(rows, in_features)`` -> ``(rows, out_features)``.
         """
         if torch.compiler.is_compiling() and x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled():
             return small_rows_linear(x, self.unpack())
@@ -173,6 +280,13 @@ class QuantizedLinear(nn.Module):
         """``product(start, stop)`` (the outputs ``start:stop`` of a product) over consecutive runs of output rows
         holding at most ``elements`` weights (at least one row each), concatenated: the most of the weight an eager
         product unpacks at a time.
+
+        Args:
+            elements: weights per run at most.
+            product: computes the outputs ``start:stop``.
+
+        Returns:
+            The whole product.
 
         Shapes: each ``product`` ``(rows, stop - start)`` -> ``(rows, out_features)``.
         """
@@ -192,6 +306,12 @@ class QuantizedLinear(nn.Module):
     def embed(self, ids: Tensor) -> Tensor:
         """Rows ``ids`` of the weight, unpacked (an embedding lookup on the packed table).
 
+        Args:
+            ids: the rows.
+
+        Returns:
+            The rows, float32.
+
         Shapes: ``ids (...)`` long -> ``(..., in_features)`` float32.
         """
         flat = ids.reshape(-1)
@@ -202,6 +322,9 @@ class QuantizedLinear(nn.Module):
 
         Args:
             dtype: floating dtype of the new layer (default: the bias's dtype, else float32).
+
+        Returns:
+            The float layer.
 
         Raises:
             ValueError: ``dtype`` is not a floating dtype.
@@ -243,6 +366,9 @@ class QuantizedEmbedding(nn.Module):
         table: the packed ``(num_embeddings, embedding_dim)`` table, a ``QuantizedLinear`` (a head tied to the
             embedding is the same object, so the two stay tied and are stored once).
 
+    Raises:
+        ValueError: a table that is not a ``QuantizedLinear``.
+
     Shapes: ``ids (...)`` -> ``(..., embedding_dim)``.
     """
 
@@ -264,7 +390,14 @@ class QuantizedEmbedding(nn.Module):
         return self.table.embed(ids).to(self.dtype_probe.dtype)
 
     def to_embedding(self, dtype: torch.dtype | None = None) -> nn.Embedding:
-        """A float ``nn.Embedding`` holding the unpacked table."""
+        """A float ``nn.Embedding`` holding the unpacked table.
+
+        Args:
+            dtype: its floating dtype (default float32).
+
+        Returns:
+            The float embedding.
+        """
         embedding = nn.Embedding(self.num_embeddings, self.embedding_dim, device=self.weight.device,
                                  dtype=dtype or torch.float32)
         with torch.no_grad():
@@ -283,12 +416,7 @@ class PackedWeight(Tensor):
     loader then gives the named layer the scheme's packed tensors (``load_state()``) instead of a float weight.
     An operation on it (a transpose, a concatenation) gives a plain meta tensor, so a converter that changes a
     weight's values is noticed, and the loader uses ``materialize()`` (the float weight) for that tensor instead.
-
-    Args (of ``make``):
-        shape: the float weight's shape.
-        scheme: a name of ``blocks.names("quantization")``.
-        load_state: returns the scheme's packed tensors (``state_names`` -> tensor) for this weight.
-        materialize: returns the float32 weight (a dequantized copy).
+    ``make`` builds one.
     """
 
     # Operations give plain tensors: only the object a reader made carries ``scheme`` and the loaders.
@@ -300,6 +428,17 @@ class PackedWeight(Tensor):
 
     @staticmethod
     def make(shape: tuple[int, ...], scheme: str, load_state: Any, materialize: Any) -> PackedWeight:
+        """Build a stand-in.
+
+        Args:
+            shape: the float weight's shape.
+            scheme: a name of ``blocks.names("quantization")``.
+            load_state: returns the scheme's packed tensors (``state_names`` -> tensor) for this weight.
+            materialize: returns the float32 weight (a dequantized copy).
+
+        Returns:
+            The stand-in, on the meta device.
+        """
         weight = Tensor._make_subclass(PackedWeight, torch.empty(shape, device="meta"))
         weight.scheme, weight.load_state, weight.materialize = scheme, load_state, materialize
         return weight

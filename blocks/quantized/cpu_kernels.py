@@ -278,13 +278,25 @@ def _extension() -> Any:
 
 
 def available() -> bool:
-    """Whether the kernels are built (building them on the first call)."""
+    """Whether the kernels are built (building them on the first call).
+
+    Returns:
+        False without a C++ compiler, with ``ZOO_CPU_KERNELS=0``, or when the build failed.
+    """
     return _extension() is not None
 
 
 def ggml_mm(x: Tensor, scheme: str, packed: list[Tensor]) -> Tensor:
     """``x @ unpack().T`` for a layer of a ``FORMATS`` scheme, from its packed tensors (``FORMATS[scheme]`` order):
     the op ``zoo_ggml::ggml_mm`` (``available()`` must have built it).
+
+    Args:
+        x: the inputs, float32.
+        scheme: the layer's scheme.
+        packed: its packed tensors, in ``FORMATS[scheme]`` order.
+
+    Returns:
+        The product, float32.
 
     Shapes: ``x (rows, in)`` float32, packed tensors with ``out`` rows -> ``(rows, out)`` float32.
     """
@@ -301,7 +313,18 @@ def _fake(x: Tensor, format: int, packed: list[Tensor]) -> Tensor:  # noqa: A002
 def usable(scheme: str, x: Tensor, packed: dict[str, Tensor]) -> bool:
     """Whether ``ggml_mm`` can multiply ``x`` by these packed tensors: a format it knows, float32 on the CPU, no
     gradient wanted, packed tensors in their file dtypes, and the kernel built (built here on an eager call; a
-    compiled graph uses it when an eager call has built it: decoding prefills eagerly first)."""
+    compiled graph uses it when an eager call has built it: decoding prefills eagerly first).
+
+    Args:
+        scheme: the layer's scheme.
+        x: the inputs.
+        packed: its packed tensors by name.
+
+    Returns:
+        True when the kernel applies.
+
+    Shapes: x ``(rows, in)``.
+    """
     return (scheme in FORMATS and x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] % 32 == 0
             and not (torch.is_grad_enabled() and x.requires_grad) and packed["d"].dtype == torch.float16
             and all(packed[name].device.type == "cpu" and packed[name].is_contiguous() for name in FORMATS[scheme])

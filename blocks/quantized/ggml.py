@@ -68,7 +68,8 @@ class GGMLLinear(QuantizedLinear):
 
     Args:
         in_features: a multiple of the format's ``block_size``.
-        out_features, bias: as ``nn.Linear``.
+        out_features: as ``nn.Linear``.
+        bias: as ``nn.Linear``.
 
     Shapes: ``(..., in_features)`` -> ``(..., out_features)``.
     """
@@ -103,6 +104,13 @@ class GGMLLinear(QuantizedLinear):
     def check_options(cls, in_features: int, **options: Any) -> dict[str, Any]:
         """No options; ``in_features`` must be a whole number of blocks.
 
+        Args:
+            in_features: the input width.
+            **options: must be empty.
+
+        Returns:
+            ``{}``.
+
         Raises:
             ValueError: any option, or ``in_features`` not a multiple of ``block_size``.
         """
@@ -125,17 +133,52 @@ class GGMLLinear(QuantizedLinear):
 
     @classmethod
     def unpack_field(cls, name: str, field: Tensor) -> Tensor:
-        """A field of ``unpacked_fields`` from its bytes ``(rows, blocks, size)`` to ``(rows, blocks, n)``."""
+        """A field of ``unpacked_fields`` from its bytes to its values.
+
+        Args:
+            name: the field.
+            field: its bytes.
+
+        Returns:
+            Its values, one a byte.
+
+        Raises:
+            NotImplementedError: in formats without unpacked fields.
+
+        Shapes: ``(rows, blocks, size)`` -> ``(rows, blocks, n)``.
+        """
         raise NotImplementedError
 
     @classmethod
     def pack_field(cls, name: str, state: Tensor) -> Tensor:
-        """The inverse of ``unpack_field``: ``(rows, blocks, n)`` -> the field's bytes ``(rows, blocks, size)``."""
+        """The inverse of ``unpack_field``.
+
+        Args:
+            name: the field.
+            state: its values, one a byte.
+
+        Returns:
+            Its bytes.
+
+        Raises:
+            NotImplementedError: in formats without unpacked fields.
+
+        Shapes: ``(rows, blocks, n)`` -> ``(rows, blocks, size)``.
+        """
         raise NotImplementedError
 
     @classmethod
     def pack(cls, weight: Tensor, **options: Any) -> dict[str, Tensor]:
         """The packed tensors of a float ``(out, in)`` weight, quantized by ``gguf.quants.quantize``.
+
+        Args:
+            weight: the float weight.
+            **options: none.
+
+        Returns:
+            ``state_names`` -> packed tensor.
+
+        Shapes: weight ``(out, in)``.
 
         Raises:
             ValueError: the format has no quantizer in the gguf package (the K-quants).
@@ -156,18 +199,52 @@ class GGMLLinear(QuantizedLinear):
     @classmethod
     def codes(cls, packed: dict[str, Tensor], layout: BlockLayout) -> Codes:
         """The packed rows' integers, scales and offsets in ``layout`` (``BlockLayout``), pure torch: the weights
-        are ``Codes.weights()``."""
+        are ``Codes.weights()``.
+
+        Args:
+            packed: ``state_names`` -> packed tensor.
+            layout: the layout of the result.
+
+        Returns:
+            The codes.
+
+        Raises:
+            NotImplementedError: on the base class.
+
+        Shapes: packed tensors with ``rows`` rows -> codes ``(rows, blocks, *block_shape)`` (in ``layout``).
+        """
         raise NotImplementedError
 
     @classmethod
     def decode_layout(cls, packed: dict[str, Tensor], layout: BlockLayout) -> Tensor:
-        """The float32 weights of the packed rows in ``layout`` (``BlockLayout``), as ``gguf.quants`` computes them."""
+        """The float32 weights of the packed rows in ``layout`` (``BlockLayout``), as ``gguf.quants`` computes them.
+
+        Args:
+            packed: ``state_names`` -> packed tensor.
+            layout: the layout of the result.
+
+        Returns:
+            The weights.
+
+        Shapes: -> ``(rows, blocks, *block_shape)`` in ``layout``.
+        """
         return cls.codes(packed, layout).weights()
 
     @classmethod
     def decode_blocks(cls, packed: dict[str, Tensor], blocks: int, planes: bool = False) -> Tensor:
         """The float32 weights of packed rows of ``blocks`` blocks, ``(rows, blocks, *block_shape)`` (each block's
-        weights in order when flattened) or in the planes order (``BlockLayout``)."""
+        weights in order when flattened) or in the planes order (``BlockLayout``).
+
+        Args:
+            packed: ``state_names`` -> packed tensor.
+            blocks: blocks per row.
+            planes: the planes order.
+
+        Returns:
+            The weights.
+
+        Shapes: -> ``(rows, blocks, *block_shape)``.
+        """
         rows = packed[cls.state_names[0]].shape[0]
         return cls.decode_layout(packed, BlockLayout(rows, blocks, cls.block_shape, planes))
 
@@ -191,6 +268,8 @@ class GGMLLinear(QuantizedLinear):
         Raises:
             ValueError: ``raw`` is not a 2-d uint8 tensor with at least one row and a whole, positive number of
                 blocks per row.
+
+        Shapes: raw ``(out_features, row_bytes)``.
         """
         cls._check_raw(raw)
         rows, blocks = raw.shape[0], raw.shape[1] // cls.type_size
@@ -216,6 +295,8 @@ class GGMLLinear(QuantizedLinear):
 
         Raises:
             ValueError: a tensor is missing or has a dtype or shape that does not fit the others.
+
+        Shapes: -> ``(out_features, row_bytes)``.
         """
         missing = [name for name in cls.state_names if not isinstance(packed.get(name), Tensor)]
         if missing:
@@ -245,8 +326,13 @@ class GGMLLinear(QuantizedLinear):
             raw: uint8 ``(out_features, row_bytes)`` as the file stores it.
             bias: optional float ``(out_features,)``.
 
+        Returns:
+            The layer.
+
         Raises:
             ValueError: ``raw`` as ``blocks_to_state``, or ``bias`` not a float ``(out_features,)`` tensor.
+
+        Shapes: raw ``(out_features, row_bytes)``, bias ``(out_features,)``.
         """
         cls._check_raw(raw)
         rows, in_features = raw.shape[0], raw.shape[1] // cls.type_size * cls.block_size
@@ -263,7 +349,13 @@ class GGMLLinear(QuantizedLinear):
         return layer
 
     def to_blocks(self) -> Tensor:
-        """The layer's weight as the GGUF file's blocks, uint8 ``(out_features, row_bytes)`` (``state_to_blocks``)."""
+        """The layer's weight as the GGUF file's blocks (``state_to_blocks``).
+
+        Returns:
+            uint8 blocks.
+
+        Shapes: -> ``(out_features, row_bytes)``.
+        """
         return self.state_to_blocks(self.packed())
 
     @classmethod
@@ -288,6 +380,14 @@ class GGMLLinear(QuantizedLinear):
         ``EAGER_CHUNK`` floats of weight at a time, decoded in the planes order (``BlockLayout``) as ``scale · q``
         and multiplied by BLAS with the inputs taken in that order; the offsets (``Codes.scaled``) multiply the
         inputs' per-run sums.
+
+        Args:
+            x: the inputs.
+
+        Returns:
+            The product, float32.
+
+        Shapes: x ``(rows, in_features)`` -> ``(rows, out_features)``.
         """
         blocks, n = self.in_features // self.block_size, x.shape[0]
         packed = self.packed()

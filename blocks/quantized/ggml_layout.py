@@ -12,6 +12,16 @@ from torch import Tensor
 
 
 def f32(t: Tensor) -> Tensor:
+    """``t`` as float32.
+
+    Args:
+        t: any tensor.
+
+    Returns:
+        The float32 copy (``t`` itself when it is float32).
+
+    Shapes: any -> same.
+    """
     return t.to(torch.float32)
 
 
@@ -30,7 +40,8 @@ class BlockLayout:
     ``field``, ``small`` and ``bits``.
 
     Args:
-        rows, blocks: rows and blocks per row of the packed tensors.
+        rows: rows of the packed tensors.
+        blocks: blocks per row of the packed tensors.
         block_shape: the format's ``block_shape``.
         planes: the planes order.
     """
@@ -41,25 +52,73 @@ class BlockLayout:
         self.order = (0, *range(2, self.ndim - 1), 1, self.ndim - 1) if planes else tuple(range(self.ndim))
 
     def place(self, t: Tensor) -> Tensor:
-        """A full-rank tensor in the blocks order, in this layout (planes: contiguous, a copy where it moves data)."""
+        """A full-rank tensor in the blocks order, in this layout (planes: contiguous, a copy where it moves data).
+
+        Args:
+            t: a tensor of ``ndim`` dimensions in the blocks order.
+
+        Returns:
+            ``t`` in this layout.
+
+        Shapes: ``(rows, blocks, ...)`` -> the same dimensions, permuted for planes.
+        """
         return t.permute(self.order).contiguous() if self.planes else t
 
     def field(self, t: Tensor, *shape: int) -> Tensor:
-        """A packed field ``(rows, blocks · prod(shape))`` seen as ``(rows, blocks, 1, ..., *shape)``."""
+        """A packed field seen block by block.
+
+        Args:
+            t: the packed field.
+            *shape: each block's part of it.
+
+        Returns:
+            The view (placed in this layout).
+
+        Shapes: ``(rows, blocks · prod(shape))`` -> ``(rows, blocks, 1, ..., *shape)``.
+        """
         return self.place(t.view(self.rows, self.blocks, *([1] * (self.ndim - 2 - len(shape))), *shape))
 
     def small(self, t: Tensor, *shape: int) -> Tensor:
-        """A per-block tensor ``(rows, blocks, ...)`` (unpacked scales) seen as ``(rows, blocks, *shape)``, padded as
-        ``field``."""
+        """A per-block tensor (unpacked scales) seen as ``(rows, blocks, *shape)``, padded as ``field``.
+
+        Args:
+            t: the per-block values.
+            *shape: each block's part of them.
+
+        Returns:
+            The view.
+
+        Shapes: ``(rows, blocks, ...)`` -> ``(rows, blocks, 1, ..., *shape)``.
+        """
         return self.field(t.reshape(self.rows, self.blocks * math.prod(shape)), *shape)
 
     def word(self, t: Tensor, count: int, k: int) -> Tensor:
-        """Word ``k`` of the ``count`` words per block of a packed field ``(rows, blocks · count)``, broadcast over
-        the block."""
+        """Word ``k`` of the ``count`` words per block of a packed field, broadcast over the block.
+
+        Args:
+            t: the packed field.
+            count: words per block.
+            k: the word.
+
+        Returns:
+            The word of every block.
+
+        Shapes: ``(rows, blocks · count)`` -> ``(rows, blocks, 1, ..., 1)``.
+        """
         return self.small(t.view(self.rows, self.blocks, count)[:, :, k], *([1] * (self.ndim - 2)))
 
     def index(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        """``0, 1, ...`` over the per-block ``shape`` (like ``bits``' shifts), placed against full-rank tensors."""
+        """``0, 1, ...`` over the per-block ``shape`` (like ``bits``' shifts), placed against full-rank tensors.
+
+        Args:
+            shape: the per-block shape.
+            like: gives the dtype and device.
+
+        Returns:
+            The indices.
+
+        Shapes: -> ``(1, 1, ..., *shape)``.
+        """
         i = _shifts(shape, 1, like)
         return self.place(i.view(*([1] * (self.ndim - i.dim())), *shape))
 
@@ -70,7 +129,19 @@ class BlockLayout:
         In the blocks order an 8-bit ``t`` gives float32 (the same integers): ``float(t & (mask << shift)) ·
         2^-shift``, exact. Compiled, 8-bit shifts are emulated by shuffles (AVX-512 has none), and converting
         bytes to 32-bit integers goes element by element when inductor takes 32 at a time; masking bytes and
-        converting them to float is vectorised."""
+        converting them to float is vectorised.
+
+        Args:
+            t: the packed integers.
+            shape: the per-block shape the shifts count over.
+            step: bits per shift.
+            mask: the bits kept.
+
+        Returns:
+            The selected bits (float32 for 8-bit ``t`` in the blocks order).
+
+        Shapes: ``t`` broadcast against ``(1, 1, ..., *shape)``.
+        """
         shift = _shifts(shape, step, t)
         shift = self.place(shift.view(*([1] * (self.ndim - shift.dim())), *shape))
         if not self.planes and t.element_size() == 1:
@@ -94,7 +165,13 @@ class Codes(NamedTuple):
 
     def weights(self) -> Tensor:
         """The float32 weights, bit for bit as ``gguf.quants``: ``q - zero`` is exact in float32, then one rounding
-        for the product and one for the offset (``a - b`` and ``a + (-b)`` round alike)."""
+        for the product and one for the offset (``a - b`` and ``a + (-b)`` round alike).
+
+        Returns:
+            The weights.
+
+        Shapes: -> the codes' block shape.
+        """
         q = f32(self.q) - self.zero if self.zero else f32(self.q)
         w = self.scale * q
         return w if self.offset is None else w + self.offset
@@ -106,6 +183,11 @@ class Codes(NamedTuple):
         Args:
             integer_zero: subtract ``zero`` before converting ``q`` to float (one pass over bytes instead of floats:
                 faster in eager mode; compiled, the float subtraction vectorises better).
+
+        Returns:
+            ``(scaled codes, offsets or None)``.
+
+        Shapes: -> the codes' block shape.
         """
         if not self.zero:
             q = f32(self.q)
@@ -139,6 +221,8 @@ def fused_block_linear(x: Tensor, weights: Tensor, offsets: Tensor | None = None
 
     Raises:
         ValueError: ``x`` does not fit ``weights``.
+
+    Shapes: x ``(rows, in)``, weights ``(out, blocks, *block_shape)`` -> ``(rows, out)``.
     """
     block_dims = tuple(weights.shape[1:])
     if x.dim() != 2 or x.shape[1] != weights[0].numel():

@@ -53,9 +53,12 @@ class Int4Linear(QuantizedLinear):
     """``nn.Linear`` with group-wise int4 weights (a float32 scale and zero per ``group_size`` inputs).
 
     Args:
-        in_features, out_features, bias: as ``nn.Linear``.
-        group_size: inputs sharing a scale and zero: 32, 64 or 128 (default 128); must divide ``in_features``.
-        symmetric: ``True`` for torchao's symmetric int4 (zero 0), ``False`` (default) for its asymmetric one.
+        in_features: as ``nn.Linear``.
+        out_features: as ``nn.Linear``.
+        bias: as ``nn.Linear``.
+        **options: ``group_size``, the inputs sharing a scale and zero: 32, 64 or 128 (default 128), dividing
+            ``in_features``; ``symmetric``: ``True`` for torchao's symmetric int4 (zero 0), ``False`` (default) for
+            its asymmetric one.
 
     Raises:
         ValueError: an unknown option, a bad ``group_size`` or ``symmetric``, or a group size that does not divide
@@ -130,8 +133,16 @@ class Int4Linear(QuantizedLinear):
         return self._options["group_size"]
 
     def linear(self, x: Tensor) -> Tensor:
-        """``x @ unpack().T`` for ``x`` of shape ``(rows, in_features)``, without the bias (see the module
-        docstring for the kernel each case takes)."""
+        """``x @ unpack().T`` without the bias (see the module docstring for the kernel each case takes).
+
+        Args:
+            x: the inputs.
+
+        Returns:
+            The product.
+
+        Shapes: x ``(rows, in_features)`` -> ``(rows, out_features)``.
+        """
         if torch.compiler.is_compiling():
             if x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled():
                 return fused_int4_linear(x, self.qweight, self.scale, self.zero)
@@ -198,13 +209,16 @@ def fused_int4_linear(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor) -
     Args:
         x: ``(rows, in)`` activations.
         qweight: ``(out, in / 2)`` uint8, ``Int4Linear``'s layout.
-        scale, zero: ``(out, in / group_size)``.
+        scale: ``(out, in / group_size)``.
+        zero: ``(out, in / group_size)``.
 
     Returns:
         ``(rows, out)`` in ``x``'s dtype.
 
     Raises:
         ValueError: shapes that do not fit together.
+
+    Shapes: x ``(rows, in)``, qweight ``(out, in / 2)``, scale and zero ``(out, in / group_size)`` -> ``(rows, out)``.
     """
     out, groups = scale.shape
     if x.dim() != 2 or qweight.shape[0] != out or x.shape[1] != 2 * qweight.shape[1] or x.shape[1] % groups:

@@ -109,7 +109,11 @@ def quantized_skeleton(
 
 
 def packable_schemes() -> list[str]:
-    """The schemes whose ``from_float`` packs float weights (``quantize_linears`` / ``model.quantize`` take them)."""
+    """The schemes whose ``from_float`` packs float weights (``quantize_linears`` / ``model.quantize`` take them).
+
+    Returns:
+        Their names.
+    """
     return [name for name in names("quantization") if get("quantization", name).has_quantizer]
 
 
@@ -183,7 +187,14 @@ def _is_table_name(name: str, children: list[tuple[str, nn.Module]]) -> bool:
 
 
 def scheme_of(module: nn.Module) -> str | None:
-    """The registered quantization scheme ``module`` is a layer (or an embedding) of, or ``None`` for any other."""
+    """The registered quantization scheme ``module`` is a layer (or an embedding) of, or ``None`` for any other.
+
+    Args:
+        module: any module.
+
+    Returns:
+        The scheme's name, or None.
+    """
     if isinstance(module, QuantizedEmbedding):
         module = module.table
     if isinstance(module, QuantizedLinear) and module.scheme in names("quantization"):
@@ -193,7 +204,14 @@ def scheme_of(module: nn.Module) -> str | None:
 
 def quantized_modules(module: nn.Module) -> dict[str, str]:
     """Name -> scheme of every quantized layer and embedding inside ``module`` (under each name it is registered
-    by; an embedding's ``table`` is named by the embedding)."""
+    by; an embedding's ``table`` is named by the embedding).
+
+    Args:
+        module: a model.
+
+    Returns:
+        Module name -> scheme.
+    """
     children = list(module.named_modules(remove_duplicate=False))
     found = {}
     for name, child in children:
@@ -205,6 +223,12 @@ def quantized_modules(module: nn.Module) -> dict[str, str]:
 
 def quantization_options(module: nn.Module) -> dict[str, dict[str, Any]]:
     """Scheme -> options of the quantized layers inside ``module`` (schemes without options are left out).
+
+    Args:
+        module: a model.
+
+    Returns:
+        The options per scheme.
 
     Raises:
         ValueError: two layers of one scheme with different options (a checkpoint records one set per scheme).
@@ -220,7 +244,14 @@ def quantization_options(module: nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def state_names_of(module: nn.Module) -> tuple[str, ...]:
-    """The packed tensors' names, relative to ``module`` (a quantized layer or embedding)."""
+    """The packed tensors' names, relative to ``module`` (a quantized layer or embedding).
+
+    Args:
+        module: a quantized layer or embedding.
+
+    Returns:
+        The names (``table.``-prefixed for an embedding).
+    """
     if isinstance(module, QuantizedEmbedding):
         return tuple(f"table.{n}" for n in module.table.state_names)
     return tuple(module.state_names)
@@ -253,6 +284,13 @@ def quantization_mismatch(module: nn.Module, keys: Iterable[str]) -> str | None:
     an ``nn.Linear`` or ``nn.Embedding``, or a quantized layer of ``module`` of which the state dict holds none of
     the packed tensors (it is unquantized), is a mismatch. Only the first kind found is described, with every
     layer of that kind counted and the scheme named.
+
+    Args:
+        module: the model the state dict is for.
+        keys: the state dict's keys.
+
+    Returns:
+        The explanation, or None.
     """
     keys = set(keys)
     quantized_in_state: dict[str, tuple[str, tuple[str, ...]]] = {}

@@ -153,7 +153,8 @@ class AdapterFilesMixin:
             revision: Hub branch, tag or commit (default ``"main"``); not for local folders.
             model_type: read the module names as this ``transformers`` family's (default: the first family that
                 represents the model and has every module the adapter names).
-            token, endpoint: passed to ``huggingface_hub``.
+            token: passed to ``huggingface_hub``.
+            endpoint: passed to ``huggingface_hub``.
 
         Returns:
             The names of the adapted zoo layers.
@@ -214,7 +215,8 @@ class AdapterFilesMixin:
             revision: branch to commit to (default ``"main"``).
             base_model: recorded as ``base_model_name_or_path`` and in the card.
             model_type: the ``transformers`` family whose module names to write (see ``save_adapter``).
-            token, endpoint: passed to ``huggingface_hub``.
+            token: passed to ``huggingface_hub``.
+            endpoint: passed to ``huggingface_hub``.
 
         Returns:
             ``huggingface_hub.CommitInfo`` (``.oid`` is the commit sha).

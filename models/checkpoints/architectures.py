@@ -16,6 +16,12 @@ def register_architecture(cls: type[nn.Module]) -> type[nn.Module]:
 
     Re-defining the same class (same module and qualified name, e.g. on reload) replaces the entry.
 
+    Args:
+        cls: the model class.
+
+    Returns:
+        ``cls`` unchanged.
+
     Raises:
         ValueError: another class already holds that name.
     """
@@ -33,6 +39,12 @@ def register_architecture(cls: type[nn.Module]) -> type[nn.Module]:
 def get_architecture(name: str) -> type[nn.Module]:
     """The registered model class called ``name``.
 
+    Args:
+        name: the class's name, as ``config.json``'s ``architecture`` holds it.
+
+    Returns:
+        The class.
+
     Raises:
         ValueError: unknown name (the registered names are listed).
     """
@@ -42,5 +54,9 @@ def get_architecture(name: str) -> type[nn.Module]:
 
 
 def architectures() -> list[str]:
-    """Sorted names of every registered architecture."""
+    """Sorted names of every registered architecture.
+
+    Returns:
+        The names.
+    """
     return sorted(_ARCHITECTURES)

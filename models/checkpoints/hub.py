@@ -51,7 +51,11 @@ def hub_download(
     """``hf_hub_download`` into the cache, retrying transient server errors, reporting the real failure.
 
     Args:
-        repo_id, filename, revision, token, endpoint: as for ``huggingface_hub.hf_hub_download``.
+        repo_id: the Hub repository, as for ``huggingface_hub.hf_hub_download``.
+        filename: the file in it.
+        revision: branch, tag or commit.
+        token: the Hub token (None: ``huggingface_hub``'s own places).
+        endpoint: the Hub's URL (None: ``huggingface_hub``'s default).
 
     Returns:
         The cached file's path.
@@ -113,6 +117,14 @@ def checked_metadata(repo_id: str, filename: str, revision: str) -> Iterator[Non
     reads it. The check sits on the very answer the cache is named after: a server cannot pass a check with one
     answer and send another to the download.
 
+    Args:
+        repo_id: the repository, for messages.
+        filename: the file, for messages.
+        revision: the revision asked for.
+
+    Yields:
+        Nothing; the hook is active inside the ``with`` block.
+
     Raises:
         ValueError: a revision that leads out of the cache's ``refs`` folder (a branch or tag is written as
             ``refs/<revision>``); inside the block, as ``check_metadata``.
@@ -141,6 +153,9 @@ def check_metadata(response: Any) -> None:
     the blob is ``blobs/<etag>``, the snapshot ``snapshots/<commit>/``, a missing file ``.no_exist/<commit>/``.
     Other answers (the download itself, possibly from a CDN with ETags of its own) are not looked at.
 
+    Args:
+        response: the HTTP response.
+
     Raises:
         ValueError: a bad value, quoted, with the header and the file it came with.
     """
@@ -159,6 +174,11 @@ def check_metadata(response: Any) -> None:
 
 def check_push_arguments(repo_id: str, private: bool, revision: str | None) -> None:
     """Check ``push_folder``'s arguments before anything is written or requested.
+
+    Args:
+        repo_id: the repository.
+        private: create it private.
+        revision: the branch to commit to, or None.
 
     Raises:
         ValueError: an invalid ``repo_id``, or a ``revision`` that is not a non-empty branch name.
@@ -188,9 +208,13 @@ def push_folder(
     leaves a folder that the next push removes.
 
     Args:
-        repo_id, private, revision: as checked by ``check_push_arguments``.
+        repo_id: as checked by ``check_push_arguments``.
+        private: as checked by ``check_push_arguments``.
+        revision: as checked by ``check_push_arguments``.
         write: writes the files (plain files only) into the folder it is given.
-        commit_message, token, endpoint: passed to ``huggingface_hub``.
+        commit_message: passed to ``huggingface_hub``.
+        token: passed to ``huggingface_hub``.
+        endpoint: passed to ``huggingface_hub``.
 
     Returns:
         ``huggingface_hub.CommitInfo`` (``.oid`` is the commit sha; with nothing changed, the current head).
@@ -213,7 +237,15 @@ def push_folder(
 
 @contextmanager
 def naming_the_repo(repo_id: str | None, revision: str | None) -> Iterator[None]:
-    """Name the repo and the requested revision in the Hub's not-found errors raised inside."""
+    """Name the repo and the requested revision in the Hub's not-found errors raised inside.
+
+    Args:
+        repo_id: the repository, or None.
+        revision: the revision asked for, or None.
+
+    Yields:
+        Nothing; errors raised inside the ``with`` block are amended.
+    """
     try:
         yield
     except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
@@ -222,12 +254,24 @@ def naming_the_repo(repo_id: str | None, revision: str | None) -> Iterator[None]
 
 
 def is_commit_sha(text: str) -> bool:
-    """Whether ``text`` is a full 40-character Hub commit sha (the name of a cache snapshot folder)."""
+    """Whether ``text`` is a full 40-character Hub commit sha (the name of a cache snapshot folder).
+
+    Args:
+        text: a revision.
+
+    Returns:
+        True for a commit sha.
+    """
     return len(text) == 40 and all(c in "0123456789abcdef" for c in text)
 
 
 def append_to_message(error: BaseException, extra: str) -> None:
-    """Add ``extra`` to an exception's message in place (``huggingface_hub`` errors and plain ones alike)."""
+    """Add ``extra`` to an exception's message in place (``huggingface_hub`` errors and plain ones alike).
+
+    Args:
+        error: the exception.
+        extra: the text to append.
+    """
     if error.args and isinstance(error.args[0], str):
         error.args = (error.args[0] + extra, *error.args[1:])
     else:

@@ -41,6 +41,16 @@ class Location:
     """A checkpoint whose ``config.json`` has been found: a local ``folder``, or Hub ``repo_id`` at ``commit``.
 
     Finding the config first lets a loader refuse a wrong checkpoint before downloading its weights.
+
+    Attributes:
+        source: what the caller passed, for messages.
+        config: the local path of the config file.
+        folder: the local folder, or None on the Hub.
+        repo_id: the Hub repository, or None for a folder.
+        revision: the revision asked for.
+        commit: the commit sha it resolved to (downloads use it, so a moving branch cannot mix commits).
+        token: the Hub token.
+        endpoint: the Hub URL.
     """
 
     source: str
@@ -56,12 +66,25 @@ class Location:
         """Download ``filename`` of the located commit into the ``huggingface_hub`` cache (Hub only).
 
         Transient server errors are retried (see ``hub_download``).
+
+        Args:
+            filename: the file's path in the repository.
+
+        Returns:
+            Its cached path.
         """
         assert self.repo_id is not None and self.commit is not None
         return hub_download(self.repo_id, filename, revision=self.commit, token=self.token, endpoint=self.endpoint)
 
     def fetch_optional(self, filename: str) -> Path | None:
-        """``fetch``, or ``None`` when the file is not in the commit (or, offline, not in the cache)."""
+        """``fetch``, or ``None`` when the file is not in the commit (or, offline, not in the cache).
+
+        Args:
+            filename: the file's path in the repository.
+
+        Returns:
+            Its cached path, or None.
+        """
         try:
             return self.fetch(filename)
         except EntryNotFoundError as e:
@@ -91,9 +114,13 @@ def locate(
     Args:
         path_or_repo_id: an existing folder, or a Hub repo id.
         revision: Hub branch, tag or commit (default ``"main"``); not allowed with a local folder.
-        token, endpoint: passed to ``huggingface_hub``.
+        token: passed to ``huggingface_hub``.
+        endpoint: passed to ``huggingface_hub``.
         config_name: the file that makes a folder one of these (``adapter_config.json`` for an adapter).
         kind: what is looked for, in messages (``"checkpoint"``, ``"adapter"``).
+
+    Returns:
+        Where the checkpoint is.
 
     Raises:
         TypeError: arguments of the wrong type.
@@ -137,6 +164,12 @@ def checkpoint_files(location: Location) -> CheckpointFiles:
     """The weights (``model.safetensors``, else the shards of ``model.safetensors.index.json``, else
     ``pytorch_model.bin``) and the optional ``tokenizer.json`` of a located checkpoint, downloaded if on the Hub.
 
+    Args:
+        location: from ``locate``.
+
+    Returns:
+        The files' local paths.
+
     Raises:
         FileNotFoundError: a local folder without weights, or without a shard its index names.
         ValueError: a malformed shard index.
@@ -163,7 +196,17 @@ def resolve_checkpoint(
     token: str | bool | None = None,
     endpoint: str | None = None,
 ) -> CheckpointFiles:
-    """``locate`` then ``checkpoint_files``: every file of a checkpoint, local or downloaded."""
+    """``locate`` then ``checkpoint_files``: every file of a checkpoint, local or downloaded.
+
+    Args:
+        path_or_repo_id: a local folder or a Hub repository id.
+        revision: Hub branch, tag or commit.
+        token: passed to ``huggingface_hub``.
+        endpoint: passed to ``huggingface_hub``.
+
+    Returns:
+        The files' local paths.
+    """
     return checkpoint_files(locate(path_or_repo_id, revision=revision, token=token, endpoint=endpoint))
 
 

@@ -63,7 +63,20 @@ class LoadOptions(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class ParsedOptions:
-    """``LoadOptions`` checked and parsed."""
+    """``LoadOptions`` checked and parsed.
+
+    Attributes:
+        revision: the Hub revision, or None.
+        device: the target device, or None.
+        dtype: the target floating dtype, or None.
+        attention_backend: a registered backend to switch to, or None.
+        token: the Hub token (False: none), or None.
+        endpoint: the Hub URL, or None.
+        gguf_file: a ``.gguf`` file inside the folder or repo, or None.
+        head: a head to give the model, or None.
+        head_options: that head's options (``num_labels`` and ``id2label`` merged in), or None.
+        dequantize: load quantized GGUF tensors as float weights.
+    """
 
     revision: str | None = None
     device: torch.device | None = None
@@ -78,7 +91,18 @@ class ParsedOptions:
 
 
 def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
-    """Check every ``LoadOptions`` value before anything is read or downloaded."""
+    """Check every ``LoadOptions`` value before anything is read or downloaded.
+
+    Args:
+        options: the keyword arguments ``from_pretrained`` received.
+
+    Returns:
+        The parsed options.
+
+    Raises:
+        TypeError: an unknown keyword argument, or a value of the wrong type (naming the option).
+        ValueError: a value out of range (a ``gguf_file`` outside the folder, a bad device or dtype name).
+    """
     known = sorted(LoadOptions.__annotations__)
     unknown = sorted(set(options) - set(known))
     if unknown:
@@ -126,6 +150,12 @@ def parse_options(options: Mapping[str, Any]) -> ParsedOptions:
 def parse_device(device: str | torch.device | None) -> torch.device | None:
     """``device`` as a ``torch.device`` (``None`` stays ``None``).
 
+    Args:
+        device: a device or its name.
+
+    Returns:
+        The device, or None.
+
     Raises:
         ValueError: not a device name, or CUDA asked for where it is not available.
     """
@@ -143,6 +173,12 @@ def parse_device(device: str | torch.device | None) -> torch.device | None:
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     """A floating ``torch.dtype`` from itself or its name (``"bfloat16"``, ``"bf16"``, ``"torch.float16"`` …);
     ``None`` stays ``None``.
+
+    Args:
+        dtype: a dtype or its name.
+
+    Returns:
+        The dtype, or None.
 
     Raises:
         ValueError: an unknown name, or a dtype that is not floating.

@@ -20,6 +20,16 @@ def with_changed_decoded(
     A converter that only renames a weight passes its stand-in along; one that changes it (GPT-2's transposed
     ``Conv1D``, a fused projection split) leaves a plain meta tensor in ``converted``. The stand-ins not passed
     along are then decoded (``materialize``), and the caller converts again: those layers load as float weights.
+
+    Args:
+        state: the reader's tensors, stand-ins included.
+        converted: the converter's output.
+        source: the file, for the log.
+
+    Returns:
+        The new state, or None.
+
+    Shapes: tensors as stored.
     """
     if not any(t.device.type == "meta" and not isinstance(t, PackedWeight) for t in converted.values()):
         return None
@@ -35,6 +45,15 @@ def packed_into_skeleton(model: nn.Module, state: dict[str, Tensor]) -> dict[str
     the state with the packed tensors in place of the stand-ins.
 
     One stand-in under two names (a head tied to the embedding) is read once and becomes one packed layer.
+
+    Args:
+        model: the model skeleton (changed in place).
+        state: its tensors, ``PackedWeight`` stand-ins included.
+
+    Returns:
+        The state to load.
+
+    Shapes: tensors as the model's.
     """
     stand_ins = {name.removesuffix(".weight"): t for name, t in state.items() if isinstance(t, PackedWeight)}
     if not stand_ins:

@@ -59,6 +59,13 @@ def check_etag(etag: object, what: str) -> str:
     ``huggingface_hub`` names cache files after the ETag, so one such as ``../../x`` would be written outside the
     cache; checking it before the download is the guard.
 
+    Args:
+        etag: the value the server sent.
+        what: what the value is, for the message (the response and its header).
+
+    Returns:
+        The ETag, stripped.
+
     Raises:
         ValueError: anything else, quoted.
     """
@@ -70,6 +77,13 @@ def check_etag(etag: object, what: str) -> str:
 
 def check_commit(commit: object, what: str) -> str:
     """A Hub commit id, checked to be 40 lowercase hex digits (it names a cache folder).
+
+    Args:
+        commit: the value the server sent.
+        what: what the value is, for the message (the response and its header).
+
+    Returns:
+        The commit id.
 
     Raises:
         ValueError: anything else, quoted.

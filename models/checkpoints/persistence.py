@@ -112,6 +112,10 @@ class PersistenceMixin:
         them. The keyword arguments (``revision``, ``device``, ``dtype``, ``attention_backend``, ``token``,
         ``endpoint``) are those of ``models.auto.LoadOptions``.
 
+        Args:
+            path_or_repo_id: a local folder, a ``.gguf`` file, or a Hub repository id (``"org/name"``).
+            **options: the ``LoadOptions``.
+
         Returns:
             The model in eval mode; ``model.tokenizer`` holds the checkpoint's tokenizer if it has one.
 
@@ -176,6 +180,9 @@ class PersistenceMixin:
         Args:
             reference: what the usage snippet passes to ``from_pretrained`` (a repo id or a folder).
             tokenizer: the tokenizer saved along (default: ``self.tokenizer``); the card says whether there is one.
+
+        Returns:
+            The card's Markdown.
         """
         name = type(self).__name__
         config = self.config.to_dict()

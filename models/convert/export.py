@@ -90,6 +90,15 @@ def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[di
 def save_transformers(model: nn.Module, directory: str | os.PathLike[str], model_type: str | None = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads as ``model``'s equivalent.
 
+    Args:
+        model: a zoo model of a family ``models.convert`` exports.
+        directory: the folder to write.
+        model_type: the ``transformers`` family to write (default: the first registered one that represents the
+            model exactly).
+
+    Returns:
+        The folder's path.
+
     Raises:
         ValueError: as ``to_transformers``, or a tensor holding NaN or inf (named); nothing is written then.
     """

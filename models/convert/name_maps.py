@@ -41,6 +41,12 @@ class NameMap:
     def to_hf(self, zoo_key: str) -> str:
         """The ``transformers`` name of a zoo state-dict key.
 
+        Args:
+            zoo_key: a key of the zoo model's state dict.
+
+        Returns:
+            Its ``transformers`` name.
+
         Raises:
             ValueError: a key the map does not cover (a part of the zoo model the family lacks).
         """
@@ -55,7 +61,15 @@ class NameMap:
 
 
 def zoo_keys(architecture: type[nn.Module], config: ConfigBase) -> list[str]:
-    """The state-dict keys of ``architecture(config)``, tied copies once (built on the meta device)."""
+    """The state-dict keys of ``architecture(config)``, tied copies once (built on the meta device).
+
+    Args:
+        architecture: the model class.
+        config: its config.
+
+    Returns:
+        The keys, in the model's order.
+    """
     with torch.device("meta"):
         model = architecture(config)
     seen: set[int] = set()
@@ -75,10 +89,34 @@ def read_mapped(
     skip: tuple[str, ...] = (),
 ) -> dict[str, Tensor]:
     """Take every tensor the zoo model needs from the checkpoint by the name map (``skip``: zoo keys the family
-    converter fills itself)."""
+    converter fills itself).
+
+    Args:
+        ckpt: the checkpoint's tensors (each taken once).
+        names: the family's name map.
+        architecture: the model class.
+        config: its config.
+        skip: zoo keys the converter fills itself.
+
+    Returns:
+        Zoo key -> tensor.
+
+    Shapes: tensors as stored.
+    """
     return {key: ckpt.take(names.to_hf(key)) for key in zoo_keys(architecture, config) if key not in skip}
 
 
 def write_mapped(state: Mapping[str, Tensor], names: NameMap, skip: tuple[str, ...] = ()) -> dict[str, Tensor]:
-    """The zoo state dict under ``transformers`` names (``skip``: zoo keys the family exporter writes itself)."""
+    """The zoo state dict under ``transformers`` names (``skip``: zoo keys the family exporter writes itself).
+
+    Args:
+        state: the zoo state dict.
+        names: the family's name map.
+        skip: zoo keys the exporter writes itself.
+
+    Returns:
+        ``transformers`` name -> tensor.
+
+    Shapes: tensors unchanged.
+    """
     return {names.to_hf(key): tensor for key, tensor in state.items() if key not in skip}

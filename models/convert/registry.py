@@ -65,6 +65,12 @@ class Converted:
 def register_converter(model_type: str) -> Callable[[Converter], Converter]:
     """Decorator registering a converter for ``config.json``'s ``model_type``.
 
+    Args:
+        model_type: the ``transformers`` family (``"llama"``).
+
+    Returns:
+        The decorator; it returns the converter unchanged.
+
     Raises:
         ValueError: if ``model_type`` already has a converter.
     """
@@ -72,7 +78,11 @@ def register_converter(model_type: str) -> Callable[[Converter], Converter]:
 
 
 def supported_model_types() -> list[str]:
-    """The ``model_type`` values that have a converter, sorted."""
+    """The ``model_type`` values that have a converter, sorted.
+
+    Returns:
+        The model types.
+    """
     return blocks.names(CONVERTER_KIND)
 
 
@@ -91,6 +101,8 @@ def from_transformers(hf_config: Mapping[str, Any], state_dict: Mapping[str, Ten
         ValueError: no ``model_type`` or one without a converter (the supported ones are listed); a config
             value or a tensor the zoo cannot represent exactly; missing tensors; tensors whose shapes do not
             fit the config.
+
+    Shapes: every tensor as the checkpoint stores it.
     """
     if not isinstance(hf_config, Mapping) or not isinstance(hf_config.get("model_type"), str):
         got = hf_config.get("model_type") if isinstance(hf_config, Mapping) else type(hf_config).__name__
@@ -116,6 +128,9 @@ def check_converted(converted: Converted) -> Converted:
 
     The model is built on the meta device (no memory, no initialisation cost). Tied parameters appear
     under every name they have in the zoo model's state dict, the converter need give only one.
+
+    Args:
+        converted: a converter's output.
 
     Returns:
         A ``Converted`` with the tied names filled in, and ``allow_missing`` extended to every name of a tied
@@ -180,7 +195,14 @@ _INDEXED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
 def stored_layers(names: Iterable[str]) -> dict[str, set[int]]:
     """The layer indices stored under each prefix: ``{"model.layers": {0, 1}}`` for ``model.layers.0.*`` and
-    ``model.layers.1.*`` (the first numeric part of each tensor name is its layer index)."""
+    ``model.layers.1.*`` (the first numeric part of each tensor name is its layer index).
+
+    Args:
+        names: tensor names.
+
+    Returns:
+        Prefix -> layer indices.
+    """
     stacks: dict[str, set[int]] = {}
     for name in names:
         match = _INDEXED.match(name)
@@ -297,6 +319,11 @@ def check_layer_counts(config: ConfigBase, names: Iterable[str], source: str = "
     A field ``n_<stack>`` counts the modules ``<stack>.<i>``, whose tensors are named ``<stack>.<i>.*``. Cost
     O(tensors) whatever the config says, so it runs before any model (even on the meta device) is built.
 
+    Args:
+        config: the zoo config.
+        names: the stored tensors' names (zoo names).
+        source: where they come from, for the message.
+
     Raises:
         ValueError: a count that differs from the number of layer indices stored under its stack (field named).
     """
@@ -322,6 +349,14 @@ def build_bounded(
     The layer counts are checked first (``check_layer_counts``), so the meta build is bounded by the checkpoint's
     tensor count; then the model's parameters and buffers together may hold at most ``1 + SLACK_FRACTION`` times
     the elements ``state`` stores, plus ``SLACK_ELEMENTS`` (a tensor given under several names counts once).
+
+    Args:
+        architecture: the model class.
+        config: its config.
+        state: the checkpoint's tensors (zoo names).
+        source: where they come from, for messages.
+
+    Shapes: state's tensors as stored.
 
     Returns:
         The model on the meta device (no memory, no initialisation cost).

@@ -80,6 +80,9 @@ class AdapterMixin:
         """Run (and train) the adapter ``name``; ``None`` runs the base model alone. A merged adapter is unmerged
         first. Exactly the active adapter's weights have ``requires_grad``; the base model stays frozen.
 
+        Args:
+            name: an adapter's name, or None.
+
         Raises:
             ValueError: no adapter of that name (the names are listed).
         """
@@ -94,6 +97,9 @@ class AdapterMixin:
 
     def delete_adapter(self, name: str) -> None:
         """Remove the adapter ``name`` (unmerging it first); layers left without adapters become plain ``nn.Linear``.
+
+        Args:
+            name: the adapter's name.
 
         Raises:
             ValueError: no adapter of that name.
@@ -178,7 +184,17 @@ class AdapterMixin:
         return [(n, m) for n, m in self.named_modules() if isinstance(m, ADAPTED_LAYERS)]
 
     def adapter_to_save(self, name: str | None) -> str:
-        """The adapter ``save_adapter``/``push_adapter_to_hub`` write: ``name``, or the active one when ``None``."""
+        """The adapter ``save_adapter``/``push_adapter_to_hub`` write: ``name``, or the active one when ``None``.
+
+        Args:
+            name: an adapter's name, or None.
+
+        Returns:
+            The adapter's name.
+
+        Raises:
+            ValueError: no adapter of that name, or None with no active adapter.
+        """
         if name is None:
             name = self.active_adapter
             if name is None:
@@ -188,7 +204,14 @@ class AdapterMixin:
         return name
 
     def check_new_adapter_name(self, name: str) -> None:
-        """Raise ``ValueError`` unless ``name`` is a valid adapter name this model does not use yet."""
+        """Check that ``name`` is a valid adapter name this model does not use yet.
+
+        Args:
+            name: the new adapter's name.
+
+        Raises:
+            ValueError: a name that is not a non-empty string of letters, digits, '_' and '-', or one in use.
+        """
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_\-]+", name):
             raise ValueError(f"adapter name must be a non-empty string of letters, digits, '_' and '-', got {name!r}")
         if name in self.adapter_names:
@@ -273,7 +296,12 @@ class AdapterMixin:
 
     def install_adapter(self, name: str, adapters: dict[str, nn.Module]) -> None:
         """Freeze the model, put ``adapters`` (module name -> adapter block) beside their layers, activate ``name``.
-        A quantized layer's adapter is float32 (``blocks.adapters.adapter_placement``)."""
+        A quantized layer's adapter is float32 (``blocks.adapters.adapter_placement``).
+
+        Args:
+            name: the adapter's name.
+            adapters: module name -> adapter block (e.g. ``blocks.adapters.LoRA``).
+        """
         self.requires_grad_(False)
         modules = dict(self.named_modules(remove_duplicate=False))
         for module_name, adapter in adapters.items():

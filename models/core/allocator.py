@@ -33,7 +33,15 @@ ENV = "ZOO_KEEP_FREED_MEMORY"
 
 
 def keep_freed_memory(environ: dict[str, str] | None = None) -> bool:
-    """Raise glibc's mmap and trim thresholds (module docstring). Returns whether both settings were applied."""
+    """Raise glibc's mmap and trim thresholds (module docstring).
+
+    Args:
+        environ: the environment to read ``ZOO_KEEP_FREED_MEMORY`` and glibc's ``MALLOC_*`` variables from (default
+            ``os.environ``).
+
+    Returns:
+        Whether both settings were applied.
+    """
     environ = os.environ if environ is None else environ
     if environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False

@@ -20,6 +20,12 @@ class ZooModel(AdapterMixin, QuantizeMixin, nn.Module):
 
     Subclasses set ``config_class`` and ``presets`` (name -> config overrides) and build themselves
     from ``config`` alone.
+
+    Args:
+        config: an instance of the class's ``config_class``.
+
+    Raises:
+        TypeError: a config of another class.
     """
 
     config_class: ClassVar[type[ConfigBase]] = ConfigBase
@@ -37,6 +43,13 @@ class ZooModel(AdapterMixin, QuantizeMixin, nn.Module):
     def from_preset(cls, name: str, **overrides: Any) -> ZooModel:
         """Build a model from a named preset, with any config field overridden.
 
+        Args:
+            name: a registered preset (``tiny``, ``llama-tiny``, ``bert-base`` ...).
+            **overrides: config fields to change, e.g. ``vocab_size=300``.
+
+        Returns:
+            The model, randomly initialised.
+
         Raises:
             ValueError: unknown preset (the valid names are listed) or unknown/invalid overrides.
         """
@@ -44,7 +57,18 @@ class ZooModel(AdapterMixin, QuantizeMixin, nn.Module):
 
     @classmethod
     def preset_config(cls, name: str, **overrides: Any) -> ConfigBase:
-        """The config of a preset, with overrides applied."""
+        """The config of a preset, with overrides applied (no model is built).
+
+        Args:
+            name: a registered preset.
+            **overrides: config fields to change.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ValueError: unknown preset (the valid names are listed) or unknown/invalid overrides.
+        """
         if name not in cls.presets:
             raise ValueError(f"unknown {cls.__name__} preset {name!r}; expected one of {sorted(cls.presets)}")
         return cls.config_class.from_dict({**cls.presets[name], **overrides})
@@ -52,6 +76,10 @@ class ZooModel(AdapterMixin, QuantizeMixin, nn.Module):
     @classmethod
     def register_preset(cls, name: str, config: dict[str, Any]) -> None:
         """Add a named preset (a family's ``tiny`` test size or a published model's size); the config is validated.
+
+        Args:
+            name: the preset's name.
+            config: config fields, as ``config_class.from_dict`` takes them.
 
         Raises:
             ValueError: the name is taken, or the config is invalid.
@@ -62,7 +90,11 @@ class ZooModel(AdapterMixin, QuantizeMixin, nn.Module):
         cls.presets[name] = dict(config)
 
     def set_attention_backend(self, name: str) -> None:
-        """Switch every attention module to the registered backend ``name`` (a runtime choice)."""
+        """Switch every attention module to the registered backend ``name`` (a runtime choice).
+
+        Args:
+            name: ``math``, ``sdpa``, ``flex``, ``chunked`` or another registered ``attention_backend``.
+        """
         blocks.get("attention_backend", name)  # validates the name before anything changes
         for module in self.modules():
             if isinstance(module, (blocks.MultiHeadAttention, blocks.MultiHeadLatentAttention)):
@@ -70,12 +102,27 @@ class ZooModel(AdapterMixin, QuantizeMixin, nn.Module):
         self.config = self.config.replace(attention_backend=name)
 
     def num_parameters(self) -> int:
-        """Number of distinct parameters (tied weights counted once)."""
+        """Number of distinct parameters (tied weights counted once).
+
+        Returns:
+            The count.
+        """
         return sum(p.numel() for p in self.parameters())
 
     # ------------------------------------------------------------------ input checks
     def check_ids(self, ids: Tensor, name: str) -> None:
-        """Raise ``ValueError`` unless ``ids`` is a ``(B, L)`` integer tensor of ids in ``[0, vocab_size)``."""
+        """Check that ``ids`` is a ``(B, L)`` integer tensor of ids in ``[0, vocab_size)``.
+
+        Args:
+            ids: the token ids.
+            name: the argument's name, for the message.
+
+        Raises:
+            ValueError: another shape or dtype, or an id outside the vocabulary (naming it; the value check is
+                skipped under ``torch.compile``).
+
+        Shapes: ids ``(B, L)``.
+        """
         if not isinstance(ids, Tensor) or ids.dim() != 2:
             shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
             raise ValueError(f"{name} must be a (B, L) tensor of token ids, got {shape}")
@@ -91,7 +138,21 @@ class ZooModel(AdapterMixin, QuantizeMixin, nn.Module):
 
     @staticmethod
     def check_mask(mask: Tensor | None, shape: tuple[int, ...], name: str) -> Tensor | None:
-        """Validate a ``(B, L)`` padding mask (True/1 = real token) and return it as bool."""
+        """Validate a ``(B, L)`` padding mask (True/1 = real token) and return it as bool.
+
+        Args:
+            mask: the mask, or None.
+            shape: the ids' shape it must have.
+            name: the argument's name, for the message.
+
+        Returns:
+            The bool mask, or None.
+
+        Raises:
+            ValueError: another shape, a float dtype, or integers other than 0/1.
+
+        Shapes: mask ``(B, L)`` -> ``(B, L)`` bool.
+        """
         if mask is None:
             return None
         if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(shape):

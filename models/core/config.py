@@ -24,12 +24,22 @@ class ConfigBase:
     """A frozen dataclass config that round-trips through a plain JSON dict."""
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain JSON-able dict of every field."""
+        """A plain JSON-able dict of every field.
+
+        Returns:
+            Field name -> value (what ``config.json`` holds).
+        """
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls: type[C], data: dict[str, Any]) -> C:
         """Inverse of ``to_dict``; rejects keys that are not fields of this config.
+
+        Args:
+            data: field name -> value.
+
+        Returns:
+            The validated config.
 
         Raises:
             ValueError: unknown keys (named), or invalid values.
@@ -49,6 +59,12 @@ class ConfigBase:
         A derived field (e.g. ``n_kv_heads``, ``d_head``) that holds its default is derived again from the new
         values unless ``changes`` sets it: ``replace(n_heads=8)`` of a 4-head config gives 8 key/value heads,
         not a silent GQA model.
+
+        Args:
+            **changes: field name -> new value.
+
+        Returns:
+            The new config.
         """
         data = self.to_dict()
         for name, default in (type(self).derived or {}).items():
@@ -63,6 +79,38 @@ class TransformerConfig(ConfigBase):
 
     ``n_kv_heads`` defaults to ``n_heads``, ``d_head`` to ``d_model // n_heads`` and ``d_value`` to
     ``d_head``; the defaults are filled in at construction so ``to_dict`` shows the effective values.
+
+    Attributes:
+        vocab_size: number of token ids.
+        d_model: the model's width.
+        n_heads: attention (query) heads.
+        n_kv_heads: key/value heads (fewer than ``n_heads``: GQA; 1: MQA).
+        d_head: query/key width per head.
+        d_value: value width per head.
+        d_ff: the feed-forward block's inner width.
+        dropout: dropout on sublayer outputs and embeddings.
+        attention_dropout: dropout on the attention weights.
+        max_len: the longest sequence (learned positions have this many rows).
+        positional: registered ``positional`` block.
+        ffn: registered ``ffn`` block.
+        norm: registered ``norm`` block.
+        norm_eps: the norms' epsilon.
+        sublayer: registered ``sublayer`` (residual connection) block.
+        attention: registered ``attention`` block.
+        attention_backend: registered ``attention_backend`` (a runtime choice; see ``set_attention_backend``).
+        bias: biases in the linear layers.
+        tie_embeddings: the output head shares the token embedding.
+        pad_token_id: the padding id (None: none).
+        bos_token_id: the begin-of-sequence id.
+        eos_token_id: the end-of-sequence id.
+        scale_embeddings: multiply embeddings by ``sqrt(d_model)``.
+        logit_softcap: Gemma 2's final soft-capping of the logits, or None.
+        output_scale: T5's rescaling of the hidden states before a tied head.
+        options: block key -> keyword options of that block (see the models guide).
+        layer_options: none, or one such dict per layer, merged over ``options``.
+
+    Raises:
+        ValueError: a field of the wrong type, out of range or naming no registered block (named with its value).
     """
 
     vocab_size: int = 1000
@@ -146,18 +194,37 @@ class TransformerConfig(ConfigBase):
     }
 
     def layer_builders(self) -> list[str]:
-        """The registered ``layer`` builders this model uses (``layer`` options are checked against them)."""
+        """The registered ``layer`` builders this model uses (``layer`` options are checked against them).
+
+        Returns:
+            Their registry names.
+        """
         return ["encoder", "decoder"]
 
     def check_layer_options_length(self, n_layers: int) -> None:
-        """Raise ``ValueError`` unless ``layer_options`` is empty or has one entry per layer."""
+        """Check that ``layer_options`` is empty or has one entry per layer.
+
+        Args:
+            n_layers: the number of layers.
+
+        Raises:
+            ValueError: another number of entries.
+        """
         if self.layer_options and len(self.layer_options) != n_layers:
             raise ValueError(
                 f"layer_options has {len(self.layer_options)} entries; expected none or one per layer ({n_layers})"
             )
 
     def block_options(self, key: str, layer: int | None = None) -> dict[str, Any]:
-        """The options of one block (``key`` as in ``options``), with ``layer_options[layer]`` merged over them."""
+        """The options of one block (``key`` as in ``options``), with ``layer_options[layer]`` merged over them.
+
+        Args:
+            key: the block's key in ``options`` (``attention``, ``ffn``, ``positional`` ...).
+            layer: the layer's index, or None for the model-wide options.
+
+        Returns:
+            A fresh copy of the options.
+        """
         merged = dict(self.options.get(key, {}))
         if layer is not None and self.layer_options:
             merged.update(self.layer_options[layer].get(key, {}))
@@ -180,6 +247,14 @@ def check_options(config: Any, options: Any, where: str) -> dict[str, dict[str, 
     model sets itself (the block's shape) are refused, and so are keys the block does not take. Values are typed
     like config fields (``blocks.registry.check_option_types``): checked against the block's annotation (or its
     default's type), a bool is not an int, a string is not a bool, floats are finite.
+
+    Args:
+        config: the config being validated.
+        options: the options to check.
+        where: what they are, for messages (``options``, ``layer_options[3]``).
+
+    Returns:
+        A plain copy of the options.
 
     Raises:
         ValueError: not a dict of dicts, an unknown block key, an option the block does not accept, or a value of
@@ -215,6 +290,9 @@ def check_attention_shape(config: Any) -> None:
     ``n_kv_heads``, ``d_head`` and ``d_value`` default to ``n_heads``, ``d_model // n_heads`` and ``d_head``
     (filled in on the frozen instance); dropouts must lie in [0, 1) and ``norm_eps`` be positive.
 
+    Args:
+        config: the config being validated (changed in place).
+
     Raises:
         ValueError: naming the bad value.
     """
@@ -249,6 +327,9 @@ def check_field_types(config: Any) -> None:
     A bool is not an int, a string is not a bool, and a float must be finite: ``tie_embeddings="false"``,
     ``pad_token_id=True`` or ``norm_eps=nan`` are refused instead of building a different model.
 
+    Args:
+        config: the config being validated.
+
     Raises:
         ValueError: naming the field, the value and the expected type.
     """
@@ -262,7 +343,15 @@ def check_field_types(config: Any) -> None:
 
 
 def check_positive_int(config: Any, name: str) -> None:
-    """Raise ``ValueError`` unless ``config.<name>`` is a positive integer."""
+    """Check that ``config.<name>`` is a positive integer.
+
+    Args:
+        config: the config being validated.
+        name: the field.
+
+    Raises:
+        ValueError: anything else (a bool included), naming the field and the value.
+    """
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

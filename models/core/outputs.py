@@ -59,7 +59,12 @@ class Seq2SeqOutput(ModelOutput):
 @dataclass
 class Seq2SeqQuestionAnsweringOutput(Seq2SeqOutput):
     """``Seq2SeqOutput`` of a ``question_answering`` head: ``logits (B, L, 2)`` over the decoder positions and their
-    halves ``start_logits`` / ``end_logits`` ``(B, L)``."""
+    halves ``start_logits`` / ``end_logits`` ``(B, L)``.
+
+    Attributes:
+        start_logits: the start-position logits ``(B, L)``.
+        end_logits: the end-position logits ``(B, L)``.
+    """
 
     start_logits: Tensor | None = None
     end_logits: Tensor | None = None

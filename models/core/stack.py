@@ -22,7 +22,14 @@ from blocks.positional import PositionalEncoding
 
 
 def layer_kwargs(config: Any) -> dict[str, Any]:
-    """The keyword arguments of the registered ``encoder``/``decoder`` layer builders, taken from a config."""
+    """The keyword arguments of the registered ``encoder``/``decoder`` layer builders, taken from a config.
+
+    Args:
+        config: the model's config.
+
+    Returns:
+        The builders' shared keyword arguments.
+    """
     c = config
     return dict(
         d_model=c.d_model, n_heads=c.n_heads, d_ff=c.d_ff, n_kv_heads=c.n_kv_heads, d_head=c.d_head,
@@ -33,14 +40,28 @@ def layer_kwargs(config: Any) -> dict[str, Any]:
 
 
 def build_norm(config: Any) -> nn.Module:
-    """A norm of the config's kind, width ``d_model``, with the config's norm options."""
+    """A norm of the config's kind, width ``d_model``, with the config's norm options.
+
+    Args:
+        config: the model's config.
+
+    Returns:
+        The norm.
+    """
     options = config.block_options("norm") if hasattr(config, "block_options") else {}
     return blocks.build("norm", config.norm, d_model=config.d_model, eps=config.norm_eps, **options)
 
 
 def final_norm(config: Any) -> nn.Module:
     """A norm after the last layer for pre-norm stacks (they leave the residual stream unnormalised),
-    the identity for post-norm ones."""
+    the identity for post-norm ones.
+
+    Args:
+        config: the model's config.
+
+    Returns:
+        The norm, or ``nn.Identity``.
+    """
     if config.sublayer in ("pre_norm", "sandwich_norm"):
         return build_norm(config)
     return nn.Identity()
@@ -48,7 +69,17 @@ def final_norm(config: Any) -> nn.Module:
 
 def build_layers(config: Any, builder: str, indices: range, **extra: Any) -> nn.ModuleList:
     """The layers ``indices`` of a stack, each built by the registered ``layer`` builder with its block options
-    (``config.options`` with ``config.layer_options[i]`` merged over them)."""
+    (``config.options`` with ``config.layer_options[i]`` merged over them).
+
+    Args:
+        config: the model's config.
+        builder: the registered ``layer`` builder (``encoder``, ``decoder``, ``parallel``).
+        indices: the layers' indices in ``layer_options`` (Seq2Seq: the encoder's, then the decoder's).
+        **extra: more builder arguments (``cross_attention=...``).
+
+    Returns:
+        The layers.
+    """
     layers = []
     for i in indices:
         options = {kind: config.block_options(kind, i) for kind in blocks.layers.LAYER_OPTION_KINDS}
@@ -72,7 +103,15 @@ def repeated_layer_regions(enabled: bool = True, mode: Callable[[], Any] = conte
     about as fast as a one-layer step). The weights must be graph inputs: inductor's ``freezing`` (weights as
     constants) cannot share a region between layers. A region is traced apart from its caller, so a
     ``TorchFunctionMode`` active around the call does not reach inside: ``mode()`` makes the context every region
-    runs in (e.g. ``blocks.small_matmul.SmallRowsLinear``)."""
+    runs in (e.g. ``blocks.small_matmul.SmallRowsLinear``).
+
+    Args:
+        enabled: run layers as regions (False: as plain calls, inside a caller's context).
+        mode: a factory of the context each region runs in.
+
+    Yields:
+        Nothing; the setting holds inside the ``with`` block.
+    """
     before = list(_REGIONS)
     _REGIONS[:] = [enabled, mode]
     try:
@@ -96,14 +135,30 @@ def _regional_layer(layer: nn.Module, x: Tensor, *, positions: Tensor | None = N
 
 def layer_call(layer: nn.Module) -> Callable[..., Any]:
     """``layer``, or inside ``repeated_layer_regions`` while ``torch.compile`` traces, the same call as a nested
-    compile region shared by every layer of its structure."""
+    compile region shared by every layer of its structure.
+
+    Args:
+        layer: a decoder or encoder layer.
+
+    Returns:
+        A callable with the layer's signature.
+    """
     if _REGIONS[0] and torch.compiler.is_compiling():
         return functools.partial(_regional_layer, layer)
     return layer
 
 
 def build_positional(config: Any, causal: bool, layer: int | None = None) -> PositionalEncoding:
-    """The config's positional encoding for a causal or bidirectional stack, with its options (of ``layer``)."""
+    """The config's positional encoding for a causal or bidirectional stack, with its options (of ``layer``).
+
+    Args:
+        config: the model's config.
+        causal: the stack is causal (decoder) or bidirectional (encoder).
+        layer: the layer whose ``layer_options`` apply, or None for the stack's own.
+
+    Returns:
+        The positional encoding.
+    """
     return blocks.build(
         "positional", config.positional, d_model=config.d_model, n_heads=config.n_heads, d_head=config.d_head,
         max_len=config.max_len, causal=causal, **config.block_options("positional", layer),
@@ -113,7 +168,16 @@ def build_positional(config: Any, causal: bool, layer: int | None = None) -> Pos
 def layer_positionals(config: Any, indices: range, causal: bool) -> nn.ModuleDict:
     """Positional encodings of the layers whose ``layer_options`` change the positional options (e.g. ModernBERT's
     local layers rotate with another base), keyed by the layer's index in its stack. They act inside attention
-    only (``rotate``, ``attention_bias``); what the stack's encoding adds to the embeddings is not repeated."""
+    only (``rotate``, ``attention_bias``); what the stack's encoding adds to the embeddings is not repeated.
+
+    Args:
+        config: the model's config.
+        indices: the stack's layer indices in ``layer_options``.
+        causal: the stack is causal.
+
+    Returns:
+        Index in the stack (as a string) -> positional encoding.
+    """
     out = {}
     for j, i in enumerate(indices):
         if config.layer_options and config.layer_options[i].get("positional"):
@@ -124,7 +188,20 @@ def layer_positionals(config: Any, indices: range, causal: bool) -> nn.ModuleDic
 def positional_per_layer(
     stack: PositionalEncoding, overrides: nn.ModuleDict, n_layers: int, positions: Tensor, key_positions: Tensor
 ) -> list[tuple[PositionalEncoding | None, Tensor | None]]:
-    """``(rotary, attention bias)`` for each layer of a stack; each distinct encoding's bias is computed once."""
+    """``(rotary, attention bias)`` for each layer of a stack; each distinct encoding's bias is computed once.
+
+    Args:
+        stack: the stack's positional encoding.
+        overrides: per-layer encodings (``layer_positionals``).
+        n_layers: layers in the stack.
+        positions: the new queries' positions.
+        key_positions: every key's position.
+
+    Returns:
+        One ``(rotary or None, bias or None)`` per layer.
+
+    Shapes: positions ``(B, Lq)``, key_positions ``(B, Lk)`` -> biases ``(B|1, H, Lq, Lk)``.
+    """
     computed: dict[int, tuple[PositionalEncoding | None, Tensor | None]] = {}
     out = []
     for i in range(n_layers):
@@ -136,7 +213,14 @@ def positional_per_layer(
 
 
 def embedding_scale(config: Any) -> float:
-    """``sqrt(d_model)`` with ``scale_embeddings`` (§3.4, Gemma), else 1."""
+    """``sqrt(d_model)`` with ``scale_embeddings`` (§3.4, Gemma), else 1.
+
+    Args:
+        config: the model's config.
+
+    Returns:
+        The factor.
+    """
     return math.sqrt(config.d_model) if config.scale_embeddings else 1.0
 
 
@@ -149,7 +233,18 @@ WIDE_HEAD, HEAD_PIECE = 16384, 1024
 
 def head_logits(config: Any, head: nn.Module, x: Tensor) -> Tensor:
     """Vocabulary logits from the final hidden states: ``output_scale`` before the head (T5's tied head),
-    ``logit_softcap`` after it (Gemma 2: ``cap · tanh(logits / cap)``)."""
+    ``logit_softcap`` after it (Gemma 2: ``cap · tanh(logits / cap)``).
+
+    Args:
+        config: the model's config.
+        head: the output projection.
+        x: the final hidden states.
+
+    Returns:
+        The logits.
+
+    Shapes: x ``(..., d_model)`` -> ``(..., vocab_size)``.
+    """
     if config.output_scale != 1.0:
         x = x * config.output_scale
     logits = _in_pieces(head, x) if _wide_eager_head(head, x) else head(x)
@@ -181,6 +276,14 @@ def positions_from_mask(mask: Tensor | None, past: int, length: int, device: tor
     right-padded row gets the same positions as the sequence alone; without one, they are
     ``past .. past + length - 1``.
 
+    Args:
+        mask: the padding mask of cached and new tokens, or None.
+        past: positions already cached.
+        length: new tokens.
+        device: where to build the positions.
+
+    Shapes: mask ``(B, past + length)``.
+
     Returns:
         ``(query_positions (B|1, length), key_positions (B|1, past + length))``, long.
     """
@@ -194,8 +297,14 @@ def positions_from_mask(mask: Tensor | None, past: int, length: int, device: tor
 def new_caches(layers: int | Sequence[nn.Module], max_len: int, cross: bool = False) -> list[LayerCache]:
     """One empty ``LayerCache`` per decoder layer, preallocating ``max_len`` positions.
 
-    ``layers``: the model's layers (each self-attention's ``cache_kind`` picks its registered ``kv_cache`` kind:
-    latent attention caches latents) or their number (contiguous per-head caches).
+    Args:
+        layers: the model's layers (each self-attention's ``cache_kind`` picks its registered ``kv_cache`` kind:
+            latent attention caches latents) or their number (contiguous per-head caches).
+        max_len: positions to preallocate.
+        cross: add cross-attention caches (encoder-decoders).
+
+    Returns:
+        The caches.
     """
     if isinstance(layers, int):
         return [LayerCache(max_len, cross=cross) for _ in range(layers)]
@@ -204,7 +313,14 @@ def new_caches(layers: int | Sequence[nn.Module], max_len: int, cross: bool = Fa
 
 
 def cached_length(cache: list[LayerCache] | None) -> int:
-    """Number of positions already in a decoder cache (0 without one)."""
+    """Number of positions already in a decoder cache (0 without one).
+
+    Args:
+        cache: the model's caches, or None.
+
+    Returns:
+        The count.
+    """
     return 0 if not cache else cache[0].self_attn.length
 
 
@@ -213,6 +329,15 @@ def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
 
     With every label ignored (an empty micro-batch) the loss is 0 with zero gradient, not NaN, so one such batch
     cannot poison a run.
+
+    Args:
+        logits: the predictions.
+        labels: target ids, -100 where ignored (already aligned with ``logits``).
+
+    Returns:
+        The mean loss, a scalar.
+
+    Shapes: logits ``(..., vocab_size)``, labels ``(...)`` -> ``()``.
 
     Raises:
         ValueError: labels that are not integers, or ids outside ``[0, vocab_size)`` other than -100 (named).

@@ -29,8 +29,13 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
 
     Shapes: logits ``(B, V)``, seen ``(B, V)`` -> ``(B, V)``.
     """
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
+    # An extreme penalty (1e300 is a valid one) in float32 is inf or 0: clamped to the dtype's range, so that a zero
+    # logit stays 0 (not 0 · inf = NaN) and a finite logit stays finite (a seen token is pushed to the dtype's
+    # extreme, never past it); logits already infinite stay as they are.
+    info = torch.finfo(logits.dtype)
+    penalty = min(max(float(penalty), info.tiny), info.max)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(info.min, info.max)
+    return torch.where(seen & torch.isfinite(logits), penalised, logits)
 
 
 def apply_presence_frequency_penalty(logits: Tensor, counts: Tensor, presence: float, frequency: float) -> Tensor:
@@ -68,8 +73,22 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     # A token is dropped when the tokens ranked above it already hold at least p of the mass.
     mass_before = probs.cumsum(dim=-1) - probs
     drop_sorted = mass_before >= p
+    # The first token has no mass before it, but a p that underflows to 0 in float32 (1e-300) would drop it too:
+    # it is kept explicitly (a row with nothing left to sample from cannot exist).
+    drop_sorted[..., 0] = False
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
+
+
+def infinite_logits_share(logits: Tensor) -> Tensor:
+    """Rows holding a ``+inf`` logit as the limit of a finite row: the tokens at ``+inf`` share the whole mass (their
+    logits become 0, every other one ``-inf``). Without this, the softmax of such a row is NaN (inf - inf), and so is
+    the shift that a temperature applies. Other rows are returned unchanged.
+
+    Shapes: ``(..., V)`` -> ``(..., V)``.
+    """
+    infinite = logits.amax(dim=-1, keepdim=True) == float("inf")
+    return torch.where(infinite, torch.where(logits == float("inf"), 0.0, float("-inf")), logits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +181,14 @@ class SamplingParams:
         """
         if not self.do_sample:
             return self._penalised(logits, seen, counts).argmax(dim=-1)
-        return torch.multinomial(self.probabilities(logits, seen, counts), 1, generator=generator).squeeze(-1)
+        probs = self.probabilities(logits, seen, counts)
+        # torch.multinomial raises on a row with no valid distribution (only a row of NaN or of -inf logits gives
+        # one): such a row takes greedy's choice, so that one row can never fail a step that holds others.
+        valid = probs.sum(dim=-1, keepdim=True) > 0  # False for a NaN sum
+        if not bool(valid.all()):
+            greedy = self._penalised(logits, seen, counts).argmax(dim=-1)
+            probs = torch.where(valid, probs, torch.nn.functional.one_hot(greedy, probs.shape[-1]).to(probs.dtype))
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
     def probabilities(self, logits: Tensor, seen: Tensor | None = None, counts: Tensor | None = None) -> Tensor:
         """The distribution sampling draws from: repetition penalty, presence and frequency penalties,
@@ -180,14 +206,17 @@ class SamplingParams:
 
         Shapes: logits ``(..., V)`` -> ``(..., V)``.
         """
-        scores = self._penalised(logits, seen, counts)
+        scores = infinite_logits_share(self._penalised(logits, seen, counts))
         if self.temperature != 1.0:
             # Shift each row's maximum to 0 before dividing: raw logits over a tiny temperature overflow to inf
             # and the softmax to NaN, while shifted ones go to -inf except the maximum (sampling tends to greedy
             # decoding, as it should). The maximum stays exactly 0 even when the temperature underflows to 0 in
             # float32 (0 / 0 would be NaN).
+            # A temperature beyond float32's range (1e300) would be inf, and a shift that overflowed to -inf over inf
+            # is NaN: it is clamped to the largest finite float32 (the limit is the same: a flat distribution).
             shifted = scores - scores.amax(dim=-1, keepdim=True)
-            scores = torch.where(shifted == 0, 0.0, shifted / self.temperature)
+            temperature = min(self.temperature, torch.finfo(scores.dtype).max)
+            scores = torch.where(shifted == 0, 0.0, shifted / temperature)
         if self.top_k is not None:
             scores = top_k_filter(scores, self.top_k)
         if self.top_p is not None:

@@ -64,8 +64,12 @@ class Seq2SeqGenerationMixin:
             num_beams: beams per source (>= 1; 1 is greedy or sampling).
             length_penalty: the GNMT ``alpha``.
             early_stopping: stop each source early when possible (False: decode to ``max_new_tokens``).
-            do_sample, temperature, top_k, top_p, repetition_penalty, generator: as ``DecoderLM.generate``;
-                with ``num_beams=1`` only.
+            do_sample: sample instead of greedy decoding, as ``DecoderLM.generate``; with ``num_beams=1`` only.
+            temperature: as ``DecoderLM.generate``; with ``num_beams=1`` only.
+            top_k: as ``DecoderLM.generate``; with ``num_beams=1`` only.
+            top_p: as ``DecoderLM.generate``; with ``num_beams=1`` only.
+            repetition_penalty: as ``DecoderLM.generate``; with ``num_beams=1`` only.
+            generator: as ``DecoderLM.generate``; with ``num_beams=1`` only.
             eos_token_id: end token (default ``config.eos_token_id``; None: run to ``max_new_tokens``).
             pad_token_id: written after EOS (default ``config.pad_token_id``, else the EOS id).
             decoder_start_token_id: first decoder input (default ``config.decoder_start_token_id``).
@@ -153,8 +157,19 @@ class Seq2SeqGenerationMixin:
         caller left it, whatever other streams are open.
 
         Args:
-            src_ids, src_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
-                eos_token_id, pad_token_id, decoder_start_token_id, generator, sampling: as ``generate``.
+            src_ids: as ``generate``.
+            src_mask: as ``generate``.
+            max_new_tokens: as ``generate``.
+            do_sample: as ``generate``.
+            temperature: as ``generate``.
+            top_k: as ``generate``.
+            top_p: as ``generate``.
+            repetition_penalty: as ``generate``.
+            eos_token_id: as ``generate``.
+            pad_token_id: as ``generate``.
+            decoder_start_token_id: as ``generate``.
+            generator: as ``generate``.
+            sampling: as ``generate``.
             compile: as ``generate``; every compiled step checks dynamo's guards (the caller's code runs
                 between steps).
 

@@ -239,7 +239,10 @@ def beam_step(
     of the search's rows.
 
     Args:
-        model, memory, src_mask, max_new_tokens: as ``greedy_step``.
+        model: the ``Seq2SeqTransformer`` (as ``greedy_step``).
+        memory: the encoder's output (as ``greedy_step``).
+        src_mask: the source's padding mask (as ``greedy_step``).
+        max_new_tokens: tokens to decode at most (as ``greedy_step``).
         num_beams: beams per source (>= 2).
 
     Returns:

@@ -43,6 +43,11 @@ class Layout:
 
     ``names``: GGUF tensor name -> (``transformers`` name, change to undo or None), in file order of need.
     ``rope_freqs``: whether a ``rope_freqs`` tensor is to be turned into llama3 ``rope_scaling``.
+
+    Attributes:
+        config: the ``transformers`` ``config.json`` dict.
+        names: GGUF tensor name -> (``transformers`` name, change to undo or None).
+        rope_freqs: turn ``rope_freqs`` into ``rope_scaling``.
     """
 
     config: dict[str, Any]
@@ -51,7 +56,18 @@ class Layout:
 
 
 def architecture_of(metadata: Mapping[str, Any], path: str) -> str:
-    """``general.architecture``, checked to be one read here."""
+    """``general.architecture``, checked to be one read here.
+
+    Args:
+        metadata: the file's metadata.
+        path: the file, for messages.
+
+    Returns:
+        The architecture.
+
+    Raises:
+        ValueError: a missing architecture or one outside ``SUPPORTED_ARCHITECTURES``, named.
+    """
     architecture = metadata.get("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {architecture!r} in {path!r} is not supported; "
@@ -60,7 +76,19 @@ def architecture_of(metadata: Mapping[str, Any], path: str) -> str:
 
 
 def agree(shapes: Mapping[str, tuple[int, ...]], key: str, value: Any, tensor: str, axis: int, per: int = 1) -> None:
-    """``value`` (times ``per``, the head size for head counts) is the size of ``tensor`` along ``axis``."""
+    """Check that ``value`` (times ``per``, the head size for head counts) is the size of ``tensor`` along ``axis``.
+
+    Args:
+        shapes: tensor name -> shape (torch order).
+        key: the metadata key ``value`` comes from.
+        value: the size the metadata states.
+        tensor: the tensor it must agree with.
+        axis: the tensor's axis.
+        per: the multiplier.
+
+    Raises:
+        ValueError: they disagree (key, value, tensor and its shape named).
+    """
     shape = shapes.get(tensor)
     if shape is not None and (len(shape) <= axis or shape[axis] != value * per):
         times = f" (x head size {per} = {value * per})" if per != 1 else ""
@@ -107,6 +135,14 @@ def _special_ids(metadata: Mapping[str, Any], vocab_size: int) -> dict[str, Any]
 
 def hf_checkpoint_layout(metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], path: str) -> Layout:
     """The ``transformers`` config and tensor names of a GGUF file, checked against its tensors' shapes.
+
+    Args:
+        metadata: the file's metadata.
+        shapes: tensor name -> shape (torch order).
+        path: the file, for messages.
+
+    Returns:
+        The layout.
 
     Raises:
         ValueError: an architecture outside ``SUPPORTED_ARCHITECTURES``; metadata missing a required size or

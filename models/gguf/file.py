@@ -48,7 +48,20 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # an empty name, n_dims, one dim, th
 
 
 def meta(metadata: Mapping[str, Any], key: str, default: Any = None, *, required: bool = False) -> Any:
-    """A metadata value; ``required``: a missing one raises ``ValueError`` naming the key."""
+    """A metadata value.
+
+    Args:
+        metadata: the file's metadata.
+        key: the metadata key.
+        default: the value when the key is missing.
+        required: a missing value is an error.
+
+    Returns:
+        The value (or ``default``).
+
+    Raises:
+        ValueError: a required value is missing, naming the key.
+    """
     value = metadata.get(key, default)
     if required and value is None:
         raise ValueError(f"the GGUF metadata has no {key!r}, which this model needs")
@@ -56,7 +69,19 @@ def meta(metadata: Mapping[str, Any], key: str, default: Any = None, *, required
 
 
 def size(metadata: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    """A positive integer from the metadata (per-layer lists, as some architectures write, are refused)."""
+    """A positive integer from the metadata (per-layer lists, as some architectures write, are refused).
+
+    Args:
+        metadata: the file's metadata.
+        key: the metadata key.
+        default: the value when the key is missing (None: required).
+
+    Returns:
+        The integer.
+
+    Raises:
+        ValueError: a missing value or anything but a positive integer, naming the key and the value.
+    """
     value = meta(metadata, key, default, required=True)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"GGUF metadata {key}={value!r}: expected a positive integer")
@@ -64,7 +89,19 @@ def size(metadata: Mapping[str, Any], key: str, default: int | None = None) -> i
 
 
 def number(metadata: Mapping[str, Any], key: str, default: float | None) -> float:
-    """A finite positive number from the metadata (a NaN epsilon or base would give NaN logits, silently)."""
+    """A finite positive number from the metadata (a NaN epsilon or base would give NaN logits, silently).
+
+    Args:
+        metadata: the file's metadata.
+        key: the metadata key.
+        default: the value when the key is missing (None: required).
+
+    Returns:
+        The number, as a float.
+
+    Raises:
+        ValueError: a missing value or anything but a finite positive number, naming the key and the value.
+    """
     value = meta(metadata, key, default, required=True)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"GGUF metadata {key}={value!r}: expected a finite positive number")
@@ -72,7 +109,19 @@ def number(metadata: Mapping[str, Any], key: str, default: float | None) -> floa
 
 
 def token_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int | None:
-    """An optional token id from the metadata, checked to lie in the vocabulary."""
+    """An optional token id from the metadata, checked to lie in the vocabulary.
+
+    Args:
+        metadata: the file's metadata.
+        key: the metadata key.
+        vocab_size: the vocabulary's size.
+
+    Returns:
+        The id, or None when the key is missing.
+
+    Raises:
+        ValueError: a value that is not an id below ``vocab_size``.
+    """
     value = metadata.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size):
         raise ValueError(f"GGUF metadata {key}={value!r}: expected a token id below the vocabulary size {vocab_size}")
@@ -80,7 +129,14 @@ def token_id(metadata: Mapping[str, Any], key: str, vocab_size: int) -> int | No
 
 
 def import_gguf() -> Any:
-    """The ``gguf`` package, or an ``ImportError`` that says how to install it."""
+    """The ``gguf`` package, or an ``ImportError`` that says how to install it.
+
+    Returns:
+        The module.
+
+    Raises:
+        ImportError: the package is not installed.
+    """
     try:
         import gguf
     except ImportError as err:
@@ -94,6 +150,13 @@ class GGUFArray:
     """An array value of the metadata, decoded only on request.
 
     ``len()`` is its element count (already checked to fit in the file); ``tolist()`` decodes it.
+
+    Args:
+        key: the metadata key, for messages.
+        item_type: the GGUF value type of the elements.
+        count: the element count.
+        buf: the file's bytes.
+        offset: where the first element starts.
     """
 
     __slots__ = ("key", "item_type", "count", "_buf", "_offset")
@@ -109,6 +172,11 @@ class GGUFArray:
         return f"<GGUF array of {self.count} {kind}>"
 
     def tolist(self) -> list[Any]:
+        """The decoded elements.
+
+        Returns:
+            The values (strings checked to be UTF-8).
+        """
         if self.item_type != _STRING:
             _, fmt, size = _SCALARS[self.item_type]
             return np.frombuffer(self._buf, np.dtype(fmt), self.count, self._offset).tolist()
@@ -122,7 +190,16 @@ class GGUFArray:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor's description, checked: ``dims`` in ggml order (fastest first), ``start``/``nbytes`` absolute."""
+    """One tensor's description, checked: ``dims`` in ggml order (fastest first), ``start``/``nbytes`` absolute.
+
+    Attributes:
+        name: the tensor's GGUF name.
+        type_name: its ggml type (``"Q8_0"`` ...).
+        type_id: the type's number.
+        dims: its dimensions, fastest first.
+        start: the byte offset of its data in the file.
+        nbytes: its size in bytes.
+    """
 
     name: str
     type_name: str
@@ -139,7 +216,14 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class GGUFFile:
-    """A checked GGUF file: its metadata (arrays as ``GGUFArray``), tensor descriptions and the mapped bytes."""
+    """A checked GGUF file: its metadata (arrays as ``GGUFArray``), tensor descriptions and the mapped bytes.
+
+    Attributes:
+        path: the file.
+        metadata: key -> value.
+        tensors: name -> ``TensorInfo``.
+        data: the whole file, memory-mapped read-only, as uint8.
+    """
 
     path: Path
     metadata: dict[str, Any]
@@ -147,7 +231,14 @@ class GGUFFile:
     data: np.ndarray  # the whole file, memory-mapped read-only, as uint8
 
     def raw(self, tensor: TensorInfo) -> np.ndarray:
-        """The tensor's bytes as ``gguf.quants.dequantize`` takes them: uint8, ``(*shape[:-1], row bytes)``."""
+        """The tensor's bytes as ``gguf.quants.dequantize`` takes them.
+
+        Args:
+            tensor: one of ``tensors``.
+
+        Returns:
+            uint8 ``(*shape[:-1], row bytes)``, a view of the mapped file.
+        """
         rows = tensor.shape[:-1]
         return self.data[tensor.start: tensor.start + tensor.nbytes].reshape(*rows, -1)
 
@@ -200,6 +291,12 @@ def _utf8(data: bytes, what: str) -> str:
 
 def read_gguf_file(path: str | os.PathLike[str]) -> GGUFFile:
     """Read and check a GGUF file's header and tensor layout; no tensor is decoded.
+
+    Args:
+        path: the ``.gguf`` file.
+
+    Returns:
+        The checked file.
 
     Raises:
         ImportError: the ``gguf`` package is not installed.

@@ -26,13 +26,33 @@ SCHEMES = {name.upper(): name for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1
 
 
 def packable(tensor: TensorInfo) -> bool:
-    """Whether ``tensor`` can stay packed: a 2-d tensor in a block format with a registered scheme."""
+    """Whether ``tensor`` can stay packed: a 2-d tensor in a block format with a registered scheme.
+
+    Args:
+        tensor: the tensor's entry in the file.
+
+    Returns:
+        True when it can.
+    """
     scheme = SCHEMES.get(tensor.type_name)
     return len(tensor.shape) == 2 and scheme is not None and scheme in blocks.names("quantization")
 
 
 def read_blocks(file: GGUFFile, tensor: TensorInfo) -> Tensor:
-    """The tensor's bytes as a fresh uint8 ``(rows, row bytes)`` tensor (read, not mapped)."""
+    """The tensor's bytes as a fresh uint8 tensor (read, not mapped).
+
+    Args:
+        file: the GGUF file.
+        tensor: the tensor's entry in it.
+
+    Returns:
+        The bytes.
+
+    Raises:
+        ValueError: the file ends inside the tensor (it changed since its header was checked).
+
+    Shapes: -> ``(rows, row bytes)``.
+    """
     raw = torch.empty(tensor.nbytes, dtype=torch.uint8)
     with open(file.path, "rb") as f:
         f.seek(tensor.start)
@@ -45,9 +65,15 @@ def packed_weight(file: GGUFFile, tensor: TensorInfo, rows: Tensor | None, mater
     """A ``PackedWeight`` for ``tensor`` (``packable``), its rows reordered by ``rows`` (indices) when given.
 
     Args:
-        file, tensor: where the blocks are.
+        file: the GGUF file holding the blocks.
+        tensor: the tensor's entry in that file (offset, type, shape).
         rows: ``new row i = stored row rows[i]``, or None.
         materialize: returns the float32 weight (with the same reordering), for a converter that changes it.
+
+    Returns:
+        The stand-in (on the meta device).
+
+    Shapes: rows ``(out,)`` long -> a stand-in of the float weight's ``(out, in)``.
     """
     scheme = SCHEMES[tensor.type_name]
     layer_class = blocks.get("quantization", scheme)

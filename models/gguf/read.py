@@ -84,6 +84,8 @@ def read_gguf(
             ``models.gguf.families.SUPPORTED_ARCHITECTURES``; a tensor type outside ``SUPPORTED_TYPES``; metadata
             sizes that disagree with the tensors; unknown, missing, duplicated or mis-shaped tensors; metadata the
             family's config cannot represent; a split set whose parts disagree. The message names the field.
+
+    Shapes: every tensor as the ``transformers`` model stores it.
     """
     target_dtype = parse_dtype(dtype) or torch.float32
     if not isinstance(path, (str, os.PathLike)):
@@ -142,6 +144,12 @@ def _materializer(gguf: Any, file: GGUFFile, info: TensorInfo, rows: Tensor | No
 def read_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:
     """Only the tokenizer a GGUF file embeds (a ``GGUFTokenizer``), or None when it has no vocabulary.
 
+    Args:
+        path: the ``.gguf`` file.
+
+    Returns:
+        The tokenizer, or None.
+
     Raises:
         ValueError: as ``read_gguf`` for the header and the ``tokenizer.*`` metadata.
     """
@@ -157,6 +165,12 @@ def read_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer | None:
 
 def read_gguf_parts(path: str | os.PathLike[str]) -> tuple[list[GGUFFile], dict[str, tuple[GGUFFile, TensorInfo]]]:
     """A GGUF file, or every part of a split set, checked; tensor name -> (its file, its description).
+
+    Args:
+        path: the file, or the first part of a split set.
+
+    Returns:
+        ``(parts, tensors)``: the parts in order, and each tensor's part and description.
 
     Raises:
         FileNotFoundError: a part of the set is missing.
@@ -209,7 +223,18 @@ def _tokenizer_metadata(metadata: Mapping[str, Any], vocab_size: int) -> dict[st
 
 
 def decode_tensor(gguf: Any, file: GGUFFile, tensor: TensorInfo) -> Tensor:
-    """A tensor's values as float32, in torch's dimension order (ggml lists the fastest dimension first)."""
+    """A tensor's values as float32, in torch's dimension order (ggml lists the fastest dimension first).
+
+    Args:
+        gguf: the ``gguf`` package (its ``quants.dequantize``).
+        file: the GGUF file.
+        tensor: the tensor's entry in it.
+
+    Returns:
+        The values.
+
+    Shapes: -> ``tensor.shape``.
+    """
     values = gguf.quants.dequantize(file.raw(tensor), gguf.GGMLQuantizationType(tensor.type_id))
     if not values.flags.writeable:  # F32 comes back as a read-only view of the memory-mapped file
         values = values.copy()
@@ -220,6 +245,13 @@ def unpermute_rows(weight: Tensor, n_heads: int) -> Tensor:
     """Undo ``convert_hf_to_gguf.LlamaModel.permute``: per head, interleaved (x0, y0, x1, y1 ...) rows
     back to rotate-half order (x0, x1 ..., y0, y1 ...).
 
+    Args:
+        weight: a q or k projection's weight as llama.cpp stores it.
+        n_heads: its heads.
+
+    Returns:
+        The weight in rotate-half order.
+
     Shapes: ``(n_heads * d_head, ...)`` in and out.
     """
     rows = weight.shape[0]
@@ -229,6 +261,13 @@ def unpermute_rows(weight: Tensor, n_heads: int) -> Tensor:
 
 def permute_rows(weight: Tensor, n_heads: int) -> Tensor:
     """``convert_hf_to_gguf.LlamaModel.permute``: rotate-half rows to llama.cpp's interleaved layout.
+
+    Args:
+        weight: a q or k projection's weight.
+        n_heads: its heads.
+
+    Returns:
+        The permuted weight.
 
     Shapes: ``(n_heads * d_head, ...)`` in and out.
     """

@@ -14,7 +14,19 @@ from .file import number, size
 
 
 def rope_scaling_from_metadata(metadata: Mapping[str, Any], arch: str = "llama") -> dict[str, Any] | None:
-    """``rope_scaling`` from the ``<arch>.rope.scaling.*`` keys (``rope.scale_linear`` in older files)."""
+    """``rope_scaling`` from the ``<arch>.rope.scaling.*`` keys (``rope.scale_linear`` in older files).
+
+    Args:
+        metadata: the file's metadata.
+        arch: the architecture prefix of the keys.
+
+    Returns:
+        The ``transformers`` ``rope_scaling`` dict, or None without scaling.
+
+    Raises:
+        ValueError: a scaling type that is not a string, a type without its factor, or a factor or YaRN value that
+            is not a finite positive number (each named with its key).
+    """
     kind = metadata.get(f"{arch}.rope.scaling.type")
     factor_key = f"{arch}.rope.scaling.factor"
     if kind is None and metadata.get(f"{arch}.rope.scale_linear") not in (None, 1.0):
@@ -49,6 +61,12 @@ def add_llama3_rope_scaling(config: dict[str, Any], factors: Tensor) -> None:
     ``s = (L / w - low) / (high - low)`` (as transformers' ``_compute_llama3_parameters``). ``s`` is affine in
     ``1 / w``: the divisors fix ``factor`` and that line, not ``L``, ``low`` and ``high`` one by one, so
     ``low_freq_factor`` is set to 1. Whatever the parameters, they are kept only if they reproduce every divisor.
+
+    Args:
+        config: the ``transformers`` config dict being built (changed in place).
+        factors: the ``rope_freqs`` tensor's divisors.
+
+    Shapes: factors ``(d_rotary / 2,)``.
 
     Raises:
         ValueError: the file also states a rope scaling type, or the divisors are not llama3's.
@@ -100,7 +118,15 @@ def add_llama3_rope_scaling(config: dict[str, Any], factors: Tensor) -> None:
 
 
 def llama3_divisors(inv_wavelen: list[float], scaling: Mapping[str, Any]) -> list[float]:
-    """llama.cpp's ``rope_freqs`` for these llama3 parameters (``convert_hf_to_gguf.LlamaModel``)."""
+    """llama.cpp's ``rope_freqs`` for these llama3 parameters (``convert_hf_to_gguf.LlamaModel``).
+
+    Args:
+        inv_wavelen: ``1 / wavelength`` of each rotary frequency.
+        scaling: the llama3 ``rope_scaling``.
+
+    Returns:
+        One divisor per frequency.
+    """
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     original = scaling["original_max_position_embeddings"]
     out = []

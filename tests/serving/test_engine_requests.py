@@ -266,9 +266,9 @@ def test_nan_logits_end_only_their_request_with_error_and_leave_no_trace() -> No
     alloc = engine.allocator
     assert alloc.num_free == alloc.n_blocks and alloc.refs == [0] * alloc.n_blocks
     assert engine.generate(clean[2], max_tokens=12)[0].token_ids == want[2]
-    with pytest.raises(ValueError, match=r"logits of prompt\(s\) \[1\] are NaN"):
+    with pytest.raises(ValueError, match=r"prompt\(s\) \[1\]: its next-token logits are NaN"):
         engine.generate([clean[0], bad], max_tokens=4)
     alone_engine = Engine(poisoned, block_size=4)
-    with pytest.raises(ValueError, match=r"logits of prompt\(s\) \[0\] are NaN"):
+    with pytest.raises(ValueError, match=r"prompt\(s\) \[0\]: its next-token logits are NaN"):
         alone_engine.generate([bad], max_tokens=4)
     assert alone_engine.allocator.num_cached == 0  # nothing it wrote can be hit

@@ -1,6 +1,6 @@
 """The examples run end to end (at toy sizes, on a small text file), answer --help, and reach the quality the
-README documents: at a reduced budget in the fast tests (the figures they assert are in the README too), and
-at the README's own budget in the ``slow`` ones.
+docs document (docs/getting-started.md, "Examples"): at a reduced budget in the fast tests (the figures they assert
+are on that page too), and at the page's own budget in the ``slow`` ones.
 """
 
 from __future__ import annotations

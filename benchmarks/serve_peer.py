@@ -1,0 +1,249 @@
+"""``zoo serve`` on real-model shapes beside ``generate(compile=True)`` and, when built, llama.cpp's ``llama-server``.
+
+    python -m benchmarks.serve_peer                          # SmolLM2-135M's shape, 1 thread, eager and compiled
+    python -m benchmarks.serve_peer --shapes smollm2 qwen3 --threads 1 2
+    python -m benchmarks.serve_peer --llama-server /path/to/llama-server   # + the peer on the same weights (F32 GGUF)
+    python -m benchmarks.serve_peer --quick                  # a tiny model, few tokens: checks that the script runs
+
+Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread count, one run:
+
+- **generate(compile=True)**: one request after another in this process, the reference of single-stream speed;
+- **zoo serve (MODE)**: the server's application (``serving.openai_api.create_app``) in a child process with the
+  engine in its own process (``zoo serve``'s default), driven by the ``openai`` client with token-id prompts and
+  greedy decoding: requests one at a time, then ``--concurrency`` in flight at once. MODE is the engine's
+  ``compile`` (eager, attention, compile);
+- **llama-server** (``--llama-server PATH``): ``-np`` ``--concurrency`` on the model written as an F32 GGUF file.
+
+Reported: single-request tokens/s and its ratio to ``generate(compile=True)`` (goal >= 0.95), concurrent tokens/s
+and its ratio to llama-server's (goal >= 1.0) or, without the peer, to the server's own single-request tokens/s
+(goal >= 5), the first use's seconds (the compiles), and the resident memory of the server's processes against the
+weights plus the KV cache the concurrent requests hold (goal <= 1.3). Whether every mode produced the same tokens.
+The machine is shared and noisy: compare figures of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing
+import platform
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import torch
+
+from benchmarks.quantized import FAMILY, SHAPES, filler_tokenizer
+from models import DecoderLM, DecoderLMConfig
+from serving.engine import kv_block_nbytes
+from serving.engine_process import ModelSource
+
+MODES = {"eager": False, "attention": "attention", "compile": True}
+
+
+def shaped_model(shape: str) -> DecoderLM:
+    """A float32 ``DecoderLM`` of the shape's sizes with seeded random weights (``N(0, 0.02)`` matrices)."""
+    options: dict = {"positional": {"base": 100000.0}}
+    if FAMILY[shape] == "qwen3":
+        options["attention"] = {"qk_norm": "rmsnorm", "qk_norm_eps": 1e-6}
+    config = DecoderLMConfig(**SHAPES[shape], max_len=2048, dropout=0.0, positional="rotary", ffn="swiglu",
+                             norm="rmsnorm", norm_eps=1e-6, sublayer="pre_norm", bias=False, tie_embeddings=True,
+                             eos_token_id=None, options=options)
+    torch.manual_seed(0)
+    model = DecoderLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    return model
+
+
+def resident(pid: int) -> int:
+    """Resident bytes of a process and all its descendants (``/proc``)."""
+    total = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            total += int(line.split()[1]) * 1024
+    for tid in Path(f"/proc/{pid}/task").iterdir():
+        for child in (tid / "children").read_text().split():
+            total += resident(int(child))
+    return total
+
+
+def _serve(folder: str, port: int, threads: int, concurrency: int, compile_mode: Any) -> None:
+    """The child process: ``zoo serve``'s application, the engine in its own process loading the saved weights."""
+    import uvicorn
+
+    from serving.openai_api import create_app
+
+    torch.set_num_threads(threads)  # the engine process takes as many
+    model = DecoderLM.from_pretrained(folder, device="meta")  # this process holds the config only
+    app = create_app(model, None, model_name="peer", engine_process=ModelSource(path=folder),
+                     max_num_seqs=concurrency, compile=compile_mode)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, alive: Any, seconds: float = 600) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        if not alive():
+            raise RuntimeError("the server exited before it was ready")
+        time.sleep(0.1)
+    raise RuntimeError(f"the server at {url} did not start within {seconds} s")
+
+
+@contextlib.contextmanager
+def zoo_server(folder: str, threads: int, concurrency: int, compile_mode: Any) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    child = multiprocessing.get_context("spawn").Process(
+        target=_serve, args=(folder, port, threads, concurrency, compile_mode))
+    child.start()
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", child.is_alive)
+        yield f"http://127.0.0.1:{port}", child.pid
+    finally:
+        child.terminate()
+        child.join(60)
+
+
+@contextlib.contextmanager
+def llama_server(binary: str, gguf: str, threads: int, concurrency: int, context: int) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    process = subprocess.Popen([binary, "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
+                                "-np", str(concurrency), "-c", str(context * concurrency)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", lambda: process.poll() is None)
+        yield f"http://127.0.0.1:{port}", process.pid
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+async def drive(url: str, prompts: list[list[int]], gen_len: int, concurrent: bool) -> tuple[float, list[list[int]]]:
+    """Send every prompt (all at once, or one after another); wall seconds and each request's tokens."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600,
+                                http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=256)))
+
+    async def one(prompt: list[int]) -> list[int]:
+        out = await client.completions.create(model="peer", prompt=prompt, max_tokens=gen_len, temperature=0,
+                                              logprobs=0)
+        tokens = out.choices[0].logprobs.tokens if out.choices[0].logprobs else []
+        return [int(t) if str(t).lstrip("-").isdigit() else hash(t) for t in tokens]
+
+    start = time.perf_counter()
+    if concurrent:
+        outs = list(await asyncio.gather(*(one(p) for p in prompts)))
+    else:
+        outs = [await one(p) for p in prompts]
+    wall = time.perf_counter() - start
+    await client.close()
+    return wall, outs
+
+
+def measure_server(url: str, pid: int, prompts: list[list[int]], gen_len: int, singles: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    asyncio.run(drive(url, prompts[:1], gen_len, False))  # warm-up: the single-row graph
+    asyncio.run(drive(url, prompts, gen_len, True))  # and the batched one
+    first_use = time.perf_counter() - start
+    wall, outs = asyncio.run(drive(url, prompts[:singles], gen_len, False))
+    single = sum(map(len, outs)) / wall
+    wall, outs = asyncio.run(drive(url, prompts, gen_len, True))
+    return dict(single=single, concurrent=sum(map(len, outs)) / wall, first_use=first_use, rss=resident(pid),
+                tokens=outs)
+
+
+def generate_speed(model: DecoderLM, prompts: list[list[int]], gen_len: int, singles: int) -> float:
+    model.generate(torch.tensor([prompts[0]]), max_new_tokens=gen_len, compile=True)  # warm-up (compiles)
+    start = time.perf_counter()
+    for prompt in prompts[:singles]:
+        model.generate(torch.tensor([prompt]), max_new_tokens=gen_len, compile=True)
+    return singles * gen_len / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["smollm2"], choices=sorted(SHAPES))
+    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=sorted(MODES))
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--gen-len", type=int, default=64)
+    parser.add_argument("--singles", type=int, default=2, help="requests timed one at a time")
+    parser.add_argument("--llama-server", default=None, help="path of a llama-server binary (optional peer)")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, few tokens")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes, args.concurrency, args.prompt_len, args.gen_len, args.singles = ["tiny"], 4, 8, 8, 1
+    print(f"machine: {platform.machine()}, torch {torch.__version__}, fp32, a shared machine: one run")
+    report = []
+    for shape in args.shapes:
+        model = shaped_model(shape)
+        vocab = model.config.vocab_size
+        generator = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=generator).tolist()
+                   for _ in range(args.concurrency)]
+        weights = sum(p.nbytes for p in model.parameters())
+        kv = args.concurrency * (args.prompt_len + args.gen_len) * kv_block_nbytes(model, 1)
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder)
+            gguf = None
+            if args.llama_server:
+                model.tokenizer = filler_tokenizer(vocab)
+                gguf = str(model.save_gguf(Path(folder) / "model.gguf", "F32", model_type=FAMILY[shape]))
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                rows = {"generate(compile=True)": {"single": generate_speed(model, prompts, args.gen_len,
+                                                                            args.singles)}}
+                for mode in args.modes:
+                    with zoo_server(folder, threads, args.concurrency, MODES[mode]) as (url, pid):
+                        rows[f"zoo serve ({mode})"] = measure_server(url, pid, prompts, args.gen_len, args.singles)
+                if gguf is not None:
+                    with llama_server(args.llama_server, gguf, threads, args.concurrency,
+                                      args.prompt_len + args.gen_len) as (url, pid):
+                        rows["llama-server"] = measure_server(url, pid, prompts, args.gen_len, args.singles)
+                report.append(dict(shape=shape, threads=threads, rows=rows, weights=weights, kv=kv))
+                print_table(report[-1])
+    return report
+
+
+def print_table(entry: dict[str, Any]) -> None:
+    rows = entry["rows"]
+    reference = rows["generate(compile=True)"]["single"]
+    peer = rows.get("llama-server")
+    budget = entry["weights"] + entry["kv"]
+    print(f"\n#### {entry['shape']}, {entry['threads']} thread(s): weights {entry['weights'] / 2**20:.0f} MiB, "
+          f"KV of the concurrent requests {entry['kv'] / 2**20:.0f} MiB\n")
+    print("| system | 1 request tok/s | vs generate(compile) | concurrent tok/s | vs peer | vs own single | "
+          "first use s | resident MiB | vs weights+KV |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        if "concurrent" not in r:
+            print(f"| {name} | {r['single']:.2f} | 1.00x | | | | | | |")
+            continue
+        versus_peer = f"{r['concurrent'] / peer['concurrent']:.2f}x" if peer else "n/a"
+        print(f"| {name} | {r['single']:.2f} | {r['single'] / reference:.2f}x | {r['concurrent']:.2f} | "
+              f"{versus_peer} | {r['concurrent'] / r['single']:.2f}x | {r['first_use']:.0f} | "
+              f"{r['rss'] / 2**20:.0f} | {r['rss'] / budget:.2f}x |")
+    zoo = [r["tokens"] for name, r in rows.items() if name.startswith("zoo")]
+    print(f"\nsame tokens in every zoo mode: {all(t == zoo[0] for t in zoo)}")
+
+
+if __name__ == "__main__":
+    main()
