@@ -376,6 +376,13 @@ def group_entities(tokenizer: Any, words: list[dict[str, Any]]) -> list[dict[str
 def text_list(texts: Any, name: str) -> list[str]:
     """``texts`` (one string or a sequence of them) as a non-empty list of strings.
 
+    Args:
+        texts: what the caller passed.
+        name: the argument's name, for messages.
+
+    Returns:
+        The list.
+
     Raises:
         ValueError: anything else, naming the argument and what it got.
     """

@@ -33,6 +33,9 @@ def staging_file(target: str | os.PathLike[str]) -> Iterator[Path]:
 
     Args:
         target: the file that will be written (its folder is created if needed).
+
+    Yields:
+        The staging file's path (created empty, locked by this process).
     """
     target = Path(target).expanduser().absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -60,6 +63,9 @@ def staging_file(target: str | os.PathLike[str]) -> Iterator[Path]:
 
 def remove_abandoned(target: str | os.PathLike[str]) -> list[str]:
     """Remove the staging files of earlier saves of the file ``target`` that no live process holds locked.
+
+    Args:
+        target: the file whose staging files are looked for (beside it).
 
     Returns:
         The names removed. Without flock (or on a filesystem without locks) nothing can be judged abandoned, so

@@ -137,6 +137,14 @@ def read_sentence_folder(read_json: Callable[[str], Any | None], source: str) ->
 def json_object(read_json: Callable[[str], Any | None], name: str, source: str) -> dict[str, Any]:
     """The JSON object of file ``name`` (``{}`` when absent).
 
+    Args:
+        read_json: a file's parsed JSON by its path inside the folder or repo (None when absent).
+        name: the file.
+        source: the folder or repo, for messages.
+
+    Returns:
+        The object.
+
     Raises:
         ValueError: the file holds another JSON type (a list, a string ...), naming the file.
     """
@@ -151,7 +159,15 @@ def json_object(read_json: Callable[[str], Any | None], name: str, source: str) 
 def fit_sentence_options(options: dict[str, Any], max_len: int) -> dict[str, Any]:
     """The head options of ``read_sentence_folder`` for a model of ``max_len`` positions: a maximum length from
     ``tokenizer_config.json`` is capped at ``max_len`` as sentence-transformers does (an explicit
-    ``max_seq_length`` beyond the positions is refused by the model's config)."""
+    ``max_seq_length`` beyond the positions is refused by the model's config).
+
+    Args:
+        options: ``read_sentence_folder``'s options.
+        max_len: the model's positions.
+
+    Returns:
+        The head options (without ``model_max_length``).
+    """
     options = dict(options)
     fallback = options.pop("model_max_length", None)
     if fallback is not None and "max_seq_length" not in options:

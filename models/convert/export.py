@@ -113,7 +113,14 @@ def save_transformers(model: nn.Module, directory: str | os.PathLike[str], model
 
 def families_to_try(model: nn.Module) -> list[str]:
     """The registered exporters in the order an export tries them: the family the model was converted from
-    (``model.transformers_model_type``) first, so a RoBERTa stays a RoBERTa, then every other one."""
+    (``model.transformers_model_type``) first, so a RoBERTa stays a RoBERTa, then every other one.
+
+    Args:
+        model: the model to export.
+
+    Returns:
+        Exporter names, in order.
+    """
     names = blocks.names(EXPORTER_KIND)
     source = getattr(model, "transformers_model_type", None)
     if isinstance(source, str) and source not in names:

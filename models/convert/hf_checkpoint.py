@@ -89,7 +89,17 @@ class HFConfig:
         return value
 
     def boolean(self, key: str) -> bool:
-        """The field as a JSON boolean (``"yes"``, ``1`` or ``null`` are refused, naming it)."""
+        """The field as a JSON boolean.
+
+        Args:
+            key: the field.
+
+        Returns:
+            Its value.
+
+        Raises:
+            ValueError: not ``true``/``false`` (``"yes"``, ``1``, ``null``), naming the field.
+        """
         value = self[key]
         if not isinstance(value, bool):
             raise ValueError(f"{self.model_type} config field {key} must be true or false, got {value!r}")

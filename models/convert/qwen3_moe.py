@@ -42,7 +42,16 @@ DEFAULTS: dict[str, Any] = {
 
 def dense_layers_of(cfg: HFConfig, fields: dict[str, Any], width_key: str = "intermediate_size") -> dict[str, Any]:
     """``fields`` with the per-layer options of the checkpoint's dense layers (``mlp_only_layers``,
-    ``decoder_sparse_step``): a ``moe`` block without routed experts whose shared expert is the ``width_key`` MLP."""
+    ``decoder_sparse_step``): a ``moe`` block without routed experts whose shared expert is the ``width_key`` MLP.
+
+    Args:
+        cfg: the checkpoint's config.
+        fields: the ``DecoderLMConfig`` fields so far (``n_layers`` set; ``layer_options`` kept and merged).
+        width_key: the dense MLP's width field.
+
+    Returns:
+        ``fields`` with ``layer_options``.
+    """
     n_layers = fields["n_layers"]
     dense = sparse_step_layers(cfg, n_layers)
     if dense:
@@ -53,7 +62,16 @@ def dense_layers_of(cfg: HFConfig, fields: dict[str, Any], width_key: str = "int
 
 
 def dense_of(hf_config: Mapping[str, Any], defaults: Mapping[str, Any], model_type: str) -> set[int]:
-    """The dense layers of a Qwen-MoE config (checked as ``sparse_step_layers`` checks them)."""
+    """The dense layers of a Qwen-MoE config (checked as ``sparse_step_layers`` checks them).
+
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        defaults: the family's defaults.
+        model_type: the family, for messages.
+
+    Returns:
+        The dense layers' indices.
+    """
     cfg = HFConfig(model_type, hf_config, defaults)
     return sparse_step_layers(cfg, cfg.positive_int("num_hidden_layers"))
 

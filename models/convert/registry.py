@@ -34,7 +34,8 @@ from torch.overrides import TorchFunctionMode
 import blocks
 
 from ..core.base import ZooModel
-from ..core.config import MAX_POSITIONS, ConfigBase
+from ..core.config import ConfigBase
+from .bounds import check_hf_counts, check_zoo_counts
 
 CONVERTER_KIND = "hf_converter"
 #: kind of ``models.convert.tasks.convert_task`` (a task class's checkpoint), looked up so this module imports it not.
@@ -227,92 +228,6 @@ def _check_hf_layer_counts(hf_config: Mapping[str, Any], state_dict: Mapping[str
             )
 
 
-#: ``transformers`` config fields that count something every checkpoint stores: each is at most the largest dimension
-#: of a stored tensor or the most indices stored under one name (``experts.<e>``), whatever the family.
-HF_COUNT_FIELDS = (
-    "num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "num_labels",
-    "vocab_size", "hidden_size", "n_embd", "d_model", "dim", "num_attention_heads", "n_head", "n_heads",
-    "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "head_dim", "d_ff", "d_kv",
-    "hidden_dim", "type_vocab_size", "kv_lora_rank", "q_lora_rank", "n_group", "topk_group",
-)
-#: ``transformers`` config fields counting positions (rotary ones store no tensor): at most ``MAX_POSITIONS``.
-HF_POSITION_FIELDS = ("max_position_embeddings", "n_positions", "original_max_position_embeddings", "n_ctx")
-#: zoo block options that count stored things (``n_experts``) or labels, bounded like ``HF_COUNT_FIELDS``.
-ZOO_COUNT_OPTIONS = ("n_experts", "top_k", "num_labels", "d_shared", "n_group", "topk_group", "kv_lora_rank",
-                     "q_lora_rank")
-#: label maps: their length is a count too (a map of 10**6 entries is refused without being read).
-LABEL_MAPS = ("id2label", "label2id")
-_NUMBERED = re.compile(r"\.(\d+)(?=\.|$)")
-
-
-def stored_bound(state: Mapping[str, Tensor]) -> int:
-    """The largest count a config may claim for ``state``: the largest dimension of a stored tensor, or the most
-    indices stored under one name (``...experts.<e>.*``, ``layers.<i>.*``), whichever is larger. O(tensors)."""
-    largest = max((max(t.shape, default=1) for t in state.values() if isinstance(t, Tensor)), default=1)
-    indices: dict[str, set[int]] = {}
-    for name in state:
-        if isinstance(name, str):
-            for match in _NUMBERED.finditer(name):
-                indices.setdefault(name[:match.start()], set()).add(int(match[1]))
-    return max(largest, max((len(v) for v in indices.values()), default=0))
-
-
-def check_hf_counts(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> None:
-    """Refuse a ``transformers`` config (or a nested ``*_config`` of it) whose counts exceed what its checkpoint
-    stores (``HF_COUNT_FIELDS``, ``id2label``/``label2id`` sizes) or whose positions exceed ``MAX_POSITIONS``.
-
-    Cost O(tensors + fields), before a converter loops over experts or builds a label map.
-
-    Raises:
-        ValueError: naming the field, its value and the bound.
-    """
-    bound = stored_bound(state_dict)
-    model_type = hf_config.get("model_type")
-    configs = [("", hf_config)] + [
-        (f"{key}.", value) for key, value in hf_config.items() if key.endswith("_config") and isinstance(value, Mapping)
-    ]
-    for prefix, config in configs:
-        for field in HF_COUNT_FIELDS:
-            _check_count(f"{model_type} config field {prefix}{field}", config.get(field), bound,
-                         "the largest tensor dimension or index count the checkpoint stores")
-        for field in LABEL_MAPS:
-            if isinstance(config.get(field), Mapping):
-                _check_count(f"{model_type} config field {prefix}{field} (its size)", len(config[field]), bound,
-                             "the largest tensor dimension the checkpoint stores")
-        for field in HF_POSITION_FIELDS:
-            _check_count(f"{model_type} config field {prefix}{field}", config.get(field), MAX_POSITIONS,
-                         "MAX_POSITIONS")
-
-
-def check_zoo_counts(config: ConfigBase, state: Mapping[str, Tensor], source: str = "") -> None:
-    """Refuse a zoo config whose block options count more than its checkpoint stores (``ZOO_COUNT_OPTIONS``, the
-    sizes of label maps), before a model (even on the meta device) is built. O(tensors + options).
-
-    Raises:
-        ValueError: naming the option (``options['ffn'].n_experts``), its value and the bound.
-    """
-    bound = stored_bound(state)
-    entries = [("options", getattr(config, "options", {}) or {})] + [
-        (f"layer_options[{i}]", entry) for i, entry in enumerate(getattr(config, "layer_options", ()) or ())
-    ]
-    for where, options in entries:
-        for block, values in options.items():
-            if not isinstance(values, Mapping):
-                continue
-            for key in ZOO_COUNT_OPTIONS:
-                _check_count(f"{_prefix(source)}config {where}[{block!r}].{key}", values.get(key), bound,
-                             "the largest tensor dimension or index count the checkpoint stores")
-            for key in LABEL_MAPS:
-                if isinstance(values.get(key), Mapping):
-                    _check_count(f"{_prefix(source)}config {where}[{block!r}].{key} (its size)", len(values[key]),
-                                 bound, "the largest tensor dimension the checkpoint stores")
-
-
-def _check_count(what: str, value: Any, bound: int, bound_name: str) -> None:
-    if isinstance(value, int) and not isinstance(value, bool) and value > bound:
-        raise ValueError(f"{what}={value} exceeds {bound_name} ({bound}): the config and the weights disagree")
-
-
 def check_layer_counts(config: ConfigBase, names: Iterable[str], source: str = "") -> None:
     """Check each layer count of a zoo config (``n_layers``, ``n_encoder_layers``, ...) against the layers stored.
 
@@ -450,16 +365,11 @@ __all__ = [
     "SLACK_ELEMENTS",
     "SLACK_FRACTION",
     "Converted",
-    "HF_COUNT_FIELDS",
-    "MAX_POSITIONS",
     "build_bounded",
     "check_converted",
-    "check_hf_counts",
-    "check_zoo_counts",
     "check_layer_counts",
     "from_transformers",
     "register_converter",
-    "stored_bound",
     "stored_layers",
     "supported_model_types",
 ]

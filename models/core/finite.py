@@ -18,6 +18,8 @@ def check_finite(tensors: Mapping[str, Tensor], what: str, largest: float | None
 
     Meta tensors (stand-ins without values) and integer tensors are skipped. Cost: one pass over each tensor.
 
+    Shapes: any tensors.
+
     Args:
         tensors: name -> tensor, as the file will name them.
         what: the export, for messages (``"GGUF export"``).

@@ -21,14 +21,9 @@ import transformers  # a dev dependency: missing, the suite must fail here, not 
 
 import models
 from models import DecoderLM, EncoderLM, Seq2SeqTransformer
+from models.convert.bounds import HF_COUNT_FIELDS, HF_POSITION_FIELDS, MAX_POSITIONS
 from models.convert.export import to_transformers
-from models.convert.registry import (
-    HF_COUNT_FIELDS,
-    HF_POSITION_FIELDS,
-    MAX_POSITIONS,
-    from_transformers,
-    supported_model_types,
-)
+from models.convert.registry import from_transformers, supported_model_types
 
 HUGE = 10**12
 TINY_PRESETS = sorted(
