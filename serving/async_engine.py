@@ -159,15 +159,17 @@ class AsyncEngine(DeltaStreams):
         """Nothing to start (the worker starts with the first request)."""
 
     async def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
-                          n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:
+                          n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None,
+                          constraint: Any = None, logit_bias: Any = None, adapter: str | None = None) -> str:
         """Queue a request (arguments as ``Engine.generate`` takes them for one prompt); return its id.
 
         Raises:
-            ValueError: bad arguments or an id in use.
+            ValueError: bad arguments (an adapter not loaded included) or an id in use.
             QueueFullError: the engine's waiting queue is at its bound.
         """
         spec = self.engine.make_request(prompt, sampling, max_tokens=max_tokens, stop=stop, n=n, seed=seed,
-                                        logprobs=logprobs)
+                                        logprobs=logprobs, constraint=constraint, logit_bias=logit_bias,
+                                        adapter=adapter)
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         queued = len(self.engine.scheduler.waiting) + sum(1 for op in self._ops if getattr(op, "adds", False))
         if queued >= self.engine.max_waiting:
@@ -185,6 +187,30 @@ class AsyncEngine(DeltaStreams):
     def abort(self, request_id: str) -> None:
         """Cancel a request: its stream ends with a delta whose ``finish_reason`` is ``"abort"`` per open sample."""
         self._submit(lambda: abort_deltas(self.engine, request_id))
+
+    async def lora(self, action: str, name: str, path: Any = None) -> None:
+        """Add or remove a LoRA adapter between two steps of the worker: running requests are not disturbed.
+
+        Args:
+            action: ``"add"`` (``Engine.add_lora``) or ``"remove"`` (``Engine.remove_lora``).
+            name: the adapter's name.
+            path: where to read it from (``"add"``).
+
+        Raises:
+            ValueError: see ``Engine.add_lora`` and ``remove_lora``.
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Exception | None] = loop.create_future()
+
+        def apply() -> list[RequestDelta]:
+            error = lora_action(self.engine, action, name, path)
+            loop.call_soon_threadsafe(done.set_result, error)
+            return []
+
+        self._submit(apply)
+        error = await done
+        if error is not None:
+            raise error
 
     async def close(self) -> None:
         """Stop the background task (requests in flight are left as they are)."""
@@ -258,3 +284,25 @@ def abort_all(engine: Engine) -> list[str]:
             pass
         engine.requests.pop(request_id, None)
     return ids
+
+
+def lora_action(engine: Engine, action: str, name: str, path: Any) -> Exception | None:
+    """Apply ``engine.add_lora(name, path)`` or ``engine.remove_lora(name)``.
+
+    Args:
+        engine: the engine.
+        action: ``"add"`` or ``"remove"``.
+        name: the adapter's name.
+        path: where to read it from (``"add"``).
+
+    Returns:
+        The error it raised (``ValueError``, ``FileNotFoundError`` …), or None.
+    """
+    try:
+        if action == "add":
+            engine.add_lora(name, path)
+        else:
+            engine.remove_lora(name)
+    except Exception as err:  # noqa: BLE001 - handed to the caller; the engine and its requests go on
+        return err
+    return None

@@ -3,11 +3,14 @@
 
     zoo serve ./my-model --port 8000 --api-key sk-local --served-model-name mine   # the OpenAI API
     zoo serve ./my-model --no-engine-process      # the engine in a thread of the server's process, not its own
+    zoo serve ./my-model --lora sql=./sql-lora --lora chat=user/chat-lora   # adapters chosen by the request's model
     zoo chat ./my-model --temperature 0.7        # a terminal chat: /reset, /system TEXT, /exit; Ctrl-C stops a reply
     zoo generate ./my-model "Once upon a time" --max-tokens 64                     # one completion, streamed
     zoo generate ./my-model "Once upon a time" --quantize int8    # a float checkpoint's weights quantized on load
     zoo chat ./model.gguf --dequantize                            # a quantized checkpoint's weights as float32
     zoo embed ./my-embedder "first text" "second text"                             # one JSON vector per line
+    zoo generate ./my-model "A date: " --regex '[0-9]{4}-[0-9]{2}-[0-9]{2}'     # output constrained (or --json-schema)
+    zoo chat ./my-model --json-schema person.json                  # every answer valid JSON under the schema
 """
 
 from __future__ import annotations
@@ -106,9 +109,19 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     compiled.add_argument("--compile-attention", action="store_true",
                           help="attend the decoding rows through one compiled graph (Engine(compile=\"attention\"): "
                                "a few seconds to compile at the first step)")
+    serve_parser.add_argument("--lora", type=_lora, action="append", default=[], metavar="NAME=PATH",
+                              help="serve a peft LoRA adapter (folder or Hub repo) as model NAME (repeatable)")
+    serve_parser.add_argument("--max-loras", type=_positive, default=None,
+                              help="adapters resident at once (default with --lora: one each, at least 4; "
+                                   "without: none, and /v1/load_lora_adapter is refused)")
+    serve_parser.add_argument("--max-lora-rank", type=_positive, default=None,
+                              help="the largest adapter rank (default: that of --lora, at least 16)")
     serve_parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine in its own process, which loads the model, so that HTTP never competes "
                             "with it for the GIL (default); --no-engine-process steps it in a thread of the server")
+    from .tool_parsers import PARSERS
+    serve_parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                              help="how tool calls are read from answers (default: chosen from the chat template)")
     chat_parser = sub.add_parser("chat", help="chat with a model in the terminal (/reset, /system TEXT, /exit)")
     chat_parser.add_argument("model")
     chat_parser.add_argument("--system", default=None, help="a system message")
@@ -121,6 +134,10 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
         command.add_argument("--max-tokens", type=_positive, default=256)
         command.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         command.add_argument("--seed", type=int, default=None)
+        constrained = command.add_mutually_exclusive_group()
+        constrained.add_argument("--json-schema", default=None, metavar="FILE",
+                                 help="constrain the output to JSON valid under the JSON schema in FILE")
+        constrained.add_argument("--regex", default=None, help="constrain the output to match this regex")
     embed_parser = sub.add_parser("embed", help="embed texts (a model with an embedding head): one JSON list per line")
     embed_parser.add_argument("model")
     embed_parser.add_argument("texts", nargs="+")
@@ -152,8 +169,19 @@ def serve(args: argparse.Namespace) -> None:
     app = create_app(model, model.tokenizer, model_name=args.served_model_name or args.model, api_key=args.api_key,
                      engine_process=source, max_num_seqs=args.max_batch, num_blocks=args.kv_blocks,
                      block_size=args.block_size, kv_cache_bytes=args.kv_cache_memory,
-                     compile="attention" if args.compile_attention else args.compile)
+                     compile="attention" if args.compile_attention else args.compile,
+                     tool_call_parser=args.tool_call_parser,
+                     loras=dict(args.lora), max_loras=args.max_loras or (max(4, len(args.lora)) if args.lora else 0),
+                     max_lora_rank=args.max_lora_rank)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+def _lora(text: str) -> tuple[str, str]:
+    """``--lora NAME=PATH``."""
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (a peft adapter folder or Hub repo), got {text!r}")
+    return name, path
 
 
 def _sampling(args: argparse.Namespace) -> Any:
@@ -164,12 +192,30 @@ def _sampling(args: argparse.Namespace) -> Any:
     return SamplingParams() if args.temperature == 0 else SamplingParams(do_sample=True, temperature=args.temperature)
 
 
+def _constraint(args: argparse.Namespace) -> Any:
+    """The ``Constraint`` of ``--json-schema FILE`` / ``--regex`` (None without them); a bad one exits."""
+    from models.generation.constraints import Constraint
+    try:
+        if getattr(args, "json_schema", None) is not None:
+            with open(args.json_schema, encoding="utf-8") as f:
+                constraint = Constraint.json_schema(f.read())
+        elif getattr(args, "regex", None) is not None:
+            constraint = Constraint.regex(args.regex)
+        else:
+            return None
+        constraint.check()
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"zoo: {err}") from None
+    return constraint
+
+
 def _stream(engine: Any, ids: list[int], args: argparse.Namespace, stdout: Any) -> str:
     """Generate from ``ids``, writing the text as it comes; Ctrl-C stops (aborts) this reply only."""
     room = engine.context - len(ids)
     if room < 1:
         raise ValueError(f"the prompt fills the model's context of {engine.context} tokens")
-    request = engine.add_request(ids, _sampling(args), max_tokens=min(args.max_tokens, room), seed=args.seed)
+    request = engine.add_request(ids, _sampling(args), max_tokens=min(args.max_tokens, room), seed=args.seed,
+                                 constraint=_constraint(args))
     text = []
     try:
         while engine.has_unfinished():

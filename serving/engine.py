@@ -21,6 +21,8 @@ from models.generation.sampling import has_nan, nan_rows
 from models.generation.steps import refuse_longrope_switch
 
 from .cache_size import check_num_blocks, default_num_blocks, memory_device
+from .guided import guided_logits, guided_spec
+from .lora_registry import LoRAEngineMixin
 from .requests import (
     IncrementalText,
     RequestDelta,
@@ -63,8 +65,8 @@ def blocks_in_memory(model: Any, nbytes: Any, block_size: int, num_blocks: int |
     return nbytes // per_block
 
 
-class Engine:
-    """Continuous batching over a paged KV cache.
+class Engine(LoRAEngineMixin):
+    """Continuous batching over a paged KV cache, with per-request LoRA adapters (``serving.lora_registry``).
 
     Args:
         model: a ``DecoderLM`` (any family; positional attention biases such as ALiBi are not supported).
@@ -88,6 +90,10 @@ class Engine:
             ``serving.single_row``, as ``generate(compile=True)``'s, one for several), and the one-token rows'
             attention in the other steps through one compiled graph; ``"attention"``: only that attention graph
             (compiled at the first step with a decoding row); ``False``: nothing compiled.
+        max_loras: adapters resident at once (0: no adapters, unless ``loras`` are given: then one slot each);
+            each request may name one (``adapter=``), rows of different adapters share a step (docs/multi-lora.md).
+        max_lora_rank: the largest adapter rank (default: that of ``loras``, at least 16).
+        loras: adapters to load now, name -> ``peft`` folder or Hub repo (more with ``add_lora``).
 
     Raises:
         NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``) or one
@@ -100,7 +106,8 @@ class Engine:
         self, model: Any, tokenizer: Any = None, *, block_size: int = 16, num_blocks: int | None = None,
         max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 1024,
         max_model_len: int | None = None, prefix_caching: bool = True, compile: bool | str = False,  # noqa: A002
-        kv_cache_bytes: int | None = None,
+        kv_cache_bytes: int | None = None, max_loras: int = 0, max_lora_rank: int | None = None,
+        loras: Any = None,
     ) -> None:
 
 
@@ -139,10 +146,12 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.peak_blocks = 0  # most blocks in use at once
+        self.enable_loras(max_loras, max_lora_rank, loras, max_num_batched_tokens)
 
     # ----------------------------------------------------------------------------------------------- requests
     def make_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
-                     n: Any = 1, seed: Any = None, logprobs: Any = None) -> RequestSpec:
+                     n: Any = 1, seed: Any = None, logprobs: Any = None, constraint: Any = None,
+                     logit_bias: Any = None, adapter: Any = None) -> RequestSpec:
         """Check one request's arguments (as ``generate`` takes them for one prompt) without queueing it."""
         config = self.model.config
         spec = check_request(
@@ -152,10 +161,12 @@ class Engine:
         )
         # The paged cache keeps rotated keys: a request may not cross a LongRoPE switch (ValueError).
         refuse_longrope_switch(self.model, len(spec.prompt), len(spec.prompt) + spec.max_tokens, "the engine")
-        return spec
+        spec = guided_spec(spec, constraint, logit_bias, self.tokenizer, config.vocab_size, config.eos_token_id)
+        return self.with_adapter(spec, adapter)
 
     def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
-                    seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:
+                    seed: Any = None, logprobs: Any = None, request_id: str | None = None, constraint: Any = None,
+                    logit_bias: Any = None, adapter: Any = None) -> str:
         """Queue one request; return its id. Its tokens come from ``step`` as ``RequestDelta`` objects.
 
         Raises:
@@ -163,7 +174,7 @@ class Engine:
             QueueFullError: ``max_waiting`` requests are waiting already.
         """
         spec = self.make_request(prompt, sampling, max_tokens=max_tokens, stop=stop, n=n, seed=seed,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, constraint=constraint, logit_bias=logit_bias, adapter=adapter)
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (max_waiting={self.max_waiting})")
         return self.enqueue(spec, request_id)
@@ -178,6 +189,7 @@ class Engine:
             seed = int(torch.randint(0, 2**62, (1,)))  # from torch's global generator: torch.manual_seed repeats it
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         seq = Sequence(request_id, 0, spec, generator, next(self._arrivals))
+        seq.guide = None if spec.constraint is None else spec.constraint.start()
         self.requests[request_id] = [seq]
         self.scheduler.waiting.append(seq)
         return request_id
@@ -217,12 +229,14 @@ class Engine:
             return []
         used = self.allocator.n_blocks - self.allocator.num_free
         self.peak_blocks = max(self.peak_blocks, used)
+        self.route_loras(scheduled)
         logits = self.runner.run(
             [t for seq, n in scheduled for t in seq.tokens[seq.num_computed:seq.num_computed + n]],
             [(n, seq.num_computed + n, seq.block_table) for seq, n in scheduled],
         )
         deltas = []
         bad = set(nan_rows(logits).nonzero().flatten().tolist()) if has_nan(logits) else set()
+        raw, logits = logits, guided_logits(logits, scheduled)  # constraints and logit_bias, all rows together
         greedy = None  # every row's argmax, computed once for the rows that choose plainly greedily
         for row, (seq, n) in enumerate(scheduled):
             self.scheduler.computed(seq, n)
@@ -242,7 +256,7 @@ class Engine:
                     greedy = logits.float().argmax(dim=-1).tolist() if greedy is None else greedy
                     token = greedy[row]
                 for sample in samples:
-                    deltas.append(self._choose(sample, logits[row], token))
+                    deltas.append(self._choose(sample, logits[row], token, raw[row]))
             except Exception as err:  # noqa: BLE001 - reported as this request's "error" finish
                 deltas += self._fail(seq.request_id, f"choosing its next token failed: {type(err).__name__}: {err}")
         return deltas
@@ -276,13 +290,16 @@ class Engine:
         for j in range(1, parent.spec.n):
             child = Sequence(parent.request_id, j, parent.spec, torch.Generator().manual_seed((seed + j) % 2**64),
                              parent.arrival, tokens=list(parent.tokens), forked=True)
+            child.guide = None if parent.guide is None else parent.guide.copy()
             self.scheduler.fork(parent, child)
             self.requests[parent.request_id].append(child)
             children.append(child)
         return children
 
-    def _choose(self, seq: Sequence, logits: Tensor, token: int | None = None) -> RequestDelta:
-        """Choose ``seq``'s next token from its logits ``(V,)`` (``token``: already chosen, a plain greedy row)."""
+    def _choose(self, seq: Sequence, logits: Tensor, token: int | None = None, raw: Tensor | None = None
+                ) -> RequestDelta:
+        """Choose ``seq``'s next token from its logits ``(V,)`` (``token``: already chosen, a plain greedy row;
+        ``raw``: the logits before its constraint and logit bias, whose log-probabilities are reported)."""
         spec = seq.spec
         row = logits[None]  # (1, V)
         if spec.params.uses_history and seq.seen is None:
@@ -297,8 +314,10 @@ class Engine:
             seq.seen[0, token] = True
         if seq.counts is not None:
             seq.counts[0, token] += 1
+        if seq.guide is not None:
+            seq.guide.advance(token)
         if spec.logprobs is not None:
-            logprobs = row[0].float().log_softmax(-1)
+            logprobs = (row[0] if raw is None else raw).float().log_softmax(-1)
             top = logprobs.topk(spec.logprobs) if spec.logprobs else None
             seq.logprobs.append(TokenLogprob(
                 token, float(logprobs[token]),
@@ -341,10 +360,11 @@ class Engine:
 
     # -------------------------------------------------------------------------------------------- offline API
     def generate(self, prompts: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
-                 seed: Any = None, logprobs: Any = None) -> list[RequestOutput]:
+                 seed: Any = None, logprobs: Any = None, constraint: Any = None,
+                 logit_bias: Any = None, adapter: Any = None) -> list[RequestOutput]:
         """Continue every prompt, all of them batched continuously; one ``RequestOutput`` per prompt, in order.
 
-        Each of ``sampling`` … ``logprobs`` is one value for all prompts or a list with one per prompt.
+        Each of ``sampling`` … ``adapter`` is one value for all prompts or a list with one per prompt.
 
         Args:
             prompts: a list of prompts, each a string (needs the tokenizer) or a list of token ids; one string or
@@ -355,6 +375,10 @@ class Engine:
             n: samples per prompt (>= 1; > 1 needs sampling); they share the prompt's cache blocks.
             seed: sample ``j`` draws from a generator seeded ``seed + j`` (None: drawn from torch's generator).
             logprobs: report the log-probability of each new token and of the ``logprobs`` most likely ones.
+            constraint: a ``models.generation.constraints.Constraint`` the output must match (compiled once per
+                distinct constraint; each sample keeps its own state), or None.
+            logit_bias: ``{token_id: bias}`` added to the logits before choosing (OpenAI's; -100 bans a token).
+            adapter: the name of a loaded LoRA adapter to run with (None: the base model).
 
         Returns:
             One ``RequestOutput`` per prompt.
@@ -371,12 +395,15 @@ class Engine:
         count = len(prompts)
         columns = [per_prompt(sampling, count, "sampling"), per_prompt(max_tokens, count, "max_tokens"),
                    per_prompt(stop, count, "stop", stop_is_per_prompt), per_prompt(n, count, "n"),
-                   per_prompt(seed, count, "seed"), per_prompt(logprobs, count, "logprobs")]
+                   per_prompt(seed, count, "seed"), per_prompt(logprobs, count, "logprobs"),
+                   per_prompt(constraint, count, "constraint"), per_prompt(logit_bias, count, "logit_bias"),
+                   per_prompt(adapter, count, "adapter")]
         specs = []
         for i, (prompt, *args) in enumerate(zip(prompts, *columns, strict=True)):
             try:
                 specs.append(self.make_request(prompt, args[0], max_tokens=args[1], stop=args[2], n=args[3],
-                                               seed=args[4], logprobs=args[5]))
+                                               seed=args[4], logprobs=args[5], constraint=args[6],
+                                               logit_bias=args[7], adapter=args[8]))
             except ValueError as error:
                 raise ValueError(f"prompt {i}: {error}") from None
         ids = [self.enqueue(spec) for spec in specs]

@@ -50,6 +50,7 @@ from .async_engine import (
     abort_deltas,
     engine_stats,
     forget_finished,
+    lora_action,
 )
 from .engine import Engine, QueueFullError
 from .loading import apply_quantization, check_quantization, check_request, load_model
@@ -187,7 +188,8 @@ class ProcessEngine(DeltaStreams):
         await asyncio.shield(self._started)
 
     async def add_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
-                          n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None) -> str:
+                          n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None,
+                          constraint: Any = None, logit_bias: Any = None, adapter: str | None = None) -> str:
         """Queue a request (arguments as ``Engine.generate`` takes them for one prompt); return its id once the
         engine process has accepted it.
 
@@ -204,7 +206,8 @@ class ProcessEngine(DeltaStreams):
             raise QueueFullError(f"{queued} requests are waiting (max_waiting={self.max_waiting})")
         self.open_stream(request_id, n if isinstance(n, int) and n > 0 else 1)
         answer = self._acks[request_id] = self._loop.create_future()
-        kwargs = dict(max_tokens=max_tokens, stop=stop, n=n, seed=seed, logprobs=logprobs)
+        kwargs = dict(max_tokens=max_tokens, stop=stop, n=n, seed=seed, logprobs=logprobs, constraint=constraint,
+                      logit_bias=logit_bias, adapter=adapter)
         self._send(("add", request_id, prompt, sampling, kwargs))
         try:
             refused = await answer
@@ -225,6 +228,27 @@ class ProcessEngine(DeltaStreams):
         """Cancel a request: its stream ends with a delta whose ``finish_reason`` is ``"abort"`` per open sample."""
         if self.alive and self._loop is not None:
             self._send(("abort", request_id))
+
+    async def lora(self, action: str, name: str, path: Any = None) -> None:
+        """Add or remove a LoRA adapter in the engine process, between two steps.
+
+        Args:
+            action: ``"add"`` (``Engine.add_lora``) or ``"remove"`` (``Engine.remove_lora``).
+            name: the adapter's name.
+            path: where to read it from (``"add"``).
+
+        Raises:
+            ValueError: see ``Engine.add_lora`` and ``remove_lora`` (a missing folder too).
+            EngineDeadError: the engine process has exited.
+        """
+        await self.start()
+        self._check_alive()
+        key = f"lora-{next(self._ids)}"
+        answer = self._acks[key] = self._loop.create_future()
+        self._send(("lora", key, action, name, path))
+        refused = await answer
+        if refused is not None:
+            raise ValueError(refused[1])
 
     async def close(self) -> None:
         """Stop the engine process (requests still in it are dropped; drain them first) and wait for it."""
@@ -345,6 +369,9 @@ def _serve(conn: Any, engine: Engine) -> None:
                 return
             if op[0] == "add":
                 acks.append((op[1], _add(engine, *op[1:])))
+            elif op[0] == "lora":
+                error = lora_action(engine, *op[2:])
+                acks.append((op[1], None if error is None else ("value", f"{error}")))
             else:
                 deltas += abort_deltas(engine, op[1])
         if engine.has_unfinished():

@@ -7,13 +7,17 @@
   ``stream_options.include_usage``), over the engine's continuous batching: ``ProcessEngine`` (the engine in its own
   process; ``engine_process=``) or ``AsyncEngine`` (the engine stepped by a thread of the server's process);
 - ``POST /v1/embeddings`` for a model with an ``embedding`` head (``model.embed``);
+- LoRA adapters chosen by ``model``, listed by ``/v1/models``, loaded and unloaded while serving (``serving.lora_api``);
 - ``GET /v1/models``, ``GET /health`` (503 until the model is set and the engine ready, or once the engine process
   has died), ``GET /metrics`` (Prometheus).
 
 Fields: ``model``, ``messages`` / ``prompt``, ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0:
 greedy; default 1, sampling, as OpenAI), ``top_p``, ``top_k``, ``n``, ``stop``, ``seed``, ``logprobs`` /
 ``top_logprobs``, ``presence_penalty`` / ``frequency_penalty`` (OpenAI's definition: over the tokens the request
-has generated, not the prompt). Unknown fields are ignored, as OpenAI's server does. Errors have OpenAI's shape
+has generated, not the prompt), ``logit_bias``, ``response_format`` / ``structured_outputs`` and ``tools`` /
+``tool_choice`` / ``parallel_tool_calls`` (``serving.structured``, docs/structured-outputs.md). OpenAI-defined fields
+the server does not honour are a 400 naming them (``serving.openai_fields``); keys OpenAI does not define are
+ignored. Errors have OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (malformed JSON included) or a prompt longer
 than the context, 401 for a missing or wrong API key, 404 for an unknown model, 503 when the engine's waiting queue
 is full, the model is not loaded or the engine process has died (in-flight requests then fail with 500).
@@ -25,7 +29,6 @@ import asyncio
 import base64
 import contextlib
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,7 +42,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from .engine import Engine, QueueFullError
 from .engine_process import ModelSource, ProcessEngine
+from .lora_api import ServedLoRAs, add_lora_routes
 from .metrics import ServerMetrics
+from .openai_fields import check_openai_fields
 from .protocol import (
     RETRY_AFTER_S,
     APIError,
@@ -48,15 +53,19 @@ from .protocol import (
     EmbeddingRequest,
     SamplingFields,
     flatten_content,
+    param_of,
     refuse_surrogates,
     sampling_params,
     top_by_text,
     usage,
 )
+from .structured import ToolPlan, answer, response_constraint, template_messages, tool_plan
+from .tool_parsers import parser_for
 
 
 def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "model", api_key: str | None = None,
-               engine_process: bool | ModelSource = False, **engine_limits: Any) -> FastAPI:
+               engine_process: bool | ModelSource = False, tool_call_parser: str | None = None,
+               **engine_limits: Any) -> FastAPI:
     """The FastAPI application serving ``model`` as ``model_name``.
 
     ``model`` may be set later (``app.state.load(model, tokenizer)``): until then ``/health`` answers 503.
@@ -65,8 +74,11 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
     ``ModelSource`` (``True``: from a copy of ``model``'s weights, ``ModelSource.from_model``); the server then
     reads only ``model.config``, so ``model`` may be on the meta device. False: the engine runs in this process,
     stepped by a worker thread (``AsyncEngine``). Models with an embedding head always run in this process.
+    ``tool_call_parser``: the ``serving.tool_parsers`` parser of tool calls (default: chosen from the template).
     """
+    parser_for(None, tool_call_parser)  # an unknown parser name fails here, before serving
     metrics = ServerMetrics()
+    loras = ServedLoRAs(model_name, engine_limits.get("loras"), metrics.registry)  # serving.lora_api
     state: dict[str, Any] = {"model": None, "engine": None, "tokenizer": None}
 
     @contextlib.asynccontextmanager
@@ -128,18 +140,19 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                                 code="invalid_api_key").response()
         return await call_next(request)
 
-    def check_model(name: str) -> None:
+    def check_model(name: str) -> str | None:
+        """The LoRA adapter the request's ``model`` names (None: the base model)."""
         if state["model"] is None:
             raise APIError(503, "the model is still loading", type_="server_error", code="model_loading")
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
+        return loras.adapter_of(name)
 
     def engine() -> AsyncEngine | ProcessEngine:
         if state["engine"] is None:
             raise APIError(400, f"{model_name!r} has an embedding head: it answers /v1/embeddings only",
                            param="model")
         return state["engine"]
+
+    add_lora_routes(app, loras, engine)
 
     @app.get("/health")
     async def health() -> Response:
@@ -155,7 +168,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(START),
-                                             "owned_by": "transformer-zoo"}]}
+                                             "owned_by": "transformer-zoo"}, *loras.models()]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -163,7 +176,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return Response(body, media_type=content_type)
 
     async def submit(prompt: Any, body: SamplingFields, max_tokens: int | None,
-                     logprobs: int | None) -> tuple[str, int]:
+                     logprobs: int | None, constraint: Any = None, adapter: str | None = None) -> tuple[str, int]:
         """Queue one prompt; return the request id and its prompt length."""
         eng = engine()
         try:
@@ -187,15 +200,18 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                                 f"context of {context} tokens", param="max_tokens")
         try:
             request_id = await eng.add_request(prompt, sampling, max_tokens=max_tokens, stop=body.stop, n=body.n,
-                                               seed=body.seed, logprobs=logprobs)
+                                               seed=body.seed, logprobs=logprobs, constraint=constraint,
+                                               logit_bias=body.logit_bias,
+                                               **({} if adapter is None else {"adapter": adapter}))
         except QueueFullError as err:
             raise APIError(503, f"the server is busy: {err}", type_="server_error", code="queue_full",
                            retry_after=RETRY_AFTER_S) from err
         except EngineDeadError as err:
             raise APIError(503, f"the engine is not running: {err}", type_="server_error", code="engine_dead") from err
         except ValueError as err:
-            raise APIError(400, str(err), param=_param_of(str(err))) from err
+            raise APIError(400, str(err), param=param_of(str(err))) from err
         metrics.received(len(prompt))
+        loras.count(adapter, request=True)
         return request_id, len(prompt)
 
     def token_text(token_id: int) -> str:
@@ -203,10 +219,13 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
 
     async def run(prompts: list[Any], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                  chat: bool) -> Response:
+                  chat: bool, constraint: Any = None, plan: ToolPlan | None = None,
+                  adapter: str | None = None) -> Response:
         kind = "chatcmpl" if chat else "cmpl"
         response_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
-        submitted = [await submit(p, body, max_tokens, logprobs) for p in prompts]
+        check_openai_fields(body.model_extra, body.n)
+        submitted = [await submit(p, body, max_tokens, logprobs, constraint, adapter) for p in prompts]
+        served = model_name if adapter is None else adapter
         streams = [(i, request_id) for i, (request_id, _) in enumerate(submitted)]
         prompt_tokens = sum(n for _, n in submitted)
         want_logprobs = logprobs is not None
@@ -225,11 +244,16 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                     "token_logprobs": [e.logprob for e in entries],
                     "top_logprobs": [top_by_text(e.top, token_text) for e in entries]}
 
-        def choice(index: int, text: str, entries: Any, finish: str | None, first: bool, stream: bool) -> dict:
+        def choice(index: int, text: str, entries: Any, finish: str | None, first: bool, stream: bool,
+                   ids: Any = None) -> dict:
             reason = None if finish is None else ("stop" if finish == "abort" else finish)
             if chat:
                 key = "delta" if stream else "message"
                 message: dict[str, Any] = {"content": text}
+                if plan is not None and finish is not None:  # the answer is whole: read its tool calls
+                    message["content"], calls = answer(plan, state["tokenizer"], ids or [], text, stream)
+                    if calls:
+                        message["tool_calls"], reason = calls, "tool_calls"
                 if first or not stream:
                     message["role"] = "assistant"
                 return {"index": index, key: message, "logprobs": logprob_json(entries), "finish_reason": reason}
@@ -255,6 +279,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                             metrics.observe_tokens(len(delta.token_ids), now - clock["started"], now - clock["last"],
                                                    first=clock["last"] == clock["started"])
                             clock["last"] = now
+                            loras.count(adapter, len(delta.token_ids))
                         yield delta
 
                 return each()
@@ -302,12 +327,20 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                 started: set[int] = set()
                 completion_tokens = 0
                 try:
+                    held: dict[int, tuple[str, list[int], list[Any]]] = {}  # answers read for tool calls at the end
                     async for index, delta in deltas():
                         completion_tokens += len(delta.token_ids)
+                        text, ids, entries = delta.text, delta.token_ids, delta.logprobs
+                        if plan is not None and plan.choice != "none":
+                            text, ids, entries = (a + b for a, b in zip(held.get(index, ("", [], [])), (
+                                text, ids, entries or []), strict=True))
+                            held[index] = (text, ids, entries)
+                            if delta.finish_reason is None:
+                                continue
                         chunk = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
-                                 "model": model_name,
-                                 "choices": [choice(index, delta.text, delta.logprobs, delta.finish_reason,
-                                                    index not in started, True)]}
+                                 "model": served,
+                                 "choices": [choice(index, text, entries, delta.finish_reason,
+                                                    index not in started, True, ids)]}
                         started.add(index)
                         yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
                 except EngineStepError as err:  # the status is sent already: an error event, then the end
@@ -318,7 +351,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                     return
                 if include_usage:
                     last = {"id": response_id, "object": obj + ("" if not chat else ".chunk"), "created": created,
-                            "model": model_name, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+                            "model": served, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
                     yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
 
@@ -327,50 +360,64 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         texts: dict[int, list[str]] = {}
         entries: dict[int, list[Any]] = {}
         finish: dict[int, str] = {}
+        token_ids: dict[int, list[int]] = {}
         completion_tokens = 0
         async for index, delta in deltas():
             texts.setdefault(index, []).append(delta.text)
+            token_ids.setdefault(index, []).extend(delta.token_ids)
             entries.setdefault(index, []).extend(delta.logprobs or [])
             completion_tokens += len(delta.token_ids)
             if delta.finish_reason is not None:
                 finish[index] = delta.finish_reason
-        choices = [choice(i, "".join(texts.get(i, [])), entries.get(i), finish.get(i, "stop"), True, False)
-                   for i in range(len(prompts) * body.n)]
-        return JSONResponse({"id": response_id, "object": obj, "created": created, "model": model_name,
+        choices = [choice(i, "".join(texts.get(i, [])), entries.get(i), finish.get(i, "stop"), True, False,
+                          token_ids.get(i)) for i in range(len(prompts) * body.n)]
+        return JSONResponse({"id": response_id, "object": obj, "created": created, "model": served,
                              "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
         refuse_surrogates(body)
-        check_model(body.model)
+        adapter = check_model(body.model)
         prompt = body.prompt
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
         if body.echo:
             raise APIError(400, "echo=true is not supported by this server", param="echo")
+        # response_format is a chat field; honoured here too (as vLLM does) rather than ignored.
+        constraint = response_constraint((body.model_extra or {}).get("response_format"), body.structured_outputs)
         return await run(prompts, body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
-                         chat=False)
+                         chat=False, constraint=constraint, adapter=adapter)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest) -> Response:
         refuse_surrogates(body)
-        check_model(body.model)
+        adapter = check_model(body.model)
         tok = state["tokenizer"]
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise APIError(400, f"{model_name!r} has no chat template: use /v1/completions", param="messages")
+        constraint = response_constraint(body.response_format, body.structured_outputs)
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                         parser_for(tok.chat_template, tool_call_parser))
+        if plan is not None and plan.constraint is not None:
+            if constraint is not None:
+                raise APIError(400, f"tool_choice={body.tool_choice!r} constrains the answer to a tool call: drop "
+                                    "response_format / structured_outputs", param="tool_choice")
+            constraint = plan.constraint
         try:
             # In a worker thread: a template that runs to its time limit (a second) does not stall the event loop.
-            ids = await asyncio.to_thread(tok.apply_chat_template, flatten_content(body.messages),
-                                          add_generation_prompt=True)
+            ids = await asyncio.to_thread(tok.apply_chat_template, template_messages(flatten_content(body.messages)),
+                                          add_generation_prompt=True, tools=None if plan is None else plan.tools)
         except ValueError as err:
             raise APIError(400, f"messages: {err}", param="messages") from err
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await run([ids], body, max_tokens, logprobs, chat=True)
+        return await run([ids], body, max_tokens, logprobs, chat=True, constraint=constraint, plan=plan,
+                         adapter=adapter)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> Response:
         refuse_surrogates(body)
-        check_model(body.model)
+        if check_model(body.model) is not None:
+            raise APIError(400, f"{body.model!r} is a LoRA adapter; embeddings come from the base model", param="model")
         model = state["model"]
         if getattr(model.config, "head", None) != "embedding":
             raise APIError(400, f"{model_name!r} has no embedding head", param="model")
@@ -396,11 +443,3 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
 
 START = time.time()
-
-
-def _param_of(message: str) -> str | None:
-    """The request field an engine error names (its messages start with the argument's name)."""
-    for name in ("max_tokens", "stop", "seed", "logprobs", "prompt", "n"):
-        if re.match(rf"{name}\b", message) or f" {name}=" in message:
-            return name
-    return "prompt" if "prompt" in message else None

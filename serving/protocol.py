@@ -36,7 +36,8 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Undeclared fields are kept: serving.openai_fields refuses the OpenAI-defined ones the server does not honour.
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -50,6 +51,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # checked by serving.guided.check_logit_bias
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension (serving.structured)
 
 
 class CompletionRequest(SamplingFields):
@@ -63,6 +66,10 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class EmbeddingRequest(BaseModel):
@@ -149,3 +156,18 @@ def top_by_text(top: dict[int, float], text: Any) -> dict[str, float]:
 
 def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def param_of(message: str) -> str | None:
+    """The request field an engine error names (its messages start with the argument's name).
+
+    Args:
+        message: the text of the engine's ``ValueError``.
+
+    Returns:
+        The field's name, or None when the message names none.
+    """
+    for name in ("max_tokens", "stop", "seed", "logprobs", "logit_bias", "prompt", "n"):
+        if re.match(rf"{name}\b", message) or f" {name}=" in message:
+            return name
+    return "prompt" if "prompt" in message else None

@@ -78,6 +78,10 @@ class RequestSpec:
     n: int
     seed: int | None
     logprobs: int | None
+    constraint: Any = None  # a CompiledConstraint (models.generation.constraints), or None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits
+    adapter: Any = None  # the LoRA adapter (serving.lora_registry.LoRAAdapter) the request runs with, or None
+    cache_salt: bytes | None = None  # seeds its prefix-cache keys: cached blocks are shared only under one salt
 
 
 @dataclasses.dataclass(eq=False)
@@ -102,6 +106,7 @@ class Sequence:
     seen: torch.Tensor | None = None  # (1, V) bool, for the repetition penalty
     counts: torch.Tensor | None = None  # (1, V) int32: each token's count in the output (presence/frequency)
     forked: bool = False  # the request's other samples exist
+    guide: Any = None  # the sample's ConstraintState when its request has a constraint
     error: str | None = None  # why the sample ended with finish_reason "error"
 
     def __post_init__(self) -> None:

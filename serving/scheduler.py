@@ -6,12 +6,15 @@ budget, then one token per decode step — so prefill chunks and decode rows sha
 sequences come first, in arrival order; waiting ones join while the token budget, ``max_num_seqs`` and free blocks
 allow, reusing cached blocks of their prefix. When a running sequence needs a block and none is free, the latest
 arrival is preempted: its blocks are released and it waits at the front of the queue to be recomputed (its
-tokens and its random generator are kept, so its output does not change).
+tokens and its random generator are kept, so its output does not change). A waiting sequence starts only when
+``admit`` allows it (the engine's LoRA slots: its adapter must be resident), and its prefix-cache keys start from
+its request's ``cache_salt`` (its adapter's), so cached blocks are shared only between requests of one adapter.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from blocks.paged_cache import BlockAllocator
 
@@ -37,6 +40,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        # May this waiting sequence start now? (the engine's LoRA slots: its adapter must be resident)
+        self.admit: Callable[[Sequence], bool] | None = None
         self.prefix_hits = 0  # tokens taken from the prefix cache
 
     def schedule(self) -> list[tuple[Sequence, int]]:
@@ -63,6 +68,8 @@ class Scheduler:
         # New sequences join only when nothing had to be preempted (the cache is not short of blocks).
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.admit is not None and not self.admit(seq):
+                break  # it waits, first in the queue, until what it needs is free
             if not seq.block_table:
                 self._hit_prefix(seq)
             n = min(len(seq.tokens) - seq.num_computed, budget)
@@ -85,7 +92,8 @@ class Scheduler:
         bs = self.block_size
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
             j = len(seq.block_hashes)
-            key = BlockAllocator.block_hash(seq.block_hashes[-1] if j else None, seq.tokens[j * bs:(j + 1) * bs])
+            key = BlockAllocator.block_hash(seq.block_hashes[-1] if j else seq.spec.cache_salt,
+                                            seq.tokens[j * bs:(j + 1) * bs])
             self.allocator.commit(seq.block_table[j], key)
             seq.block_hashes.append(key)
 
@@ -125,7 +133,7 @@ class Scheduler:
         token to compute (its logits choose the next token, and no shared block is written)."""
         if not self.prefix_caching:
             return
-        bs, parent = self.block_size, None
+        bs, parent = self.block_size, seq.spec.cache_salt
         for j in range((len(seq.tokens) - 1) // bs):
             key = BlockAllocator.block_hash(parent, seq.tokens[j * bs:(j + 1) * bs])
             block = self.allocator.lookup(key)

@@ -342,3 +342,38 @@ def conversations(draw: st.DrawFn, *, system: bool = True, max_turns: int = 3) -
         messages.append({"role": "user", "content": draw(chat_texts())})
         messages.append({"role": "assistant", "content": draw(chat_texts())})
     return messages
+
+
+# ------------------------------------------------------------------------------------------------ JSON schemas
+_NAMES = st.sampled_from(["a", "b", "id", "name", "x_y", "n2"])
+
+
+def _leaf_schemas() -> st.SearchStrategy[dict]:
+    bounded_int = st.tuples(st.integers(-50, 50), st.integers(0, 60)).map(
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]})
+    ranged_number = st.tuples(st.integers(-10, 10), st.integers(1, 30)).map(
+        lambda t: {"type": "number", "minimum": t[0], "maximum": t[0] + t[1]})
+    patterned = st.sampled_from([r"^[a-z]{1,4}$", r"^[0-9]{2}-[A-Z]$", r"^(yes|no)$"]).map(
+        lambda p: {"type": "string", "pattern": p})
+    short = st.integers(0, 4).map(lambda n: {"type": "string", "maxLength": n})
+    enum = st.lists(st.one_of(st.sampled_from(["red", "green", 'q"uote']), st.integers(-3, 3)), min_size=1,
+                    max_size=3, unique=True).map(lambda v: {"enum": v})
+    return st.one_of(bounded_int, ranged_number, patterned, short, enum, st.just({"type": "boolean"}),
+                     st.just({"type": "null"}))
+
+
+def json_schemas() -> st.SearchStrategy[dict]:
+    """Random JSON schemas whose instances are short: nested objects (some properties required, no others
+    allowed), arrays with small bounds, enums, numbers with ranges, strings with patterns or short lengths, and
+    ``anyOf`` of them."""
+    def extend(inner: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
+        objects = st.dictionaries(_NAMES, inner, min_size=1, max_size=3).flatmap(
+            lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(
+                lambda req: {"type": "object", "properties": props, "required": req,
+                             "additionalProperties": False}))
+        arrays = st.tuples(inner, st.integers(0, 2), st.integers(0, 2)).map(
+            lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]})
+        any_of = st.lists(inner, min_size=2, max_size=3).map(lambda options: {"anyOf": options})
+        return st.one_of(objects, arrays, any_of)
+
+    return st.recursive(_leaf_schemas(), extend, max_leaves=6)

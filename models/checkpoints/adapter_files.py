@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub import ModelCardData
 from torch import Tensor, nn
 
+from blocks.adapters import LoRA
+
 from ..core.finite import check_finite
 from .atomic import reading, write_folder
 from .files import CARD_NAME, LIBRARY_NAME, read_json, read_pickle, read_safetensors, save_weights, write_json
@@ -77,6 +79,46 @@ model.load_adapter({json.dumps(reference)})                     # a transformer-
 peft.PeftModel.from_pretrained(transformers_model, {json.dumps(reference)})  # or peft on transformers
 ```
 """
+
+
+def read_adapter(
+    model: nn.Module, path_or_repo_id: str | os.PathLike[str], *, revision: str | None = None,
+    model_type: str | None = None, token: str | bool | None = None, endpoint: str | None = None,
+) -> tuple[dict[str, LoRA], dict[str, Tensor]]:
+    """Read a ``peft`` LoRA adapter for ``model`` without changing the model.
+
+    Args:
+        model: the zoo model the adapter is for.
+        path_or_repo_id: a folder with the adapter files, or a Hub repo id.
+        revision: Hub branch, tag or commit.
+        model_type: read the module names as this ``transformers`` family's.
+        token: passed to ``huggingface_hub``.
+        endpoint: passed to ``huggingface_hub``.
+
+    Returns:
+        The zoo LoRA blocks by layer name, and the task head's tensors saved with it (``modules_to_save``; empty
+        when none).
+
+    Raises:
+        ValueError: as ``AdapterFilesMixin.load_adapter``.
+
+    Shapes: each LoRA's ``lora_A`` ``(r, in)`` and ``lora_B`` ``(out, r)``; the head's tensors as the head's.
+    """
+    if model_type is not None:
+        name_map(model, model_type)  # a family that cannot represent the model fails before any download
+    location = locate(
+        path_or_repo_id, revision=revision, token=token, endpoint=endpoint, config_name=ADAPTER_CONFIG_NAME,
+        kind="adapter",
+    )
+    weights_path = _adapter_weights(location)
+    with reading(location.folder):  # a local folder is held still while a save may be replacing its files
+        config = read_json(location.config)
+        if weights_path.name == ADAPTER_PICKLE_NAME:
+            tensors = read_pickle(weights_path)
+        else:
+            tensors = read_safetensors(weights_path)
+    config, tensors, saved_head = split_saved_head(model, config, tensors, location.source, model_type)
+    return zoo_adapters(model, config, tensors, location.source, model_type), saved_head
 
 
 class AdapterFilesMixin:
@@ -172,21 +214,8 @@ class AdapterFilesMixin:
             huggingface_hub.errors.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: from the Hub.
         """
         self.check_new_adapter_name(name)
-        if model_type is not None:
-            name_map(self, model_type)  # a family that cannot represent the model fails before any download
-        location = locate(
-            path_or_repo_id, revision=revision, token=token, endpoint=endpoint, config_name=ADAPTER_CONFIG_NAME,
-            kind="adapter",
-        )
-        weights_path = _adapter_weights(location)
-        with reading(location.folder):  # a local folder is held still while a save may be replacing its files
-            config = read_json(location.config)
-            if weights_path.name == ADAPTER_PICKLE_NAME:
-                tensors = read_pickle(weights_path)
-            else:
-                tensors = read_safetensors(weights_path)
-        config, tensors, saved_head = split_saved_head(self, config, tensors, location.source, model_type)
-        adapters = zoo_adapters(self, config, tensors, location.source, model_type)
+        adapters, saved_head = read_adapter(self, path_or_repo_id, revision=revision, model_type=model_type,
+                                            token=token, endpoint=endpoint)
         self.install_adapter(name, adapters)
         load_saved_head(self, saved_head)
         return sorted(adapters)

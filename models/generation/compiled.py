@@ -40,6 +40,7 @@ from blocks.small_matmul import SmallRowsLinear
 
 from ..core import stack
 from . import steps  # steps.CACHE_CHUNK is read at call time (tests patch it)
+from .constraints import RowConstraints
 from .requests import LMRequest
 from .sampling import seen_tokens
 from .steps import Step, token_loop
@@ -256,13 +257,14 @@ def grown_bucket(bucket: int, needed: int, capacity: int | None) -> int:
 
 
 @torch.inference_mode()
-def compiled_steps(model: Any, request: LMRequest, steady: bool = True) -> Iterator[Step]:
+def compiled_steps(model: Any, request: LMRequest, steady: bool = True, constraints: RowConstraints | None = None
+                   ) -> Iterator[Step]:
     """Prefill eagerly, then decode with the compiled bucket step (the caller sets eval mode).
 
     ``steady``: nothing else touches the model between steps (``generate``; not ``stream``, whose caller runs
     between steps). Then the steps after the first skip dynamo's guard checks: they call the graph the first
     step chose, on the same model, buffers and shapes (checking ~1,400 guards costs ~0.5 ms per token on 2 CPU
-    cores, a sixth of a step).
+    cores, a sixth of a step). ``constraints`` mask the logits outside the graph (no recompile).
     """
     if request.max_new_tokens == 0:
         return
@@ -304,5 +306,6 @@ def compiled_steps(model: Any, request: LMRequest, steady: bool = True) -> Itera
 
     seen = seen_tokens(prompt, prompt_mask, model.config.vocab_size) if request.params.uses_history else None
     yield from token_loop(
-        logits, step, request.params, request.generator, request.eos, request.pad, request.max_new_tokens, seen
+        logits, step, request.params, request.generator, request.eos, request.pad, request.max_new_tokens, seen,
+        constraints,
     )

@@ -8,6 +8,7 @@ step of ``models.generation.compiled``; with a ``draft_model``, speculative deco
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -15,6 +16,7 @@ from torch import Tensor
 from ..core import stack
 from . import steps  # steps.CACHE_CHUNK is read at call time (tests patch it)
 from .compiled import compiled_steps
+from .constraints import RowConstraints, row_constraints
 from .requests import CONFIG_DEFAULT, LMRequest, check_compilable, lm_request
 from .sampling import SamplingParams, seen_tokens
 from .speculative import check_draft, speculative_steps
@@ -42,6 +44,8 @@ class DecoderLMGenerationMixin:
         draft_model: DecoderLMGenerationMixin | None = None,
         num_draft_tokens: int = 4,
         compile: bool = False,  # noqa: A002 - the name torch uses for this switch
+        constraint: Any = None,
+        tokenizer: Any = None,
     ) -> Tensor:
         """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -73,6 +77,12 @@ class DecoderLMGenerationMixin:
                 (``models.generation.compiled``): the first call per model and bucket pays the compile, later
                 calls and other prompt lengths of the bucket reuse the graph. With ``draft_model``, the draft's
                 one-token steps compile (the verification pass of k + 1 tokens stays eager).
+            constraint: a ``models.generation.constraints.Constraint`` (JSON schema, regex, grammar, choice) every
+                row's output must match, or a list with one per row (None: that row is free): the logits of the
+                tokens that cannot continue a match are masked at every step; a row ends with EOS once its match is
+                complete (or after ``max_new_tokens``, unfinished). With ``draft_model``, the draft proposes only
+                allowed tokens and the target checks them on its masked distribution.
+            tokenizer: the tokenizer a ``constraint`` is compiled for (default ``self.tokenizer``).
 
         Returns:
             ``(B, L + n)`` long: the prompt followed by the ``n <= max_new_tokens`` generated positions.
@@ -80,7 +90,8 @@ class DecoderLMGenerationMixin:
         Raises:
             ValueError: bad ids or mask, right padding, ``temperature <= 0`` with sampling, ``top_p`` outside
                 (0, 1], ``top_k < 1``, ``repetition_penalty <= 0``, token ids outside the vocabulary, or a
-                prompt + ``max_new_tokens`` longer than learned positions can represent (``max_len``).
+                prompt + ``max_new_tokens`` longer than learned positions can represent (``max_len``), or an invalid
+                ``constraint``.
 
         Shapes: ``input_ids (B, L)`` -> ``(B, L + n)``.
         """
@@ -88,16 +99,18 @@ class DecoderLMGenerationMixin:
             self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
             eos_token_id, pad_token_id, generator, sampling, compile,
         )
+        constraints = self._row_constraints(constraint, tokenizer, request)
         if draft_model is not None:
             check_draft(self, draft_model, num_draft_tokens, request)
             if compile:
                 check_compilable(draft_model)  # the draft's one-token step is what compiles
+            state = None if constraints is None else constraints.states[0]  # one row (check_draft)
             with eval_mode(self), eval_mode(draft_model):
-                return speculative_steps(self, draft_model, request, int(num_draft_tokens)).sequences
+                return speculative_steps(self, draft_model, request, int(num_draft_tokens), state).sequences
         # Tokens are collected, not written into a (B, L + max_new_tokens) buffer: generation may stop at EOS
         # long before max_new_tokens, which may be huge.
         with eval_mode(self):
-            tokens = [step.tokens for step in self._lm_steps(request)]
+            tokens = [step.tokens for step in self._lm_steps(request, constraints=constraints)]
         # Built outside inference mode: the result must stay usable in autograd (e.g. as training input).
         return torch.cat([request.prompt, *(t[:, None] for t in tokens)], dim=1)
 
@@ -117,6 +130,8 @@ class DecoderLMGenerationMixin:
         *,
         sampling: SamplingParams | None = None,
         compile: bool = False,  # noqa: A002 - the name torch uses for this switch
+        constraint: Any = None,
+        tokenizer: Any = None,
     ) -> Iterator[Tensor]:
         """Like ``generate``, but yield each step's tokens as soon as they are chosen.
 
@@ -125,7 +140,7 @@ class DecoderLMGenerationMixin:
         it, whatever other streams are open.
 
         Args:
-            compile: as ``generate``; the other arguments too.
+            compile, constraint, tokenizer: as ``generate``; the other arguments too.
 
         Returns:
             An iterator of ``(B,)`` long tensors, one per generated position (``pad_token_id`` for rows that
@@ -138,19 +153,25 @@ class DecoderLMGenerationMixin:
             self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
             eos_token_id, pad_token_id, generator, sampling, compile,
         )
+        constraints = self._row_constraints(constraint, tokenizer, request)
         # The caller's code runs between the steps of a stream (it may change the model), so every compiled step
         # checks all of dynamo's guards.
-        loop = self._lm_steps(request, steady=False)
+        loop = self._lm_steps(request, steady=False, constraints=constraints)
         return (step.tokens.clone() for step in each_step_in_eval_mode(self, loop))
 
+    def _row_constraints(self, constraint: Any, tokenizer: Any, request: LMRequest) -> RowConstraints | None:
+        tokenizer = tokenizer if tokenizer is not None else getattr(self, "tokenizer", None)
+        return row_constraints(constraint, request.prompt.shape[0], tokenizer, self.config.vocab_size, request.eos)
+
     @torch.inference_mode()
-    def _lm_steps(self, request: LMRequest, steady: bool = True) -> Iterator[Step]:
+    def _lm_steps(self, request: LMRequest, steady: bool = True, constraints: RowConstraints | None = None
+                  ) -> Iterator[Step]:
         """Prefill the prompt into a cache, then decode one token per row per step (the caller sets eval mode).
 
         ``steady``: nothing but this generator touches the model between steps (see ``compiled_steps``).
         """
         if request.compile:
-            yield from compiled_steps(self, request, steady)
+            yield from compiled_steps(self, request, steady, constraints)
             return
         if request.max_new_tokens == 0:
             return
@@ -194,6 +215,7 @@ class DecoderLMGenerationMixin:
 
         seen = seen_tokens(prompt, mask, self.config.vocab_size) if request.params.uses_history else None
         yield from token_loop(
-            logits, step, request.params, request.generator, request.eos, request.pad, request.max_new_tokens, seen
+            logits, step, request.params, request.generator, request.eos, request.pad, request.max_new_tokens, seen,
+            constraints,
         )
 

@@ -30,6 +30,7 @@ from ..core import stack
 from ..core.base import ZooModel
 from . import steps  # steps.CACHE_CHUNK is read at call time (tests patch it)
 from .compiled import bucket_buffers, compile_step, first_bucket, grown_bucket, next_token_logits, release_buffers
+from .constraints import ConstraintState, apply_bitmask, new_bitmask
 from .requests import CONFIG_DEFAULT, LMRequest, check_compilable, check_count, check_flag, lm_request
 from .sampling import SamplingParams, nan_rows, raise_nan_logits
 from .steps import eval_mode, make_room
@@ -223,8 +224,14 @@ class _CompiledDraft:
 
 
 @torch.inference_mode()
-def speculative_steps(target: Any, draft: Any, request: LMRequest, k: int) -> SpeculativeOutput:
+def speculative_steps(target: Any, draft: Any, request: LMRequest, k: int, constraint: ConstraintState | None = None
+                      ) -> SpeculativeOutput:
     """Run speculative decoding for a checked request (the caller sets eval mode on both models).
+
+    ``constraint`` (``models.generation.constraints``): the draft proposes only tokens the constraint allows (its
+    logits masked, the state advanced with each proposal); the target's logits at every checked position are masked
+    with the state after the proposals before it, so the rule compares the two masked distributions and the output
+    follows the target's masked distribution exactly; the state is rolled back past the rejected proposals.
 
     Every token lives in one preallocated ``(1, L + max_new_tokens)`` buffer: draft proposals are written after
     the accepted tokens and simply overwritten when rejected, so a round allocates no sequence and each model is
@@ -248,6 +255,8 @@ def speculative_steps(target: Any, draft: Any, request: LMRequest, k: int) -> Sp
     draft_probs = ids.new_empty((1, k, target.config.vocab_size), dtype=torch.float32) if sample else None
     n = length  # tokens known: the prompt and the tokens emitted so far
     proposed = accepted = rounds = 0
+    vocab = target.config.vocab_size
+    masks = new_bitmask(k + 1, vocab) if constraint is not None else None  # the state's mask at each position
 
     while n < limit:
         # A round emits up to n_draft + 1 tokens; never propose past max_new_tokens.
@@ -259,12 +268,17 @@ def speculative_steps(target: Any, draft: Any, request: LMRequest, k: int) -> Sp
                     f"the draft model's next-token logits at position {n + i} are NaN; expected finite logits (the "
                     "draft's weights or inputs hold NaN or inf values)"
                 )
+            if masks is not None:
+                constraint.fill(masks, i)
+                logits = apply_bitmask(logits, masks[i:i + 1])
             if sample:
                 q = params.probabilities(logits)
                 draft_probs[:, i] = q
                 ids[:, n + i] = torch.multinomial(q, 1, generator=generator)[:, 0]
             else:
                 ids[:, n + i] = logits.argmax(-1)
+            if constraint is not None:
+                constraint.advance(int(ids[0, n + i]))
         # The target sees the last accepted token and every proposal: one forward pass of n_draft + 1 tokens.
         past = target_cache[0].self_attn.length
         make_room(target_cache, n + n_draft - past, limit)
@@ -272,6 +286,9 @@ def speculative_steps(target: Any, draft: Any, request: LMRequest, k: int) -> Sp
         bad = nan_rows(logits)  # (n_draft + 1,): the target's distributions at each checked position
         if bool(bad.any()):
             raise_nan_logits(bad.new_ones(1), n - length + int(bad.nonzero()[0, 0]))  # batch 1: row 0
+        if masks is not None:
+            constraint.fill(masks, n_draft)  # after every proposal: the bonus position's mask
+            logits = apply_bitmask(logits, masks[:n_draft + 1])
         if sample:
             p = params.probabilities(logits)
             if n_draft:
@@ -286,6 +303,9 @@ def speculative_steps(target: Any, draft: Any, request: LMRequest, k: int) -> Sp
             n_ok = int((best[:n_draft] == ids[0, n : n + n_draft]).cumprod(0).sum())
             nxt = best[n_ok]
         ids[:, n + n_ok] = nxt
+        if constraint is not None:
+            constraint.rollback(n_draft - n_ok)
+            constraint.advance(int(nxt))
         proposed += n_draft
         accepted += n_ok
         rounds += 1

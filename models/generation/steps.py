@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from blocks.kv_cache import KVCache, LayerCache
 
+from .constraints import RowConstraints
 from .sampling import SamplingParams, has_nan, nan_rows, raise_nan_logits
 
 #: New positions a decoding cache has room for at first; it doubles whenever it is full.
@@ -57,12 +58,15 @@ def token_loop(
     pad: int,
     max_new_tokens: int,
     seen: Tensor | None,
+    constraints: RowConstraints | None = None,
 ) -> Iterator[Step]:
     """Choose a token per row from ``logits``, yield it, feed it back through ``step`` for the next logits.
 
     Rows that have produced ``eos`` get ``pad`` from then on; the loop ends when every row has ended or after
     ``max_new_tokens`` tokens. ``seen`` (``(B, V)`` bool, for the repetition penalty) is updated in place; the
     counts of the generated tokens (presence and frequency penalties) are kept here when ``params`` needs them.
+    ``constraints`` (``models.generation.constraints``) masks its constrained rows' logits before each choice and
+    takes the chosen tokens.
 
     Raises:
         ValueError: the logits a live row chooses from hold a NaN (NaN weights or inputs): checked before the
@@ -87,7 +91,10 @@ def token_loop(
         else:
             bad = nan_rows(logits, live)
             pending = bad if pending is None else pending | bad
-        tokens = params.next_tokens(logits, seen, generator, counts)
+        choose_from = logits if constraints is None else constraints.mask(logits, live)
+        tokens = params.next_tokens(choose_from, seen, generator, counts)
+        if constraints is not None:
+            constraints.advance(tokens, live)
         done = False
         if finished is not None:
             tokens = tokens.masked_fill(finished, pad)

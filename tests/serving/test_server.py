@@ -6,6 +6,7 @@ engine in an engine process (``ProcessEngine``, as ``zoo serve`` does); one test
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import functools
 import io
@@ -81,7 +82,7 @@ def setup() -> Iterator[tuple[DecoderLM, Tokenizer, Served]]:
             p.mul_(8.0)
     source = ModelSource(factory=functools.partial(failing_on, ModelSource.from_model(model).factory, TRIGGER))
     served = Served(create_app(model.eval(), tok, model_name="tiny-chat", api_key=KEY, max_num_seqs=4,
-                               engine_process=source))
+                               engine_process=source, max_loras=1))  # a LoRA slot: test_server_lora
     yield model, tok, served
     served.stop()
 
@@ -649,3 +650,29 @@ def test_zoo_serve_hands_its_engine_options_to_the_engine(monkeypatch: pytest.Mo
     assert seen["compile"] is False
     with pytest.raises(SystemExit):  # one or the other
         cli.main(["serve", str(folder), "--compile", "--compile-attention"])
+
+
+def test_the_engine_process_loads_and_unloads_lora_adapters(setup, client, tmp_path: Path) -> None:
+    """LoRA adapters over the engine process's pipe (``serving.lora_api``; more in ``test_server_lora``)."""
+    model, tok, served = setup
+    tuned = copy.deepcopy(model)
+    tuned.add_adapter(r=2, target_modules=["q_proj", "v_proj"])
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    folder = tuned.save_adapter(tmp_path / "tuned")
+    tuned.merge_adapter()
+    headers = {"Authorization": f"Bearer {KEY}"}
+    loaded = httpx.post(served.url + "/v1/load_lora_adapter", json={"lora_name": "tuned", "lora_path": str(folder)},
+                        headers=headers, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    answer = client.chat.completions.create(model="tuned", messages=MESSAGES, temperature=0, max_tokens=8)
+    assert answer.model == "tuned" and answer.choices[0].message.content == tok.decode(
+        reference(tuned, tok, MESSAGES, 8))
+    missing = httpx.post(served.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)},
+                         headers=headers, timeout=60)
+    assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
+    assert httpx.post(served.url + "/v1/unload_lora_adapter", json={"lora_name": "tuned"}, headers=headers,
+                      timeout=60).status_code == 200
+    assert [m.id for m in client.models.list().data] == ["tiny-chat"]
