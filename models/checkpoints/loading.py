@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from .locate import checkpoint_files, locate
 from .new_head import with_head
 from .options import LoadOptions, ParsedOptions, parse_options
 from .packed import packed_into_skeleton, with_changed_decoded
-from .sentence_folder import fit_sentence_options, located_json, read_sentence_folder
+from .sentence_folder import fit_sentence_options, located_json, read_sentence_folder, unused_by_sentence_models
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +174,7 @@ def load_pretrained(
                 sentence = read_sentence_folder(lambda name: located_json(location, name), location.source)
         source = files.source
         if is_transformers_config(raw):
-            with _unused_by_sentence_models(sentence is not None and opts.head is None):
+            with unused_by_sentence_models(sentence is not None and opts.head is None):
                 cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, source)
                 family = raw["model_type"]
                 if sentence is not None and opts.head is None:
@@ -438,20 +437,6 @@ def _read_single_file(
     except ImportError as e:  # the format's packages are an optional extra
         raise ImportError(f"loading {path} needs {file_format.requires}: {e}") from e
     return dict(hf_config), dict(state), tokenizer
-
-
-@contextlib.contextmanager
-def _unused_by_sentence_models(quiet: bool) -> Iterator[None]:
-    """Inside, with ``quiet``: no warning that the base model's pooler or LM head is left out — a
-    sentence-transformers model pools with its own modules and never uses them."""
-    if not quiet:
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*leaving out the pooler")
-        warnings.filterwarnings("ignore", message=r".*base-model checkpoint has no LM head")
-        warnings.filterwarnings("ignore", message=r".*the 'embedding' head does not use the checkpoint's")
-        yield
 
 
 def _listing(items: list[str], limit: int = 20) -> str:

@@ -10,9 +10,11 @@ layout back (the classic one, which every sentence-transformers version since 2 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -237,3 +239,24 @@ def save_sentence_transformers(model: nn.Module, directory: str | os.PathLike[st
 
 def write(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def unused_by_sentence_models(quiet: bool) -> Iterator[None]:
+    """Inside, with ``quiet``: no warning that the base model's pooler or LM head is left out — a
+    sentence-transformers model pools with its own modules and never uses them.
+
+    Args:
+        quiet: silence those warnings (False: a no-op).
+
+    Yields:
+        Nothing; the warnings are filtered while inside.
+    """
+    if not quiet:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*leaving out the pooler")
+        warnings.filterwarnings("ignore", message=r".*base-model checkpoint has no LM head")
+        warnings.filterwarnings("ignore", message=r".*the 'embedding' head does not use the checkpoint's")
+        yield

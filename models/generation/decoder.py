@@ -140,7 +140,8 @@ class DecoderLMGenerationMixin:
         it, whatever other streams are open.
 
         Args:
-            compile, constraint, tokenizer: as ``generate``; the other arguments too.
+            input_ids: the prompts; this and every other argument (``compile``, ``constraint``, ``tokenizer``
+                included) as ``generate`` takes them.
 
         Returns:
             An iterator of ``(B,)`` long tensors, one per generated position (``pad_token_id`` for rows that
