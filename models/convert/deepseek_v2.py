@@ -244,9 +244,18 @@ def _v2_fields(cfg: HFConfig) -> dict[str, Any]:
 def convert_deepseek_v2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``DeepseekV2ForCausalLM`` checkpoint (per-expert or fused expert tensors).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: a ``topk_method`` other than ``greedy`` / ``group_limited_greedy``, ``n_group`` not dividing the
             experts, ``topk_group > n_group``, or as ``deepseek_fields`` (the field named).
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_deepseek_like("deepseek_v2", hf_config, state_dict, DEFAULTS, _v2_fields)
 
@@ -255,9 +264,17 @@ def convert_deepseek_v2(hf_config: Mapping[str, Any], state_dict: Mapping[str, T
 def export_deepseek_v2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``DeepseekV2ForCausalLM`` config and per-expert state dict for a DeepSeek-V2-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: a router other than ``softmax`` / ``softmax_group`` without renormalisation, the rotate-half
             rotary layout, or parts DeepSeek lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
 
     def extra(c: DecoderLMConfig, ffn: dict[str, Any]) -> dict[str, Any]:

@@ -132,8 +132,17 @@ def gemma2_fields(cfg: HFConfig) -> dict[str, Any]:
 def convert_gemma2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``Gemma2ForCausalLM`` checkpoint (see the module docstring for the mapping).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: a config value the zoo cannot represent (named), or weights that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_gemma_like("gemma2", hf_config, state_dict, DEFAULTS, gemma2_fields, NAMES)
 
@@ -169,9 +178,17 @@ def _query_pre_attn_scalar(c: DecoderLMConfig, scale: float | None) -> int:
 def export_gemma2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``Gemma2ForCausalLM`` config and state dict for a Gemma-2-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: a model with parts Gemma 2 lacks (not offset RMSNorm with sandwich sublayers, unscaled
             embeddings, FFN biases, several window sizes, ...), named.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     return export_gemma_like(model)
 

@@ -103,9 +103,18 @@ def convert_gpt_neox(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tens
     """Convert a ``GPTNeoXForCausalLM`` (or ``GPTNeoXModel``) checkpoint: parallel or sequential residuals,
     partial rotary, with or without attention biases, the head as ``embed_out`` or ``lm_head``.
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: an activation no zoo FFN computes, a RoPE type other than default/linear/llama3, or weights
             that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("gpt_neox", hf_config, DEFAULTS)
     config = zoo_config("gpt_neox", DecoderLMConfig, **_fields(cfg))
@@ -139,8 +148,16 @@ def export_gpt_neox(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]
     """A ``GPTNeoXForCausalLM`` config and state dict for a GPT-NeoX-shaped ``DecoderLM`` (the head as
     ``embed_out``, as published checkpoints and ``transformers``' ``save_pretrained`` store it).
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: parts GPT-NeoX lacks (RMSNorm, GQA, gated FFNs, no MLP biases, windows, ...), named.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, DecoderLM), f"{type(model).__name__} is not a DecoderLM")
     c = model.config

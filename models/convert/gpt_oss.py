@@ -120,9 +120,18 @@ def _fields(cfg: HFConfig) -> dict[str, Any]:
 def convert_gpt_oss(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``GptOssForCausalLM`` checkpoint (fused expert tensors, dequantized).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: MXFP4-quantized experts, swiglu constants other than 7.0 / 1.702, layer types other than full
             and sliding attention, more experts per token than experts, or tensors that do not fit.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     data = dict(hf_config)
     if not (data.get("rope_parameters") or data.get("rope_scaling")):
@@ -148,9 +157,17 @@ def convert_gpt_oss(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tenso
 def export_gpt_oss(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``GptOssForCausalLM`` config and (fused-expert) state dict for a gpt-oss-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: parts gpt-oss lacks or lacks the other way round (no sinks, another router or expert, layer
             options other than windows, a shared expert, no biases, tied embeddings, ...).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, DecoderLM), f"{type(model).__name__} is not a DecoderLM")
     c = model.config

@@ -173,9 +173,18 @@ def convert_llama(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
     """Convert a ``LlamaForCausalLM`` (or ``LlamaModel``) checkpoint: Llama 1/2/3, ``rope_scaling`` types
     ``linear`` and ``llama3``, any ``head_dim``, tied or untied embeddings, ``attention_bias``/``mlp_bias``.
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: another RoPE type (``yarn``, ``dynamic``, ...), an activation without a gated zoo FFN, or weights
             that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_llama_like("llama", hf_config, state_dict, DEFAULTS)
 
@@ -184,8 +193,16 @@ def convert_llama(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
 def export_llama(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``LlamaForCausalLM`` config and state dict for a Llama-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: a model with parts Llama lacks (non-rotary positions, LayerNorm, sliding windows, ...).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
 
     def extra(c: DecoderLMConfig) -> dict[str, Any]:

@@ -189,8 +189,17 @@ def _mixtral_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
 def convert_mixtral(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``MixtralForCausalLM`` checkpoint (per-expert or fused expert tensors).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: as for Mistral, or more experts per token than experts.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("mixtral", hf_config, DEFAULTS)
     names = moe_names(cfg.positive_int("num_local_experts"), "block_sparse_moe", MIXTRAL_EXPERT)
@@ -202,8 +211,16 @@ def convert_mixtral(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tenso
 def export_mixtral(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``MixtralForCausalLM`` config and per-expert state dict for a Mixtral-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: biases, per-layer options, a shared expert, no renormalisation, or other parts Mixtral lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     moe = model.config.block_options("ffn") if isinstance(model, DecoderLM) else {}
 

@@ -110,10 +110,19 @@ def convert_modernbert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Te
     """Convert a ``ModernBertForMaskedLM`` or ``ModernBertModel`` checkpoint (a ``ModernBertModel`` gets a freshly
     initialised MLM head, listed in ``allow_missing``).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: an activation with no gated zoo FFN, a head activation other than the exact GELU of the zoo's
             head, unsupported RoPE scaling, rotary settings that differ between layer types in more than the base,
             task heads the zoo lacks, or weights that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("modernbert", hf_config, DEFAULTS)
     n_layers = cfg.positive_int("num_hidden_layers")
@@ -190,10 +199,18 @@ def convert_modernbert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Te
 def export_modernbert(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``ModernBertForMaskedLM`` config and state dict for a ModernBERT-shaped ``EncoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: not an ``EncoderLM``, or one with parts ModernBERT lacks: non-rotary positions, a non-gated
             FFN, segment embeddings, GQA, an attention norm in layer 0 (or none elsewhere), windows or rotary bases
             that differ between local layers, other block options.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, EncoderLM), f"{type(model).__name__} is not an EncoderLM")
     c = model.config

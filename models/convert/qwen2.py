@@ -60,8 +60,17 @@ def qwen_window_fields(c: DecoderLMConfig) -> dict[str, Any]:
 def convert_qwen2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``Qwen2ForCausalLM`` checkpoint.
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: as for Llama, or a bad window setting.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_llama_like("qwen2", hf_config, state_dict, DEFAULTS, _qwen2_fields)
 
@@ -70,8 +79,16 @@ def convert_qwen2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
 def export_qwen2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``Qwen2ForCausalLM`` config and state dict for a Qwen2-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: no q/k/v biases, FFN biases, q/k norms, or other parts Qwen2 lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
 
     def extra(c: DecoderLMConfig) -> dict[str, Any]:

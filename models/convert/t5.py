@@ -218,10 +218,18 @@ def export_t5(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     A tied head without the ``d_model^-0.5`` scaling is written as an untied head holding a copy of the embedding
     (``transformers`` ties equal copies again).
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: not a ``Seq2SeqTransformer``, or one with parts T5 lacks (other positions, norms or
             sublayers, biases, scaled attention, GQA, separate source/target embeddings, an untied head with the
             output scaling, ...).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, Seq2SeqTransformer), f"{type(model).__name__} is not a Seq2SeqTransformer")
     c: Seq2SeqConfig = model.config

@@ -103,7 +103,18 @@ def label_fields(options: Fields, head: str) -> dict[str, Any]:
 
 @blocks.register(TASK_CONVERT_KIND, "convert")
 def convert_task(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted | None:
-    """Convert a task-class checkpoint of a registered family, or None when it is no registered task class."""
+    """Convert a task-class checkpoint of a registered family, or None when it is no registered task class.
+
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``), or None for a checkpoint of no registered task
+        class.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
+    """
     model_type = hf_config.get("model_type")
     if TASK_KIND not in blocks.kinds() or model_type not in blocks.names(TASK_KIND):
         return None
