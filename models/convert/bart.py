@@ -136,7 +136,16 @@ def export_bart(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
 def seq2seq_task_classes(stem: str, prefix: str, qa_prefix: str) -> tuple[TaskClass, ...]:
     """BART's and T5's task classes: ``classification_head`` (dropout, dense + tanh, dropout, ``out_proj``: the
     ``roberta`` pre-classifier) on the decoder state at the source's last EOS, and ``qa_outputs`` on every decoder
-    state."""
+    state.
+
+    Args:
+        stem: the class names' start (``"Bart"``, ``"T5"``).
+        prefix: where the sequence classifier stores the base model.
+        qa_prefix: where the question-answering class stores it.
+
+    Returns:
+        The two task classes.
+    """
     return (
         TaskClass(f"{stem}ForSequenceClassification", "sequence_classification", prefix,
                   {"classification_head.dense": "dense", "classification_head.out_proj": "classifier"},

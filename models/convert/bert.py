@@ -130,7 +130,14 @@ def convert_bert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
 
 
 def layer_norm_modern_name(key: str) -> str:
-    """A TF-era BERT tensor name with `LayerNorm.gamma`/`beta` as `transformers` names it (`weight`/`bias`)."""
+    """A TF-era BERT tensor name with `LayerNorm.gamma`/`beta` as `transformers` names it (`weight`/`bias`).
+
+    Args:
+        key: a tensor name.
+
+    Returns:
+        The name, renamed when it ends in ``LayerNorm.gamma`` or ``LayerNorm.beta``.
+    """
     if key.endswith("LayerNorm.gamma"):
         return key[: -len("gamma")] + "weight"
     if key.endswith("LayerNorm.beta"):

@@ -67,7 +67,14 @@ def _layer_types(cfg: HFConfig, n_layers: int) -> list[str]:
 
 
 def gemma3_fields(cfg: HFConfig) -> dict[str, Any]:
-    """The ``DecoderLMConfig`` fields of a Gemma 3 text checkpoint (Gemma 2's, then what Gemma 3 changes)."""
+    """The ``DecoderLMConfig`` fields of a Gemma 3 text checkpoint (Gemma 2's, then what Gemma 3 changes).
+
+    Args:
+        cfg: the checkpoint's config.
+
+    Returns:
+        The fields, as keyword arguments of ``DecoderLMConfig``.
+    """
     n_layers = cfg.positive_int("num_hidden_layers")
     types = _layer_types(cfg, n_layers)
     shared = HFConfig("gemma3_text", {**cfg.data, "layer_types": types,

@@ -23,6 +23,18 @@ DEFAULTS: dict[str, Any] = {
 
 
 def mistral_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
+    """Mistral's changes to Llama's fields: no biases, and ``sliding_window`` as the attention option ``window``.
+
+    Args:
+        cfg: the checkpoint's config.
+        fields: Llama's zoo config fields.
+
+    Returns:
+        ``fields``, with the window added.
+
+    Raises:
+        ValueError: biases, or a window that is not a positive integer or null.
+    """
     if cfg["attention_bias"] or cfg["mlp_bias"]:
         raise cfg.unsupported("attention_bias", "biases (Mistral has none)", "attention_bias=False")
     window = cfg["sliding_window"]

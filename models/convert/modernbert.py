@@ -71,7 +71,17 @@ def modernbert_layer_options(
     layer_types: list[str], window: int, global_base: float, local_base: float
 ) -> tuple[dict[str, Any], ...]:
     """The zoo ``layer_options`` of a ModernBERT stack: no attention norm in layer 0, a window (and, where it differs
-    from the global one, the local rotary base) on ``sliding_attention`` layers."""
+    from the global one, the local rotary base) on ``sliding_attention`` layers.
+
+    Args:
+        layer_types: ``"full_attention"`` or ``"sliding_attention"`` per layer.
+        window: the sliding layers' window.
+        global_base: the rotary base of the full-attention layers.
+        local_base: the rotary base of the sliding layers.
+
+    Returns:
+        One ``layer_options`` entry per layer.
+    """
     out = []
     for i, kind in enumerate(layer_types):
         entry: dict[str, Any] = {"layer": {"attention_norm": "identity"}} if i == 0 else {}

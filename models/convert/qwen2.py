@@ -25,7 +25,15 @@ DEFAULTS: dict[str, Any] = {
 
 
 def window_layers(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
-    """Sliding windows of Qwen-style configs: ``layer_types`` if given, else layers ``>= max_window_layers``."""
+    """Sliding windows of Qwen-style configs: ``layer_types`` if given, else layers ``>= max_window_layers``.
+
+    Args:
+        cfg: the checkpoint's config.
+        fields: the zoo config fields so far.
+
+    Returns:
+        ``fields`` with ``layer_options`` set when ``use_sliding_window``.
+    """
     if not cfg["use_sliding_window"]:
         return fields
     window, n_layers = cfg.positive_int("sliding_window"), fields["n_layers"]
@@ -46,7 +54,17 @@ def _qwen2_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def qwen_window_fields(c: DecoderLMConfig) -> dict[str, Any]:
-    """``use_sliding_window``, ``sliding_window`` and ``layer_types`` of a Qwen-style export."""
+    """``use_sliding_window``, ``sliding_window`` and ``layer_types`` of a Qwen-style export.
+
+    Args:
+        c: the zoo model's config.
+
+    Returns:
+        The ``config.json`` fields (``max_window_layers`` too when some layer has a window).
+
+    Raises:
+        NotExportable: layers with different window sizes.
+    """
     windows = {entry.get("attention", {}).get("window") for entry in c.layer_options} - {None}
     require(len(windows) <= 1, f"several window sizes {sorted(windows)}")
     if not windows:

@@ -77,7 +77,14 @@ def dense_of(hf_config: Mapping[str, Any], defaults: Mapping[str, Any], model_ty
 
 
 def with_num_experts(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config with ``num_experts`` set (transformers 5 writes ``num_local_experts`` for some Qwen-MoE)."""
+    """The config with ``num_experts`` set (transformers 5 writes ``num_local_experts`` for some Qwen-MoE).
+
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+
+    Returns:
+        A copy, with ``num_experts`` from ``num_local_experts`` when only that is given.
+    """
     data = dict(hf_config)
     if "num_experts" not in data and "num_local_experts" in data:
         data["num_experts"] = data["num_local_experts"]
