@@ -250,7 +250,13 @@ class HFConfig:
         return scaling
 
     def warn_training_only(self, key: str, zoo_value: float, what: str) -> None:
-        """Warn that a field which only matters in training is approximated (eval-mode outputs are exact)."""
+        """Warn that a field which only matters in training is approximated (eval-mode outputs are exact).
+
+        Args:
+            key: the field.
+            zoo_value: the value the zoo model uses instead.
+            what: what the field controls (for the warning).
+        """
         if self[key] != zoo_value:
             warnings.warn(
                 f"{self.model_type} checkpoint has {key}={self[key]!r} but the zoo model uses {zoo_value!r} for "
