@@ -81,6 +81,10 @@ def pool(x: Tensor, mask: Tensor | None, pooling: str) -> Tensor:
 class LMHead(nn.Linear):
     """A projection of each position to the vocabulary (GPT-2's ``lm_head``; tied to the embedding by the model).
 
+    Args:
+        d_model: the width of the hidden states.
+        vocab_size: the number of tokens.
+
     Shapes: ``(..., d_model)`` -> ``(..., vocab_size)``.
     """
 
@@ -93,6 +97,12 @@ class MLMHead(nn.Module):
     """BERT's prediction head: ``dense → GELU → norm``, then a decoder to the vocabulary (+ bias).
 
     ``bias`` is the dense layer's (ModernBERT has none); the decoder always has a bias.
+
+    Args:
+        d_model: the width of the hidden states.
+        vocab_size: the number of tokens.
+        make_norm: builds the norm after the activation.
+        bias: whether the dense layer has a bias.
 
     Shapes: ``(..., d_model)`` -> ``(..., vocab_size)``.
     """
@@ -115,6 +125,11 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 def check_labels_map(num_labels: int, id2label: Mapping[Any, str] | None, label2id: Mapping[str, Any] | None) -> None:
     """Check ``num_labels`` > 0 and that ``id2label`` / ``label2id`` name exactly the ids ``0 .. num_labels-1``.
+
+    Args:
+        num_labels: the number of labels.
+        id2label: label names by id, or None.
+        label2id: ids by label name, or None.
 
     Raises:
         ValueError: naming the bad value and what was expected.

@@ -166,6 +166,9 @@ class Trainer:
     def train(self, until: int | None = None) -> list[dict[str, float]]:
         """Train from the current step to ``until`` (default ``config.max_steps``).
 
+        Args:
+            until: the step to stop after, at most ``max_steps`` (None: ``max_steps``).
+
         Returns:
             The history: one ``{"step", "loss", "lr", "tokens"}`` per optimiser step since step 1
             (a resumed trainer carries the history of its checkpoint).
@@ -339,6 +342,9 @@ class Trainer:
         Every process writes its shards and random state; the folder appears by one rename once complete,
         and with ``keep_checkpoints`` older folders are removed. A kill at any moment leaves the previous
         checkpoints (and this one, once renamed) loadable.
+
+        Args:
+            directory: the checkpoint directory (None: ``config.checkpoint_dir``).
 
         Returns:
             The checkpoint folder ``<directory>/step-NNNNNNNN``.
