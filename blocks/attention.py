@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -96,6 +98,8 @@ class MultiHeadAttention(nn.Module):
         check_softcap(softcap)
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be None or a positive integer, got {window!r}")
+        if isinstance(qk_norm_eps, bool) or not isinstance(qk_norm_eps, (int, float)) or not 0 < qk_norm_eps < math.inf:
+            raise ValueError(f"qk_norm_eps must be a finite number > 0, got {qk_norm_eps!r}")
         if qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"qk_norm_scope must be 'head' or 'projection', got {qk_norm_scope!r}")
         d_context = d_model if d_context is None else d_context

@@ -98,12 +98,6 @@ class MLMHead(nn.Module):
 
     ``bias`` is the dense layer's (ModernBERT has none); the decoder always has a bias.
 
-    Args:
-        d_model: the width of the hidden states.
-        vocab_size: the number of tokens.
-        make_norm: builds the norm after the activation.
-        bias: whether the dense layer has a bias.
-
     Shapes: ``(..., d_model)`` -> ``(..., vocab_size)``.
     """
 
@@ -136,7 +130,13 @@ def check_labels_map(num_labels: int, id2label: Mapping[Any, str] | None, label2
     """
     if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
         raise ValueError(f"num_labels must be a positive integer, got {num_labels!r}")
-    expected = [str(i) for i in range(num_labels)]
+    for name, labels in (("id2label", id2label), ("label2id", label2id)):  # sizes first: nothing built from them
+        if labels is not None and len(labels) != num_labels:
+            verb = "has ids for" if name == "id2label" else "maps to ids for"
+            raise ValueError(f"{name} {verb} {len(labels)} labels, which do not match num_labels={num_labels}")
+    if id2label is None and label2id is None:
+        return
+    expected = [str(i) for i in range(num_labels)]  # as long as a map given: bounded by what was read
     if id2label is not None and sorted(map(str, id2label), key=lambda k: (len(k), k)) != expected:
         raise ValueError(
             f"id2label has ids {sorted(map(str, id2label))}, which do not match num_labels={num_labels} "

@@ -13,6 +13,10 @@ is saved with its tokenizer to ``--out``, loaded back with ``DecoderLM.from_pret
     torchrun --nproc_per_node=2 examples/generate.py --parallel tp             # tensor parallel
     torchrun --nproc_per_node=4 examples/generate.py --parallel fsdp+tp --tp-size 2
     torchrun --nproc_per_node=1 examples/generate.py --checkpoint-every 100 --resume   # any N resumes any N
+    python examples/generate.py --checkpoint-every 100 --resume --steps 1600   # extend a finished run
+
+Ctrl-C stops after the running step; with ``--checkpoint-every`` a checkpoint is saved then, and ``--resume``
+continues from it. ``--resume`` with a larger ``--steps`` extends a run (``WarmupCosineLR.extendable``).
 
 ``--batch-size`` is the global batch (rows per optimiser step over all data-parallel replicas), so runs on
 different numbers of processes train on the same batches and a checkpoint resumes across a change of N.
@@ -34,6 +38,7 @@ from training import (
     CausalLMCollator,
     Trainer,
     TrainerConfig,
+    TrainingInterrupted,
     WarmupCosineLR,
     cleanup,
     decay_groups,
@@ -65,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=50,
+                        help="steps of linear warmup (at most --steps; give it again to extend a shorter run)")
     parser.add_argument("--parallel", choices=PARALLEL_MODES, default="ddp",
                         help="how several processes (torchrun) share the model: replicas, FSDP2 shards, tensor "
                              "parallel, or both on a (data x tensor) mesh")
@@ -145,14 +151,33 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     say(f"parallel: {args.parallel} on {context.world_size} process(es): {trainer.layout.dp_size} data-parallel "
         f"x {trainer.layout.tp_size} tensor-parallel")
     if args.resume:
-        # The global batch is the same at any N, so a checkpoint resumes on another number of processes.
-        say(f"resuming from {trainer.load_checkpoint('latest', allow_world_size_change=True)}")
-    start = time.perf_counter()
-    trainer.train()
+        # The global batch is the same at any N, so a checkpoint resumes on another number of processes; a larger
+        # --steps extends a finished or interrupted run (its cosine then ends at the new --steps).
+        try:
+            loaded = trainer.load_checkpoint("latest", allow_world_size_change=True)
+        except (ValueError, FileNotFoundError) as err:
+            why = " ".join(str(err).split())  # one line
+            raise SystemExit(f"generate.py: error: {why}; resume with the same options (a larger --steps extends the "
+                             "run), or start afresh with another --out (or delete the folder)") from None
+        say(f"resuming from {loaded} (step {trainer.step} of {args.steps})")
+    start, first = time.perf_counter(), trainer.step
+    try:
+        trainer.train()
+    except TrainingInterrupted as stop:
+        if not args.checkpoint_every:
+            raise SystemExit(f"\ninterrupted at step {stop.step} of {args.steps}; nothing saved (--checkpoint-every "
+                             "N keeps checkpoints to resume from)") from None
+        saved = trainer.save_checkpoint()
+        raise SystemExit(f"\ninterrupted at step {stop.step} of {args.steps}; saved {saved}: run the same command "
+                         "with --resume (make demo: again) to continue") from None
+    if args.checkpoint_every and trainer.step % args.checkpoint_every:
+        trainer.save_checkpoint()  # the end of the run, to extend it later
     seconds = time.perf_counter() - start
     result = trainer.eval_history[-1]
-    say(f"trained {args.steps} steps in {seconds:.0f} s; validation loss {result['loss']:.3f}, "
-        f"perplexity {result['perplexity']:.1f} (uniform over the vocabulary: {tokenizer.vocab_size})")
+    say(f"trained steps {first + 1}-{trainer.step} in {seconds:.0f} s; validation loss {result['loss']:.3f}, "
+        f"perplexity {result['perplexity']:.1f} (uniform over the vocabulary: {tokenizer.vocab_size})"
+        if trainer.step > first else f"the run in {out} had done its {trainer.step} steps already (--steps N "
+        f"extends it); validation loss {result['loss']:.3f}, perplexity {result['perplexity']:.1f}")
 
     trainer.save_pretrained(out, tokenizer=tokenizer)  # every process: a sharded model is gathered first
     if context.is_main:
@@ -181,6 +206,9 @@ def _encode(tokenizer: Tokenizer, docs: list[str]) -> list[list[int]]:
 
 
 if __name__ == "__main__":
-    metrics = main()
+    try:
+        metrics = main()
+    except KeyboardInterrupt:  # before or after training (during it, a checkpoint is saved first)
+        raise SystemExit("\ninterrupted") from None
     if not math.isfinite(metrics["val_loss"]):
         raise SystemExit(1)

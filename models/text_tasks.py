@@ -67,12 +67,15 @@ class TextTasksMixin:
             a list of those for a list of texts.
 
         Raises:
-            ValueError: no tokenizer, not a sequence classifier, a bad ``top_k``.
+            ValueError: no tokenizer, not a sequence classifier, ``texts`` not a string or a list of strings, a bad
+                ``top_k`` or ``batch_size`` (each named).
         """
         tokenizer = self.require_task("sequence_classification", "classify")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be None or a positive integer, got {top_k!r}")
-        batch = [texts] if isinstance(texts, str) else list(texts)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        batch = text_list(texts, "texts")
         options = self.config.block_options("head")
         problem = options.get("problem_type")
         results = []
@@ -130,7 +133,7 @@ class TextTasksMixin:
         tokenizer = self.require_task("token_classification", "tag")
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {list(AGGREGATIONS)}")
-        batch = [texts] if isinstance(texts, str) else list(texts)
+        batch = text_list(texts, "texts")
         results = []
         for text in batch:
             with plain_settings(tokenizer.backend):
@@ -196,7 +199,8 @@ class TextTasksMixin:
             ``{"score", "start", "end", "answer"}`` (character offsets into ``context``).
 
         Raises:
-            ValueError: no tokenizer, not a QA model, empty texts, bad lengths.
+            ValueError: no tokenizer, not a QA model, empty texts, bad lengths, a question that leaves no room for
+                context in ``max_seq_len``, a ``stride`` not smaller than the context part of a window (each named).
         """
         tokenizer = self.require_task("question_answering", "answer")
         if not isinstance(question, str) or not isinstance(context, str) or not question or not context:
@@ -207,6 +211,15 @@ class TextTasksMixin:
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "stride" else 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         with plain_settings(tokenizer.backend):
+            asked = len(tokenizer.backend.encode(question, add_special_tokens=False).ids)
+            room = max_seq_len - asked - tokenizer.backend.num_special_tokens_to_add(True)
+            if room < 1:
+                raise ValueError(f"the question takes {asked} tokens, which leaves no room for the context in "
+                                 f"max_seq_len={max_seq_len} (the model's max_len is {self.config.max_len}); "
+                                 "shorten the question or raise max_seq_len")
+            if stride >= room:
+                raise ValueError(f"stride={stride} must be smaller than the {room} context tokens a window of "
+                                 f"max_seq_len={max_seq_len} holds beside this question")
             tokenizer.backend.enable_truncation(max_seq_len, stride=stride, strategy="only_second")
             first = tokenizer.backend.encode(question, context)
         best = None
@@ -358,3 +371,24 @@ def group_entities(tokenizer: Any, words: list[dict[str, Any]]) -> list[dict[str
                     "word": tokens_to_string(tokenizer, [w["word"] for w in group]),
                     "start": group[0]["start"], "end": group[-1]["end"]})
     return out
+
+
+def text_list(texts: Any, name: str) -> list[str]:
+    """``texts`` (one string or a sequence of them) as a non-empty list of strings.
+
+    Args:
+        texts: what the caller passed.
+        name: the argument's name, for messages.
+
+    Returns:
+        The list.
+
+    Raises:
+        ValueError: anything else, naming the argument and what it got.
+    """
+    batch = [texts] if isinstance(texts, str) else list(texts) if isinstance(texts, (list, tuple)) else None
+    if not batch or not all(isinstance(t, str) for t in batch):
+        shown = texts if batch is None else next((t for t in batch or [] if not isinstance(t, str)), texts)
+        raise ValueError(f"{name} must be a string or a non-empty list of strings, got {type(shown).__name__} "
+                         f"{shown!r:.80}")
+    return batch

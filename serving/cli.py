@@ -1,16 +1,18 @@
-"""The ``zoo`` command. ``MODEL`` is a checkpoint folder, a Hub repo id or a ``.gguf`` file
-(``models.from_pretrained``).
+"""The ``zoo`` command. ``MODEL`` is a checkpoint folder, a ``.gguf`` file or a Hub id ``OWNER/NAME``
+(``models.from_pretrained``); the options carry llama.cpp's and vLLM's names (``serving.cli_options``, docs/cli.md).
 
-    zoo serve ./my-model --port 8000 --api-key sk-local --served-model-name mine   # the OpenAI API
-    zoo serve ./my-model --no-engine-process      # the engine in a thread of the server's process, not its own
+    zoo generate ./my-model "Once upon a time" -n 64           # greedy, streamed; the speed on stderr
+    echo "Once upon a time" | zoo generate ./my-model --temp 0.8 -s 1    # the prompt from stdin (or -f FILE)
+    zoo chat ./my-model --system "Be brief."     # samples as the model's generation_config.json says; /help
+    zoo serve ./my-model --port 8000 -c 4096 -t 8 --api-key sk-local    # the OpenAI API, /tokenize, /metrics
     zoo serve ./my-model --lora sql=./sql-lora --lora chat=user/chat-lora   # adapters chosen by the request's model
-    zoo chat ./my-model --temperature 0.7        # a terminal chat: /reset, /system TEXT, /exit; Ctrl-C stops a reply
-    zoo generate ./my-model "Once upon a time" --max-tokens 64                     # one completion, streamed
+    zoo generate ./my-model "A date: " --regex '[0-9]{4}-[0-9]{2}-[0-9]{2}'     # output constrained (or --json-schema)
     zoo generate ./my-model "Once upon a time" --quantize int8    # a float checkpoint's weights quantized on load
     zoo chat ./model.gguf --dequantize                            # a quantized checkpoint's weights as float32
     zoo embed ./my-embedder "first text" "second text"                             # one JSON vector per line
-    zoo generate ./my-model "A date: " --regex '[0-9]{4}-[0-9]{2}-[0-9]{2}'     # output constrained (or --json-schema)
-    zoo chat ./my-model --json-schema person.json                  # every answer valid JSON under the schema
+
+A mistake (a wrong path, a port in use, a bad value) prints one line, ``zoo: error: ...``; ``zoo --debug ...`` or
+``ZOO_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -20,25 +22,55 @@ import json
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+from .cli_chat import ChatSession, run_chat
+from .cli_options import (
+    LLAMA_CPP_SAMPLING,
+    HelpFormatter,
+    add_compile_option,
+    add_context_option,
+    add_model_options,
+    add_prompt_options,
+    add_sampling_options,
+    apply_threads,
+    check_port,
+    model_options,
+    model_sampling_defaults,
+    positive_int,
+    read_prompt,
+    sampling_params,
+)
+from .cli_stream import cut_note, stream_reply
+from .startup import startup_line
 
 
 def _load(path: str, quantize: str | None = None, dequantize: bool = False, *, prepare: bool = True,
           **options: Any) -> Any:
     """``models.from_pretrained(path, **options)`` in eval mode, with ``--quantize`` / ``--dequantize`` checked and,
-    with ``prepare``, applied (``serving.loading``); a refused request or a model without a tokenizer exits with a
-    one-line message."""
+    with ``prepare``, applied (``serving.loading``); a folder without a tokenizer is refused before its weights are
+    read, a refused request or a model without a tokenizer exits with a one-line message."""
     import models
 
-    from .loading import apply_quantization, check_quantization, load_options
+    from .loading import apply_quantization, check_quantization, check_request, load_options
 
+    try:
+        check_request(quantize, dequantize)
+    except ValueError as err:
+        raise SystemExit(f"zoo: error: {err}") from None
+    folder = Path(path).expanduser()
+    if folder.is_dir() and (folder / "config.json").is_file() and not (folder / "tokenizer.json").is_file():
+        raise SystemExit(f"zoo: error: {path} has no tokenizer.json, so it cannot read or write text; save the model "
+                         "with its tokenizer (model.save_pretrained(folder, tokenizer=tok))")
     model = models.from_pretrained(path, **load_options(dequantize, options)).eval()
     if getattr(model, "tokenizer", None) is None:
-        raise SystemExit(f"zoo: {path} has no tokenizer (tokenizer.json or a GGUF vocabulary); cannot serve text")
+        raise SystemExit(f"zoo: error: {path} has no tokenizer (tokenizer.json or a GGUF vocabulary); cannot read or "
+                         "write text")
     try:
         check_quantization(model, path, quantize, dequantize)
     except ValueError as err:
-        raise SystemExit(f"zoo: {err}") from None
+        raise SystemExit(f"zoo: error: {err}") from None
     return apply_quantization(model, quantize, dequantize) if prepare else model
 
 
@@ -54,13 +86,6 @@ def memory_size(text: str) -> int:
     value = int(float(match.group(1)) * _UNITS[match.group(2) or ""])
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
 
 
@@ -86,20 +111,26 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     Returns:
         Each added command's name and the function that runs it on the parsed arguments.
     """
-    serve_parser = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    serve_parser.add_argument("model")
-    serve_parser.add_argument("--host", default="127.0.0.1")
-    serve_parser.add_argument("--port", type=int, default=8000)
-    serve_parser.add_argument("--max-batch", type=_positive, default=16, help="sequences decoded together at most")
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        made = sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        made.add_argument("model", help="a checkpoint folder, a .gguf file or a Hub id (OWNER/NAME)")
+        return made
+
+    serve_parser = command("serve", "serve a model over the OpenAI API")
+    serve_parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve_parser.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    serve_parser.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=positive_int, default=16,
+                              help="sequences decoded together at most")
     kv = serve_parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
                     help="KV cache memory, e.g. 512MiB or 2GiB (default: --max-batch full contexts, at most half "
                          "the memory available; the cache grows with the tokens in use up to it)")
-    kv.add_argument("--kv-blocks", type=_positive, default=None,
+    kv.add_argument("--kv-blocks", type=positive_int, default=None,
                     help="KV cache size in blocks of --block-size positions instead of --kv-cache-memory")
-    serve_parser.add_argument("--block-size", type=_positive, default=16)
+    serve_parser.add_argument("--block-size", type=positive_int, default=16, help="positions per KV cache block")
     serve_parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    serve_parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    serve_parser.add_argument("--served-model-name", "--alias", dest="served_model_name", default=None,
+                              help="the model's name in the API (default: the folder's or file's name, or the Hub id)")
     compiled = serve_parser.add_mutually_exclusive_group()
     compiled.add_argument("--compile", action="store_true",
                           help="run decode-only steps through compiled graphs with dynamic shapes (one for a lone "
@@ -109,38 +140,45 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     compiled.add_argument("--compile-attention", action="store_true",
                           help="attend the decoding rows through one compiled graph (Engine(compile=\"attention\"): "
                                "a few seconds to compile at the first step)")
+    serve_parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                              help="run the engine in its own process, which loads the model, so that HTTP never "
+                                   "competes with it for the GIL; --no-engine-process steps it in a thread")
     serve_parser.add_argument("--lora", type=_lora, action="append", default=[], metavar="NAME=PATH",
                               help="serve a peft LoRA adapter (folder or Hub repo) as model NAME (repeatable)")
-    serve_parser.add_argument("--max-loras", type=_positive, default=None,
+    serve_parser.add_argument("--max-loras", type=positive_int, default=None,
                               help="adapters resident at once (default with --lora: one each, at least 4; "
                                    "without: none, and /v1/load_lora_adapter is refused)")
-    serve_parser.add_argument("--max-lora-rank", type=_positive, default=None,
+    serve_parser.add_argument("--max-lora-rank", type=positive_int, default=None,
                               help="the largest adapter rank (default: that of --lora, at least 16)")
-    serve_parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                       help="run the engine in its own process, which loads the model, so that HTTP never competes "
-                            "with it for the GIL (default); --no-engine-process steps it in a thread of the server")
     from .tool_parsers import PARSERS
     serve_parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                               help="how tool calls are read from answers (default: chosen from the chat template)")
-    chat_parser = sub.add_parser("chat", help="chat with a model in the terminal (/reset, /system TEXT, /exit)")
-    chat_parser.add_argument("model")
-    chat_parser.add_argument("--system", default=None, help="a system message")
-    generate_parser = sub.add_parser("generate", help="complete one prompt, streamed to stdout")
-    generate_parser.add_argument("model")
-    generate_parser.add_argument("prompt")
-    for command in (serve_parser, chat_parser, generate_parser):
-        _quantization_options(command)
-    for command in (chat_parser, generate_parser):
-        command.add_argument("--max-tokens", type=_positive, default=256)
-        command.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-        command.add_argument("--seed", type=int, default=None)
-        constrained = command.add_mutually_exclusive_group()
+    chat_parser = command("chat", "chat with a model in the terminal (/help lists the commands)")
+    chat_parser.add_argument("--system", "-sys", dest="system", default=None, help="a system message")
+    chat_parser.add_argument("--timings", action="store_true",
+                             help="print the prompt and generation speed after each answer (/timings toggles)")
+    generate_parser = command("generate", "complete one prompt, streamed to stdout (the speed on stderr)")
+    add_prompt_options(generate_parser)
+    generate_parser.add_argument("--timings", action=argparse.BooleanOptionalAction, default=True,
+                                 help="print the prompt and generation speed on stderr at the end")
+    for each in (serve_parser, chat_parser, generate_parser):
+        add_model_options(each)
+        add_context_option(each)
+        _quantization_options(each)
+    for each in (chat_parser, generate_parser):
+        add_compile_option(each)
+        add_sampling_options(each)
+        constrained = each.add_mutually_exclusive_group()
         constrained.add_argument("--json-schema", default=None, metavar="FILE",
                                  help="constrain the output to JSON valid under the JSON schema in FILE")
         constrained.add_argument("--regex", default=None, help="constrain the output to match this regex")
-    embed_parser = sub.add_parser("embed", help="embed texts (a model with an embedding head): one JSON list per line")
-    embed_parser.add_argument("model")
-    embed_parser.add_argument("texts", nargs="+")
+    chat_parser.epilog = ("Sampling defaults: the model's generation_config.json, else llama.cpp's (--temp 0.8 "
+                          "--top-k 40 --top-p 0.95 --min-p 0.05); --temp 0 is greedy.")
+    generate_parser.epilog = ("Sampling defaults: greedy (--temp 0), the same text every time; give --temp (e.g. 0.8) "
+                              "to sample.")
+    embed_parser = command("embed", "embed texts (a model with an embedding head): one JSON list per line")
+    embed_parser.add_argument("texts", nargs="+", help="the texts to embed")
+    add_model_options(embed_parser)
     return {"serve": serve, "chat": chat, "generate": generate, "embed": embed}
 
 
@@ -151,27 +189,55 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def served_name(model: str) -> str:
+    """The name a model is served under by default: a local folder's or file's name (without ``.gguf``), else the
+    Hub id as given.
+
+    Args:
+        model: the ``MODEL`` argument.
+
+    Returns:
+        The name.
+    """
+    path = Path(model).expanduser()
+    if path.exists():
+        resolved = path.resolve()
+        return resolved.stem if resolved.is_file() else resolved.name
+    return model
+
+
 def serve(args: argparse.Namespace) -> None:
+    import logging
+
     import uvicorn
 
     from .engine_process import ModelSource
     from .openai_api import create_app
 
+    check_port(args.host, args.port)  # before anything is loaded
+    apply_threads(args)
     source: Any = False
     quantization = dict(quantize=args.quantize, dequantize=args.dequantize)
+    options = model_options(args)
     # The server process keeps the config and tokenizer only (the weights it reads go to the meta device); a
     # refused --quantize is found there, before the engine process starts.
-    model = _load(args.model, device="meta", prepare=False, **quantization) if args.engine_process else None
+    meta = {k: v for k, v in options.items() if k != "device"}
+    model = _load(args.model, device="meta", prepare=False, **quantization, **meta) if args.engine_process else None
     if model is not None and getattr(model.config, "head", None) != "embedding":
-        source = ModelSource(path=args.model, **quantization)  # the engine process loads the weights
+        source = ModelSource(path=args.model, options=options, **quantization)  # the engine process loads the weights
     else:
-        model = _load(args.model, **quantization)  # in-process: the thread engine or an embedding model
-    app = create_app(model, model.tokenizer, model_name=args.served_model_name or args.model, api_key=args.api_key,
-                     engine_process=source, max_num_seqs=args.max_batch, num_blocks=args.kv_blocks,
-                     block_size=args.block_size, kv_cache_bytes=args.kv_cache_memory,
-                     compile="attention" if args.compile_attention else args.compile,
-                     tool_call_parser=args.tool_call_parser,
-                     loras=dict(args.lora), max_loras=args.max_loras or (max(4, len(args.lora)) if args.lora else 0),
+        model = _load(args.model, **quantization, **options)  # in-process: the thread engine or an embedding model
+    if getattr(model.config, "head", None) != "embedding":
+        _check_context(args, model)
+    name = args.served_model_name or served_name(args.model)
+    limits = dict(max_num_seqs=args.max_batch, num_blocks=args.kv_blocks, block_size=args.block_size,
+                  kv_cache_bytes=args.kv_cache_memory, max_model_len=args.ctx_size,
+                  compile="attention" if args.compile_attention else args.compile)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    logging.getLogger("zoo").info(startup_line(name, model, args, limits))
+    app = create_app(model, model.tokenizer, model_name=name, api_key=args.api_key, engine_process=source, **limits,
+                     tool_call_parser=args.tool_call_parser, loras=dict(args.lora),
+                     max_loras=args.max_loras or (max(4, len(args.lora)) if args.lora else 0),
                      max_lora_rank=args.max_lora_rank)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
@@ -182,14 +248,6 @@ def _lora(text: str) -> tuple[str, str]:
     if not (sep and name and path):
         raise argparse.ArgumentTypeError(f"expected NAME=PATH (a peft adapter folder or Hub repo), got {text!r}")
     return name, path
-
-
-def _sampling(args: argparse.Namespace) -> Any:
-    from models.generation.sampling import SamplingParams
-
-    if args.temperature < 0:
-        raise SystemExit(f"zoo: --temperature must be >= 0, got {args.temperature}")
-    return SamplingParams() if args.temperature == 0 else SamplingParams(do_sample=True, temperature=args.temperature)
 
 
 def _constraint(args: argparse.Namespace) -> Any:
@@ -205,88 +263,64 @@ def _constraint(args: argparse.Namespace) -> Any:
             return None
         constraint.check()
     except (OSError, ValueError) as err:
-        raise SystemExit(f"zoo: {err}") from None
+        raise SystemExit(f"zoo: error: {err}") from None
     return constraint
 
 
-def _stream(engine: Any, ids: list[int], args: argparse.Namespace, stdout: Any) -> str:
-    """Generate from ``ids``, writing the text as it comes; Ctrl-C stops (aborts) this reply only."""
-    room = engine.context - len(ids)
-    if room < 1:
-        raise ValueError(f"the prompt fills the model's context of {engine.context} tokens")
-    request = engine.add_request(ids, _sampling(args), max_tokens=min(args.max_tokens, room), seed=args.seed,
-                                 constraint=_constraint(args))
-    text = []
-    try:
-        while engine.has_unfinished():
-            for delta in engine.step():
-                stdout.write(delta.text)
-                stdout.flush()
-                text.append(delta.text)
-    except KeyboardInterrupt:
-        engine.abort(request)
-        stdout.write(" [stopped]")
-    finally:
-        engine.requests.pop(request, None)
-    stdout.write("\n")
-    return "".join(text)
+def _check_context(args: argparse.Namespace, model: Any) -> None:
+    """Refuse a ``--ctx-size`` beyond the model's ``max_len`` (its positions end there)."""
+    if args.ctx_size is not None and args.ctx_size > model.config.max_len:
+        raise SystemExit(f"zoo: error: --ctx-size {args.ctx_size} is more than the model's context of "
+                         f"{model.config.max_len} tokens (config max_len); give at most that")
+
+
+def _engine(args: argparse.Namespace, model: Any) -> Any:
+    from .engine import Engine
+
+    _check_context(args, model)
+    return Engine(model, model.tokenizer, max_num_seqs=1, max_model_len=args.ctx_size, compile=args.compile)
 
 
 def chat(args: argparse.Namespace, stdin: Any = None, stdout: Any = None) -> None:
-    """A chat through the model's template: each answer streams as it is generated and joins the history.
-    ``/reset`` clears the history, ``/system TEXT`` sets the system message (and clears), ``/exit`` or EOF ends;
-    Ctrl-C during an answer stops that answer."""
-    from .engine import Engine
-
+    """A chat through the model's template (``serving.cli_chat``): each answer streams as it is generated and joins
+    the history; lines starting with ``/`` are commands (``/help``)."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    model = _load(args.model, args.quantize, args.dequantize)
+    apply_threads(args)
+    defaults = {**LLAMA_CPP_SAMPLING, **model_sampling_defaults(args.model)}
+    params = sampling_params(args, defaults)  # a bad option is refused before the model loads
+    constraint = _constraint(args)
+    model = _load(args.model, args.quantize, args.dequantize, **model_options(args))
     tok = model.tokenizer
     if getattr(tok, "chat_template", None) is None:
-        raise SystemExit(f"zoo: {args.model} has no chat template (chat_template.jinja or tokenizer_config.json)")
-    engine = Engine(model, tok, max_num_seqs=1)
-    system = args.system
-    messages: list[dict[str, str]] = []
-    while True:
-        stdout.write("> ")
-        stdout.flush()
-        try:
-            line = stdin.readline()
-        except KeyboardInterrupt:
-            stdout.write("\n")
-            continue
-        if not line or line.strip() == "/exit":
-            return
-        line = line.rstrip("\n")
-        if line.strip() in ("/reset", "/system") or line.startswith("/system "):
-            messages = []
-            if line.startswith("/system"):
-                system = line.removeprefix("/system").strip() or None
-            stdout.write("[history cleared]\n")
-            continue
-        if not line.strip():
-            continue
-        turn = [*([{"role": "system", "content": system}] if system else []), *messages,
-                {"role": "user", "content": line}]
-        try:
-            answer = _stream(engine, tok.apply_chat_template(turn, add_generation_prompt=True), args, stdout)
-        except ValueError as err:
-            stdout.write(f"[{err}; /reset to start again]\n")
-            continue
-        messages += [{"role": "user", "content": line}, {"role": "assistant", "content": answer}]
+        raise SystemExit(f"zoo: error: {args.model} has no chat template (chat_template.jinja or "
+                         "tokenizer_config.json); use zoo generate for plain completion")
+    session = ChatSession(_engine(args, model), tok, params, max_tokens=args.max_tokens, seed=args.seed,
+                          system=args.system, timings=args.timings, constraint=constraint)
+    run_chat(session, stdin, stdout)
 
 
-def generate(args: argparse.Namespace, stdout: Any = None) -> None:
-    from .engine import Engine
-
-    model = _load(args.model, args.quantize, args.dequantize)
-    engine = Engine(model, model.tokenizer, max_num_seqs=1)
-    _stream(engine, model.tokenizer.encode(args.prompt), args, stdout or sys.stdout)
+def generate(args: argparse.Namespace, stdout: Any = None, stdin: Any = None, stderr: Any = None) -> None:
+    """Complete one prompt (the argument, ``-f FILE`` or standard input), streamed to ``stdout``; the speed goes to
+    ``stderr``."""
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    apply_threads(args)
+    params = sampling_params(args, {})
+    constraint = _constraint(args)
+    prompt = read_prompt(args, stdin)
+    model = _load(args.model, args.quantize, args.dequantize, **model_options(args))
+    timing = stream_reply(_engine(args, model), model.tokenizer.encode(prompt), params, args.max_tokens, args.seed,
+                          stdout, mark_cut=False, constraint=constraint)
+    if args.timings:
+        cut = f" [{cut_note(timing, args.max_tokens)}]" if timing.finish_reason == "length" else ""
+        stderr.write(f"zoo: {timing.summary()}{cut}\n")
 
 
 def embed(args: argparse.Namespace, stdout: Any = None) -> None:
-    model = _load(args.model)
+    apply_threads(args)
+    model = _load(args.model, **model_options(args))
     if getattr(model.config, "head", None) != "embedding":
-        raise SystemExit(f"zoo: {args.model} has no embedding head")
+        raise SystemExit(f"zoo: error: {args.model} has no embedding head; zoo embed needs an embedding model "
+                         "(a sentence-transformers folder, or a checkpoint saved with head='embedding')")
     stdout = stdout or sys.stdout
     for vector in model.embed(args.texts).tolist():
         stdout.write(json.dumps(vector) + "\n")

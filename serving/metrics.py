@@ -1,8 +1,9 @@
 """Prometheus metrics of the server (``prometheus_client``), one registry per application.
 
 Gauges read from the engine at each scrape: requests running and waiting, KV blocks in use and in all, the
-prefix-cache hit rate (prompt tokens taken from the cache over prompt tokens received). Histograms: time to first
-token and inter-token latency, in seconds. Counters: prompt and generated tokens.
+prefix-cache hit rate (prompt tokens taken from the cache over prompt tokens received). Histograms, in seconds, each
+clock started when the request arrived (the server's first middleware): time to first token, queue time (until the
+engine accepted the request), end-to-end latency; and the inter-token latency. Counters: prompt and generated tokens.
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ class ServerMetrics:
         self.blocks_total = Gauge("zoo_kv_blocks_total", "KV cache blocks in the cache", registry=r)
         self.prefix_hit_rate = Gauge("zoo_prefix_cache_hit_rate",
                                      "Prompt tokens taken from the prefix cache / prompt tokens received", registry=r)
-        self.ttft = Histogram("zoo_time_to_first_token_seconds", "Time from request to its first token",
-                              buckets=_BUCKETS, registry=r)
+        self.ttft = Histogram("zoo_time_to_first_token_seconds",
+                              "Time from the request's arrival to its first token", buckets=_BUCKETS, registry=r)
+        self.queue_time = Histogram("zoo_request_queue_time_seconds",
+                                    "Time from the request's arrival until the engine accepted it (tokenized, "
+                                    "checked, and taken between two engine steps)", buckets=_BUCKETS, registry=r)
+        self.e2e = Histogram("zoo_e2e_request_latency_seconds", "Time from the request's arrival to its last token",
+                             buckets=_BUCKETS, registry=r)
         self.itl = Histogram("zoo_inter_token_latency_seconds", "Time between a request's successive tokens",
                              buckets=_BUCKETS, registry=r)
         self.prompt_tokens = Counter("zoo_prompt_tokens", "Prompt tokens received", registry=r)

@@ -9,18 +9,14 @@
 - ``POST /v1/embeddings`` for a model with an ``embedding`` head (``model.embed``);
 - LoRA adapters chosen by ``model``, listed by ``/v1/models``, loaded and unloaded while serving (``serving.lora_api``);
 - ``GET /v1/models``, ``GET /health`` (503 until the model is set and the engine ready, or once the engine process
-  has died), ``GET /metrics`` (Prometheus).
+  has died), ``GET /metrics`` (Prometheus; time to first token and queue time from the request's arrival);
+- ``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes (``serving.tokenize_api``).
 
-Fields: ``model``, ``messages`` / ``prompt``, ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (0:
-greedy; default 1, sampling, as OpenAI), ``top_p``, ``top_k``, ``n``, ``stop``, ``seed``, ``logprobs`` /
-``top_logprobs``, ``presence_penalty`` / ``frequency_penalty`` (OpenAI's definition: over the tokens the request
-has generated, not the prompt), ``logit_bias``, ``response_format`` / ``structured_outputs`` and ``tools`` /
-``tool_choice`` / ``parallel_tool_calls`` (``serving.structured``, docs/structured-outputs.md). OpenAI-defined fields
-the server does not honour are a 400 naming them (``serving.openai_fields``); keys OpenAI does not define are
-ignored. Errors have OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field (malformed JSON included) or a prompt longer
-than the context, 401 for a missing or wrong API key, 404 for an unknown model, 503 when the engine's waiting queue
-is full, the model is not loaded or the engine process has died (in-flight requests then fail with 500).
+Fields: every OpenAI-defined field is honoured (sampling, penalties over the generated tokens as OpenAI defines
+them, ``logprobs``, ``logit_bias``, ``response_format`` / ``structured_outputs``, ``tools``: ``serving.structured``)
+or a 400 naming it (``serving.openai_fields``); keys OpenAI does not define are ignored. Errors have OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``: 400 for a bad field or a prompt longer than the context, 401 for
+a missing or wrong API key, 404 for an unknown model, 503 when the queue is full or the engine is not running.
 """
 
 from __future__ import annotations
@@ -52,6 +48,7 @@ from .protocol import (
     CompletionRequest,
     EmbeddingRequest,
     SamplingFields,
+    arrival_of,
     flatten_content,
     param_of,
     refuse_surrogates,
@@ -60,7 +57,10 @@ from .protocol import (
     usage,
 )
 from .structured import ToolPlan, answer, response_constraint, template_messages, tool_plan
+from .tokenize_api import add_tokenize_routes
 from .tool_parsers import parser_for
+
+START = time.time()  # the `created` of /v1/models
 
 
 def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "model", api_key: str | None = None,
@@ -134,6 +134,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Any) -> Response:
+        request.state.arrival = time.perf_counter()  # the clock of time-to-first-token and queue time
         if api_key is not None and request.url.path.startswith("/v1/"):
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 return APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
@@ -176,7 +177,8 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return Response(body, media_type=content_type)
 
     async def submit(prompt: Any, body: SamplingFields, max_tokens: int | None,
-                     logprobs: int | None, constraint: Any = None, adapter: str | None = None) -> tuple[str, int]:
+                     logprobs: int | None, arrival: float, constraint: Any = None,
+                     adapter: str | None = None) -> tuple[str, int]:
         """Queue one prompt; return the request id and its prompt length."""
         eng = engine()
         try:
@@ -211,6 +213,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         except ValueError as err:
             raise APIError(400, str(err), param=param_of(str(err))) from err
         metrics.received(len(prompt))
+        metrics.queue_time.observe(time.perf_counter() - arrival)
         loras.count(adapter, request=True)
         return request_id, len(prompt)
 
@@ -219,12 +222,12 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
 
     async def run(prompts: list[Any], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                  chat: bool, constraint: Any = None, plan: ToolPlan | None = None,
+                  chat: bool, arrival: float, constraint: Any = None, plan: ToolPlan | None = None,
                   adapter: str | None = None) -> Response:
         kind = "chatcmpl" if chat else "cmpl"
         response_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
         check_openai_fields(body.model_extra, body.n)
-        submitted = [await submit(p, body, max_tokens, logprobs, constraint, adapter) for p in prompts]
+        submitted = [await submit(p, body, max_tokens, logprobs, arrival, constraint, adapter) for p in prompts]
         served = model_name if adapter is None else adapter
         streams = [(i, request_id) for i, (request_id, _) in enumerate(submitted)]
         prompt_tokens = sum(n for _, n in submitted)
@@ -265,7 +268,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
             """(choice index, delta) of every request, interleaved as they come."""
             def observed(request_id: str) -> AsyncIterator[Any]:
                 """The request's deltas, each counted in the metrics (time to first token, inter-token latency)."""
-                clock = {"started": time.perf_counter()}
+                clock = {"started": arrival}  # the request's arrival, not its acceptance by the engine
                 clock["last"] = clock["started"]
 
                 async def each() -> AsyncIterator[Any]:
@@ -280,6 +283,8 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                                                    first=clock["last"] == clock["started"])
                             clock["last"] = now
                             loras.count(adapter, len(delta.token_ids))
+                        if delta.finish_reason is not None:
+                            metrics.e2e.observe(time.perf_counter() - arrival)
                         yield delta
 
                 return each()
@@ -375,7 +380,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                              "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         refuse_surrogates(body)
         adapter = check_model(body.model)
         prompt = body.prompt
@@ -385,10 +390,10 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         # response_format is a chat field; honoured here too (as vLLM does) rather than ignored.
         constraint = response_constraint((body.model_extra or {}).get("response_format"), body.structured_outputs)
         return await run(prompts, body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
-                         chat=False, constraint=constraint, adapter=adapter)
+                         chat=False, arrival=arrival_of(request), constraint=constraint, adapter=adapter)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest) -> Response:
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
         refuse_surrogates(body)
         adapter = check_model(body.model)
         tok = state["tokenizer"]
@@ -410,8 +415,8 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
             raise APIError(400, f"messages: {err}", param="messages") from err
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await run([ids], body, max_tokens, logprobs, chat=True, constraint=constraint, plan=plan,
-                         adapter=adapter)
+        return await run([ids], body, max_tokens, logprobs, chat=True, arrival=arrival_of(request),
+                         constraint=constraint, plan=plan, adapter=adapter)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> Response:
@@ -428,9 +433,10 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         inputs = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else inputs
         try:
             vectors = await asyncio.to_thread(model.embed, inputs)
+            # The tokens embedded, as embed cuts them (no padding a tokenizer.json may add to each text).
+            tokens = sum(len(row) for row in model.token_rows(inputs, None, model.embedding_options()))
         except ValueError as err:
             raise APIError(400, f"input: {err}", param="input") from err
-        tokens = sum(len(x) if isinstance(x, list) else len(state["tokenizer"].encode(x)) for x in inputs)
         if body.encoding_format == "base64":  # little-endian float32 bytes, as OpenAI sends them
             rows: list[Any] = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in vectors.cpu()]
         else:
@@ -439,7 +445,6 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return JSONResponse({"object": "list", "data": data, "model": model_name,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
+    add_tokenize_routes(app, state, check_model, lambda: getattr(state["engine"], "context", 0) or
+                        getattr(getattr(state["model"], "config", None), "max_len", 0))
     return app
-
-
-START = time.time()

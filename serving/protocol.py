@@ -4,8 +4,10 @@ the zoo's ``SamplingParams``."""
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -171,3 +173,15 @@ def param_of(message: str) -> str | None:
         if re.match(rf"{name}\b", message) or f" {name}=" in message:
             return name
     return "prompt" if "prompt" in message else None
+
+
+def arrival_of(request: Request) -> float:
+    """When the request arrived (stamped by the first middleware; now, for a request that bypassed it).
+
+    Args:
+        request: the request.
+
+    Returns:
+        ``time.perf_counter()`` at its arrival.
+    """
+    return getattr(request.state, "arrival", None) or time.perf_counter()

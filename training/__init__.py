@@ -20,6 +20,7 @@ from .chat_sft import ChatSFTCollator, ChatSFTDataset
 from .collators import CausalLMCollator, MLMCollator, Seq2SeqCollator, pack_documents, packed_examples, pad_rows
 from .data import load_corpus, split_corpus, stdlib_docstrings
 from .distributed import DistributedContext, cleanup, init_distributed, is_main_process
+from .interrupt import TrainingInterrupted
 from .losses import (
     LabelSmoothedCrossEntropy,
     MaskedTokenLoss,
@@ -56,6 +57,7 @@ __all__ = [
     "TokenLoss",
     "Trainer",
     "TrainerConfig",
+    "TrainingInterrupted",
     "WarmupCosineLR",
     "apply_parallelism",
     "cleanup",

@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from . import checkpoint as ckpt
 from .distributed import all_gather_object, is_distributed, rng_state, set_rng_state
 from .parallel import ParallelLayout, local_tensor
+from .schedules import extend_schedule
 from .state_checks import check_optimizer_tensors, check_rng, check_state, compare_optimizer, compare_scheduler
 
 TensorShapes = dict[str, tuple[torch.Size, torch.dtype]]
@@ -362,6 +363,7 @@ def restore_state(
         optimizer.load_state_dict({"state": per_param, "param_groups": groups})
         if scheduler is not None:
             scheduler.load_state_dict(copy.deepcopy(dict(state["scheduler"])))
+            extend_schedule(scheduler, optimizer, previous[2])
     except Exception as err:
         set_rng_state(previous[0])
         optimizer.load_state_dict(previous[1])

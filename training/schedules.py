@@ -8,7 +8,8 @@ square-root decay, peaking at ``s = warmup``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch.optim import Adam, Optimizer
@@ -136,12 +137,20 @@ def warmup_cosine_rate(step: int, warmup: int, total: int, min_ratio: float = 0.
 class WarmupCosineLR(LRScheduler):
     """``warmup_cosine_rate`` times each group's initial ``lr``, as a torch scheduler (GPT-style training).
 
+    A run can be extended: resuming its checkpoint with a larger ``total`` (``--steps``) and the same ``warmup`` and
+    ``min_ratio`` is accepted (``extendable``), and the steps from there on follow the cosine that ends at the new
+    ``total`` (the rate at the resume step rises from where the old cosine had brought it to the new curve's value;
+    a finished run at ``min_ratio`` goes back up, as a cosine restart does). A smaller ``total`` is refused.
+
     Args:
         optimizer: the optimiser.
         warmup: as ``warmup_cosine_rate``.
         total: as ``warmup_cosine_rate``.
         min_ratio: as ``warmup_cosine_rate``.
     """
+
+    #: settings a resumed run may raise (``training.state_checks.compare_scheduler``): the step the decay ends at.
+    extendable = ("total",)
 
     def __init__(self, optimizer: Optimizer, warmup: int, total: int, min_ratio: float = 0.1,
                  last_epoch: int = -1) -> None:
@@ -152,3 +161,25 @@ class WarmupCosineLR(LRScheduler):
     def get_lr(self) -> list[float]:
         scale = warmup_cosine_rate(self.last_epoch + 1, self.warmup, self.total, self.min_ratio)
         return [base * scale for base in self.base_lrs]
+
+
+def extend_schedule(scheduler: LRScheduler, optimizer: Optimizer, live: Mapping[str, Any]) -> None:
+    """After a saved scheduler state was loaded: put back this run's values of the settings its class names
+    ``extendable`` (a run resumed with a larger ``total``), and when one differed, set the optimiser's rates to the
+    extended schedule's at the saved step, so the next step already follows it.
+
+    Args:
+        scheduler: the scheduler, holding the saved state.
+        optimizer: its optimiser, holding the saved rates.
+        live: this run's scheduler state before the load (``scheduler.state_dict()``).
+    """
+    changed = {k: live[k] for k in getattr(type(scheduler), "extendable", ()) if k in live
+               and scheduler.state_dict().get(k) != live[k]}
+    if not changed:
+        return
+    for key, value in changed.items():
+        setattr(scheduler, key, value)
+    rates = scheduler.get_lr()  # the rate of the next step (last_epoch + 1) on the extended schedule
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = list(rates)  # torch's own field (what get_last_lr returns)

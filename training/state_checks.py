@@ -223,7 +223,8 @@ def compare_optimizer(state: Mapping[str, Any], optimizer: Optimizer) -> list[st
 
 def compare_scheduler(state: Mapping[str, Any], scheduler: LRScheduler | None) -> list[str]:
     """The saved scheduler state against this scheduler's: the same keys and value types, the same settings
-    (constructor arguments it keeps, and ``base_lrs``), ``last_epoch`` >= -1 and learning rates >= 0.
+    (constructor arguments it keeps, and ``base_lrs``) except a larger value of a setting the scheduler class names
+    ``extendable`` (``WarmupCosineLR``'s ``total``: a run extended), ``last_epoch`` >= -1 and learning rates >= 0.
 
     Args:
         state: the saved trainer state.
@@ -241,9 +242,13 @@ def compare_scheduler(state: Mapping[str, Any], scheduler: LRScheduler | None) -
     if problems:
         return problems
     arguments = set(inspect.signature(type(scheduler).__init__).parameters) - {"self", "optimizer", "last_epoch"}
+    extendable = set(getattr(type(scheduler), "extendable", ()))
     for key in sorted((arguments & set(live)) | ({"base_lrs"} & set(live))):
+        if key in extendable and _is_number(saved[key]) and _is_number(live[key]) and saved[key] < live[key]:
+            continue  # a longer run: the schedule keeps its shape and ends later (training.resume.restore_state)
         if saved[key] != live[key]:
-            problems.append(f"the scheduler's {key} changed from {_short(saved[key])} to {_short(live[key])}")
+            grow = " (a resume may extend the run, never shorten it)" if key in extendable else ""
+            problems.append(f"the scheduler's {key} changed from {_short(saved[key])} to {_short(live[key])}{grow}")
     if "last_epoch" in saved and saved["last_epoch"] < -1:
         problems.append(f"scheduler.last_epoch must be an integer >= -1, got {saved['last_epoch']!r}")
     if any(_is_number(lr) and lr < 0 for lr in saved.get("_last_lr", [])):

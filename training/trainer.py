@@ -33,6 +33,7 @@ from . import checkpoint as ckpt
 from .checkpoint import CHECKPOINT_PREFIX, list_checkpoints
 from .collators import input_tokens
 from .distributed import barrier, default_device, get_rank, get_world_size, is_distributed, rng_state, unwrap_model
+from .interrupt import TrainingInterrupted, step_boundary_interrupt
 from .losses import TokenLoss, default_loss
 from .parallel import (
     apply_parallelism,
@@ -166,15 +167,15 @@ class Trainer:
     def train(self, until: int | None = None) -> list[dict[str, float]]:
         """Train from the current step to ``until`` (default ``config.max_steps``).
 
-        Args:
-            until: the step to stop after, at most ``max_steps`` (None: ``max_steps``).
-
         Returns:
             The history: one ``{"step", "loss", "lr", "tokens"}`` per optimiser step since step 1
             (a resumed trainer carries the history of its checkpoint).
 
         Raises:
             ValueError: ``until`` beyond ``max_steps``.
+            TrainingInterrupted: Ctrl-C (SIGINT, one process), raised after the optimiser step it came in
+                (``training.interrupt``): ``self.step`` and the state are those of a complete step, so
+                ``save_checkpoint()`` then resumes exactly; a second Ctrl-C interrupts at once.
             FloatingPointError: a non-finite loss or gradient norm (the weights are left as they were before
                 that step).
         """
@@ -187,23 +188,26 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (cfg.progress and self.is_main))
         start, tokens_seen = time.perf_counter(), 0.0
-        try:
-            while self.step < until:
-                record = self._train_step([self._to_device(next(batches)) for _ in range(cfg.grad_accum_steps)])
-                tokens_seen += record["tokens"]
-                rate = tokens_seen / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{rate:,.0f}",
-                                refresh=False)
-                bar.update(1)
-                if self.eval_data is not None and cfg.eval_every and self.step % cfg.eval_every == 0:
+        with step_boundary_interrupt(enabled=self.world_size == 1) as interrupted:
+            try:
+                while self.step < until:
+                    if interrupted():
+                        raise TrainingInterrupted(self.step)
+                    record = self._train_step([self._to_device(next(batches)) for _ in range(cfg.grad_accum_steps)])
+                    tokens_seen += record["tokens"]
+                    rate = tokens_seen / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{rate:,.0f}",
+                                    refresh=False)
+                    bar.update(1)
+                    if self.eval_data is not None and cfg.eval_every and self.step % cfg.eval_every == 0:
+                        self._log_eval(bar)
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save_checkpoint()
+                done_eval = self.eval_history and self.eval_history[-1]["step"] == self.step
+                if self.eval_data is not None and until == cfg.max_steps and not done_eval:
                     self._log_eval(bar)
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
-            done_eval = self.eval_history and self.eval_history[-1]["step"] == self.step
-            if self.eval_data is not None and until == cfg.max_steps and not done_eval:
-                self._log_eval(bar)
-        finally:
-            bar.close()
+            finally:
+                bar.close()
         return self.history
 
     def _train_step(self, micro_batches: list[Mapping[str, Tensor]]) -> dict[str, float]:
@@ -342,9 +346,6 @@ class Trainer:
         Every process writes its shards and random state; the folder appears by one rename once complete,
         and with ``keep_checkpoints`` older folders are removed. A kill at any moment leaves the previous
         checkpoints (and this one, once renamed) loadable.
-
-        Args:
-            directory: the checkpoint directory (None: ``config.checkpoint_dir``).
 
         Returns:
             The checkpoint folder ``<directory>/step-NNNNNNNN``.

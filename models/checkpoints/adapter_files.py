@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from blocks.adapters import LoRA
 
+from ..core.finite import check_finite
 from .atomic import reading, write_folder
 from .files import CARD_NAME, LIBRARY_NAME, read_json, read_pickle, read_safetensors, save_weights, write_json
 from .hub import check_push_arguments, naming_the_repo, push_folder
@@ -154,13 +155,14 @@ class AdapterFilesMixin:
 
         Raises:
             ValueError: no such adapter, an adapter kind without a ``peft`` layout, a ``model_type`` that cannot
-                represent the model, or adapted layers that the ``transformers`` model has no module for. Nothing is
-                written then.
+                represent the model, adapted layers that the ``transformers`` model has no module for, or an adapter
+                tensor holding NaN or inf (named). Nothing is written then.
         """
         if not isinstance(save_directory, (str, os.PathLike)):
             raise TypeError(f"save_directory must be a folder path, got {type(save_directory).__name__}")
         config, tensors = peft_files(self, self.adapter_to_save(name), base_model, model_type)
         config, tensors = with_saved_head(self, config, tensors, model_type)
+        check_finite(tensors, "save_adapter")
         target = Path(save_directory).expanduser()
         write_folder(target, lambda folder: _write(folder, config, tensors, self, reference=str(save_directory)),
                      what="an adapter")

@@ -38,10 +38,17 @@ FORMAT_VERSION = 1
 #: the top-level ``config.json`` key recording a quantized checkpoint's scheme and layers (see
 #: ``models.checkpoints.persistence``).
 QUANTIZATION_KEY = "quantization"
+#: the top-level ``config.json`` key recording the ``transformers`` family a converted model came from.
+SOURCE_FAMILY_KEY = "transformers_model_type"
 LIBRARY_NAME = "transformer-zoo"
 #: How deeply the JSON files of a checkpoint (config, shard index, adapter config) may nest objects and arrays.
 #: Real ones nest under 10 levels; Python's parser would recurse once per level and fail with RecursionError.
 MAX_JSON_DEPTH = 64
+#: How large a checkpoint's JSON file may be (checked before it is read): real configs are kilobytes, shard indexes
+#: of the largest models ~10 MB; a 20 MB ``id2label`` would take seconds to parse before it could be refused.
+MAX_JSON_BYTES = 32 << 20
+#: How large a model's ``config.json`` may be (the largest label maps published, ~22k ImageNet classes, take ~1 MB).
+MAX_CONFIG_BYTES = 4 << 20
 
 WeightsFormat = Literal["safetensors", "sharded", "pickle"]
 
@@ -128,13 +135,21 @@ def write_json(obj: dict[str, Any], path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any]:
     """Parse a JSON object from ``path``; every JSON file of a checkpoint is read here.
 
+    Args:
+        path: the file.
+        max_bytes: the largest file read (``MAX_JSON_BYTES``; ``MAX_CONFIG_BYTES`` for a model's ``config.json``).
+
     Raises:
-        ValueError: the file is not valid UTF-8 JSON, not an object, or nests objects and arrays deeper than
-            ``MAX_JSON_DEPTH`` (checked before parsing; the path is named).
+        ValueError: the file is larger than ``max_bytes`` (checked before reading), not valid UTF-8 JSON, not an
+            object, or nests objects and arrays deeper than ``MAX_JSON_DEPTH`` (checked before parsing; the path
+            is named).
     """
+    size = Path(path).stat().st_size
+    if size > max_bytes:
+        raise ValueError(f"{path} holds {size:,} bytes of JSON; expected at most {max_bytes:,}")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -5,9 +5,11 @@ upload path (a folder written by the caller, pushed in one commit) for models an
 from __future__ import annotations
 
 import logging
+import socket
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -251,6 +253,30 @@ def naming_the_repo(repo_id: str | None, revision: str | None) -> Iterator[None]
     except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError) as e:
         append_to_message(e, f"\n[transformer-zoo: loading Hub repo {repo_id!r} at revision {revision!r}]")
         raise
+
+
+def hub_unreachable(endpoint: str | None = None, timeout: float = 3.0) -> str | None:
+    """Why the Hub at ``endpoint`` (default ``HF_ENDPOINT`` or huggingface.co) cannot be reached — its host name does
+    not resolve, or a TCP connection fails within ``timeout`` seconds — or ``None`` when it can. One quick probe, so
+    that a load without a network says so at once instead of after ``huggingface_hub``'s retries.
+
+    Args:
+        endpoint: the Hub's URL.
+        timeout: seconds the connection may take.
+
+    Returns:
+        What failed, in words, or ``None``.
+    """
+    url = urllib.parse.urlsplit(endpoint or constants.ENDPOINT)
+    host = url.hostname or ""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except socket.gaierror:
+        return f"the host name {host!r} does not resolve"
+    except OSError as err:
+        return f"{host}:{port}: {err.strerror or err}"
+    return None
 
 
 def is_commit_sha(text: str) -> bool:

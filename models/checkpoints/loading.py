@@ -30,7 +30,9 @@ from .architectures import get_architecture
 from .atomic import reading
 from .files import (
     FORMAT_VERSION,
+    MAX_CONFIG_BYTES,
     QUANTIZATION_KEY,
+    SOURCE_FAMILY_KEY,
     is_transformers_config,
     is_zoo_config,
     load_tokenizer,
@@ -43,7 +45,7 @@ from .locate import checkpoint_files, locate
 from .new_head import with_head
 from .options import LoadOptions, ParsedOptions, parse_options
 from .packed import packed_into_skeleton, with_changed_decoded
-from .sentence_folder import located_json, read_sentence_folder
+from .sentence_folder import fit_sentence_options, located_json, read_sentence_folder, unused_by_sentence_models
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +130,7 @@ def load_pretrained(
     allow_missing: frozenset[str] = frozenset()
     quantization: tuple[dict[str, str], dict[str, dict[str, Any]]] | None = None
     sentence = None  # a sentence-transformers folder's embedding head options
+    family = None  # the transformers model_type the model came from (kept for exports)
     if single is not None:
         gguf_file, file_format = single
         if opts.revision is not None and opts.gguf_file is None:
@@ -135,6 +138,7 @@ def load_pretrained(
         source = str(gguf_file)
         hf_config, hf_state, tokenizer = _read_single_file(gguf_file, file_format, opts.dtype, not opts.dequantize)
         cls, config, state, allow_missing = _convert_transformers(hf_config, hf_state, expected_class, source)
+        family = hf_config.get("model_type")
         redo = with_changed_decoded(hf_state, state, source)
         if redo is not None:  # a converter changed a packed weight: that one loads as float
             cls, config, state, allow_missing = _convert_transformers(hf_config, redo, expected_class, source)
@@ -144,11 +148,15 @@ def load_pretrained(
             path_or_repo_id, revision=opts.revision, token=opts.token, endpoint=opts.endpoint
         )
         with reading(location.folder):  # a local folder is read as one complete checkpoint, never mid-save
-            raw = read_json(location.config)
+            raw = read_json(location.config, MAX_CONFIG_BYTES)
             if is_zoo_config(raw):
                 # Config first: a checkpoint of the wrong class is refused before its weights are downloaded.
                 cls, config = _zoo_class_and_config(raw, expected_class, location.source)
                 quantization = quantization_entry(raw, location.source)
+                family = raw.get(SOURCE_FAMILY_KEY)
+                if family is not None and not isinstance(family, str):
+                    raise ValueError(f"{location.source}: config.json has {SOURCE_FAMILY_KEY}={family!r}; "
+                                     "expected a transformers model_type string or null")
                 files = checkpoint_files(location)
                 state = read_weights(files)
                 # Before the real build: the config may not claim more layers or elements than the weights hold.
@@ -166,10 +174,13 @@ def load_pretrained(
                 sentence = read_sentence_folder(lambda name: located_json(location, name), location.source)
         source = files.source
         if is_transformers_config(raw):
-            cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, source)
-            if sentence is not None and opts.head is None:
-                config, state, allow_missing = with_head(cls, config, state, allow_missing, "embedding", sentence,
-                                                         source)
+            with unused_by_sentence_models(sentence is not None and opts.head is None):
+                cls, config, state, allow_missing = _convert_transformers(raw, state, expected_class, source)
+                family = raw["model_type"]
+                if sentence is not None and opts.head is None:
+                    sentence = fit_sentence_options(sentence, config.max_len)
+                    config, state, allow_missing = with_head(cls, config, state, allow_missing, "embedding",
+                                                             sentence, source)
 
     # transformers' BERT config.json does not store the [MASK] id; the checkpoint's tokenizer knows it.
     if tokenizer is not None and getattr(config, "mask_token_id", 0) is None:
@@ -200,6 +211,8 @@ def load_pretrained(
     model.eval()
     if tokenizer is not None:
         model.tokenizer = tokenizer
+    if family is not None:
+        model.transformers_model_type = family
     return model
 
 

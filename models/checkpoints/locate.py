@@ -12,12 +12,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.errors import (
     EntryNotFoundError,
+    HFValidationError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
     RemoteEntryNotFoundError,
 )
+from huggingface_hub.utils import validate_repo_id
 
 from .atomic import recover
 from .files import (
@@ -32,7 +35,7 @@ from .files import (
     WeightsFormat,
     shard_names,
 )
-from .hub import append_to_message, hub_download, is_commit_sha, naming_the_repo
+from .hub import append_to_message, hub_download, hub_unreachable, is_commit_sha, naming_the_repo
 from .paths import confined
 
 
@@ -148,16 +151,47 @@ def locate(
             raise FileNotFoundError(f"{path} has no {config_name}; it holds {sorted(p.name for p in path.iterdir())}")
         return Location(source=str(path), config=path / config_name, folder=path)
     if path_like:
-        raise FileNotFoundError(f"no {kind} folder at {text}")
+        raise FileNotFoundError(f"no {kind} folder or file at {text}; check the path")
+    check_hub_id(text, kind)
     wanted = revision or "main"
     hub = Location(source=f"{text}@{wanted}", config=Path(), repo_id=text, revision=wanted, commit=wanted,
                    token=token, endpoint=endpoint)
+    if not constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(text, config_name, revision=wanted), str):
+        where = hub_unreachable(endpoint)
+        if where is not None:  # say so at once, not after huggingface_hub's retries
+            raise LocalEntryNotFoundError(
+                f"no local folder {text!r}, and the Hub cannot be reached to download it ({where}); check the path "
+                f"(./{text} for a folder here) or the network (HF_ENDPOINT, HF_HUB_OFFLINE=1 for the cache alone)"
+            )
     with naming_the_repo(hub.repo_id, hub.revision):
         config = hub.fetch(config_name)
     # The cache keeps files under snapshots/<commit>/: every later file comes from that very commit, so a push
     # landing between two downloads cannot mix two checkpoints.
     commit = config.parent.name if is_commit_sha(config.parent.name) else wanted
     return dataclasses.replace(hub, config=config, commit=commit)
+
+
+def check_hub_id(text: str, kind: str = "checkpoint") -> None:
+    """Refuse a name that is neither a local path (it does not exist) nor a Hub repo id ``OWNER/NAME``, at once.
+
+    Args:
+        text: the name given.
+        kind: what is looked for, in messages (``"checkpoint"``, ``"adapter"``).
+
+    Raises:
+        FileNotFoundError: a name without an owner (``my-model``; the Hub's unprefixed legacy ids such as ``gpt2``
+            now live under an owner, ``openai-community/gpt2``), or one ``huggingface_hub`` refuses as an id.
+    """
+    if "/" not in text:
+        raise FileNotFoundError(
+            f"no {kind} folder or file named {text!r} in {Path.cwd()}, and {text!r} is not a Hub id (OWNER/NAME, "
+            "e.g. HuggingFaceTB/SmolLM2-135M); check the path"
+        )
+    try:
+        validate_repo_id(text)
+    except HFValidationError as err:
+        raise FileNotFoundError(f"no {kind} folder or file at {text}, and {text!r} is not a Hub id: "
+                                f"{str(err).splitlines()[0]}") from None
 
 
 def checkpoint_files(location: Location) -> CheckpointFiles:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -242,8 +241,8 @@ def _read_peft(
     config: Mapping[str, Any], tensors: Mapping[str, Tensor], source: str
 ) -> tuple[dict[str, tuple[Tensor, Tensor, float]], float, PeftTargets, bool]:
     """Check a ``peft`` LoRA config and its tensors, every field before any tensor; the LoRAs ``peft`` applies
-    ``{module: (A, B, scaling)}`` (those ``target_modules``/``exclude_modules``/``layers_to_transform`` select: the
-    others are ignored, with a warning, as ``peft`` ignores them), the dropout, the targets, and whether a targeted
+    ``{module: (A, B, scaling)}`` (those ``target_modules``/``exclude_modules``/``layers_to_transform`` select; weights
+    for modules they do not select are refused, naming them), the dropout, the targets, and whether a targeted
     module without tensors is left unchanged by ``peft`` (its ``init_lora_weights`` makes ``B = 0``)."""
     where = f"{source}: {ADAPTER_CONFIG_NAME}"
     if not isinstance(config, Mapping) or config.get("peft_type") != "LORA":
@@ -326,10 +325,12 @@ def _read_peft(
             f"{where}'s target_modules={config.get('target_modules')!r} (with exclude_modules, layers_to_transform) "
             f"selects none of the modules the adapter holds weights for ({sorted(pairs)[:4]} ...)"
         )
-    if ignored:
-        warnings.warn(
-            f"{where}: target_modules/exclude_modules/layers_to_transform do not select {sorted(ignored)}; their "
-            "LoRA weights are ignored, as peft ignores them", stacklevel=4,
+    if ignored:  # peft would ignore them; a file peft writes never holds them: refused, not silently dropped
+        shown = sorted(ignored)
+        raise ValueError(
+            f"{where}: target_modules/exclude_modules/layers_to_transform do not select {shown[:8]}"
+            f"{f' and {len(shown) - 8} more' if len(shown) > 8 else ''}, which the adapter holds LoRA weights for; "
+            "expected weights only for the modules the config targets"
         )
     return out, float(dropout), targets, init is True or init == "gaussian"
 

@@ -54,9 +54,14 @@ class PersistenceMixin:
 
     ``model.tokenizer`` (default ``None``) is set by ``from_pretrained`` when the checkpoint holds a
     tokenizer, and is saved and pushed along with the weights.
+
+    ``model.transformers_model_type`` (default ``None``) is the ``transformers`` family (``model_type``) a model
+    converted from a ``transformers`` checkpoint came from; ``save_pretrained`` records it in ``config.json`` and
+    ``models.convert.to_transformers`` writes the model back as that family (its class and its names) where it can.
     """
 
     tokenizer: Any = None
+    transformers_model_type: str | None = None
 
     # ------------------------------------------------------------------ local folders
     def save_pretrained(self, save_directory: str | os.PathLike[str], tokenizer: Any = None) -> Path:
@@ -253,6 +258,8 @@ model = {name}.from_pretrained({json.dumps(reference)})
             "library_version": files.library_version(),
             "dtype": _dtype_name(self),
         }
+        if self.transformers_model_type is not None:  # only then: other checkpoints' config.json stays as it was
+            config[files.SOURCE_FAMILY_KEY] = self.transformers_model_type
         quantization = _quantization_entry(self)
         if quantization is not None:  # only then: an unquantized model's config.json stays byte-identical
             config[QUANTIZATION_KEY] = quantization

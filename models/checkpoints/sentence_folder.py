@@ -10,9 +10,11 @@ layout back (the classic one, which every sentence-transformers version since 2 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..convert.tasks import export_base
+from ..core.finite import check_finite
 from .files import MAX_JSON_DEPTH, json_depth
 from .paths import confined
 
@@ -58,44 +61,119 @@ def located_json(location: Any, name: str) -> Any:
 def read_sentence_folder(read_json: Callable[[str], Any | None], source: str) -> dict[str, Any] | None:
     """The ``embedding`` head options of a sentence-transformers folder, or None when it has no ``modules.json``.
 
+    Every file is read strictly: a file that is not the JSON type sentence-transformers writes (an object, or the
+    list of ``modules.json``), an entry of the wrong type, or a setting the zoo would read differently is refused
+    with the file and the field named, never read as a default.
+
     Args:
         read_json: a file's parsed JSON by its path inside the folder or repo (None when absent).
         source: the folder or repo, for messages.
 
+    Returns:
+        The head options; a maximum length taken from ``tokenizer_config.json`` (not ``sentence_bert_config.json``)
+        is under ``model_max_length``, for ``fit_sentence_options`` to cap at the model's positions.
+
     Raises:
         ValueError: modules the zoo does not compute (a ``Dense`` layer, weighted-mean pooling, several poolings,
-            a transformer outside the folder's root, a pooling that excludes the prompt), named.
+            a transformer outside the folder's root, a pooling that excludes the prompt), no Transformer or no
+            Pooling module, a file of the wrong JSON type, ``prompts`` not an object of strings, a
+            ``max_seq_length`` that is not a positive integer; each named.
     """
     modules = read_json(MODULES_NAME)
     if modules is None:
         return None
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise ValueError(f"{source}: {MODULES_NAME} must be a list of module entries, got {modules!r}")
-    options: dict[str, Any] = {"pooling": "cls", "normalize": False}
+    options: dict[str, Any] = {"normalize": False}
+    kinds: list[str] = []
     for module in modules:
-        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        path = str(module.get("path", ""))
+        kind, path = module.get("type"), module.get("path", "")
+        if not isinstance(kind, str) or not isinstance(path, str):
+            raise ValueError(f"{source}: {MODULES_NAME} entry {module!r} must have a string 'type' and 'path'")
+        kind = kind.rsplit(".", 1)[-1]
+        kinds.append(kind)
         if kind == "Transformer":
             if path not in ("", "."):
                 raise ValueError(f"{source}: the Transformer module sits in {path!r}; the zoo reads it at the root")
         elif kind == "Pooling":
-            options["pooling"] = pooling_mode(read_json(f"{path}/config.json") or {}, source)
+            options["pooling"] = pooling_mode(json_object(read_json, f"{path}/config.json", source), source)
         elif kind == "Normalize":
             options["normalize"] = True
         else:
             raise ValueError(f"{source}: sentence-transformers module {module.get('type')!r} has no zoo counterpart")
-    bert_config = read_json("sentence_bert_config.json") or {}
-    tokenizer_config = read_json("tokenizer_config.json") or {}
-    max_length = bert_config.get("max_seq_length") or tokenizer_config.get("model_max_length")
-    if isinstance(max_length, int) and not isinstance(max_length, bool) and 0 < max_length < 10**6:
+    if kinds.count("Transformer") != 1 or kinds.count("Pooling") != 1 or kinds[0] != "Transformer":
+        raise ValueError(f"{source}: {MODULES_NAME} lists the modules {kinds}; the zoo reads a Transformer first, "
+                         "then exactly one Pooling (and an optional Normalize)")
+    bert_config = json_object(read_json, "sentence_bert_config.json", source)
+    tokenizer_config = json_object(read_json, "tokenizer_config.json", source)
+    max_length = bert_config.get("max_seq_length")
+    if max_length is not None:
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"{source}: sentence_bert_config.json has max_seq_length={max_length!r}; expected a "
+                             "positive integer")
         options["max_seq_length"] = max_length
+    else:
+        fallback = tokenizer_config.get("model_max_length")
+        if isinstance(fallback, int) and not isinstance(fallback, bool) and fallback > 0:
+            options["model_max_length"] = fallback
     if bert_config.get("do_lower_case"):
         raise ValueError(f"{source}: do_lower_case=True in sentence_bert_config.json is not supported")
-    st_config = read_json("config_sentence_transformers.json") or {}
-    if st_config.get("prompts"):
-        options["prompts"] = dict(st_config["prompts"])
-        if st_config.get("default_prompt_name") is not None:
-            options["default_prompt_name"] = st_config["default_prompt_name"]
+    st_config = json_object(read_json, "config_sentence_transformers.json", source)
+    prompts = st_config.get("prompts")
+    if prompts is not None and not (
+        isinstance(prompts, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items())
+    ):
+        raise ValueError(f"{source}: config_sentence_transformers.json has prompts={prompts!r}; expected an object "
+                         "mapping prompt names to prompt texts")
+    if prompts:
+        options["prompts"] = dict(prompts)
+        default = st_config.get("default_prompt_name")
+        if default is not None:
+            if default not in prompts:
+                raise ValueError(f"{source}: config_sentence_transformers.json has default_prompt_name={default!r}; "
+                                 f"expected one of the prompts {sorted(prompts)}")
+            options["default_prompt_name"] = default
+    return options
+
+
+def json_object(read_json: Callable[[str], Any | None], name: str, source: str) -> dict[str, Any]:
+    """The JSON object of file ``name`` (``{}`` when absent).
+
+    Args:
+        read_json: a file's parsed JSON by its path inside the folder or repo (None when absent).
+        name: the file.
+        source: the folder or repo, for messages.
+
+    Returns:
+        The object.
+
+    Raises:
+        ValueError: the file holds another JSON type (a list, a string ...), naming the file.
+    """
+    data = read_json(name)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: {name} must hold a JSON object, got {type(data).__name__} {data!r:.80}")
+    return data
+
+
+def fit_sentence_options(options: dict[str, Any], max_len: int) -> dict[str, Any]:
+    """The head options of ``read_sentence_folder`` for a model of ``max_len`` positions: a maximum length from
+    ``tokenizer_config.json`` is capped at ``max_len`` as sentence-transformers does (an explicit
+    ``max_seq_length`` beyond the positions is refused by the model's config).
+
+    Args:
+        options: ``read_sentence_folder``'s options.
+        max_len: the model's positions.
+
+    Returns:
+        The head options (without ``model_max_length``).
+    """
+    options = dict(options)
+    fallback = options.pop("model_max_length", None)
+    if fallback is not None and "max_seq_length" not in options:
+        options["max_seq_length"] = min(fallback, max_len)
     return options
 
 
@@ -123,13 +201,15 @@ def save_sentence_transformers(model: nn.Module, directory: str | os.PathLike[st
     sentence-transformers folder that ``SentenceTransformer(directory)`` loads.
 
     Raises:
-        ValueError: no tokenizer attached, or a base no ``transformers`` family represents.
+        ValueError: no tokenizer attached, a base no ``transformers`` family represents, or a tensor holding NaN or
+            inf (named); nothing is written then.
     """
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise ValueError("a sentence-transformers folder needs the tokenizer: set model.tokenizer first")
     options = model.embedding_options()
     hf_config, state = export_base(model)
+    check_finite(state, "sentence-transformers export")
     path = Path(directory)
     (path / "1_Pooling").mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, path / "model.safetensors",
@@ -159,3 +239,24 @@ def save_sentence_transformers(model: nn.Module, directory: str | os.PathLike[st
 
 def write(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def unused_by_sentence_models(quiet: bool) -> Iterator[None]:
+    """Inside, with ``quiet``: no warning that the base model's pooler or LM head is left out — a
+    sentence-transformers model pools with its own modules and never uses them.
+
+    Args:
+        quiet: silence those warnings (False: a no-op).
+
+    Yields:
+        Nothing; the warnings are filtered while inside.
+    """
+    if not quiet:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*leaving out the pooler")
+        warnings.filterwarnings("ignore", message=r".*base-model checkpoint has no LM head")
+        warnings.filterwarnings("ignore", message=r".*the 'embedding' head does not use the checkpoint's")
+        yield

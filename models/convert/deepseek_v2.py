@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,7 +27,7 @@ from .export import register_exporter, require, tensors
 from .hf_checkpoint import CheckpointReader, HFConfig, rope_parameters, zoo_config
 from .llama import DEFAULTS as LLAMA_DEFAULTS
 from .llama import GATED_ACTIVATIONS, GATED_FFNS, NAMES
-from .mixtral import PLAIN_EXPERT, unfuse_experts
+from .mixtral import PLAIN_EXPERT, dense_mlps_as_shared, unfuse_experts
 from .name_maps import NameMap, read_mapped, write_mapped
 from .registry import Converted, register_converter
 from .tasks import TaskLayout, decoder_classes, register_tasks
@@ -46,7 +45,6 @@ DEFAULTS: dict[str, Any] = {
 
 _ATTENTION = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
               "o_proj")
-_DENSE = re.compile(r"(?P<layer>.*layers\.(?P<i>\d+))\.mlp\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
 _BIAS = "e_score_correction_bias"
 
 
@@ -144,12 +142,8 @@ def convert_deepseek_like(model_type: str, hf_config: Mapping[str, Any], state_d
     cfg = HFConfig(model_type, hf_config, defaults, aliases={"n_routed_experts": "num_experts"})
     config = zoo_config(model_type, DecoderLMConfig, **fields(cfg))
     dense = dense_layers(cfg, config.n_layers)
-    state: dict[str, Tensor] = {}
-    for key, tensor in unfuse_experts(state_dict, "mlp", PLAIN_EXPERT).items():
-        match = _DENSE.fullmatch(key)
-        if match and int(match["i"]) < dense:  # a dense layer's MLP is its block's shared expert
-            key = f"{match['layer']}.mlp.shared_experts.{match['proj']}.weight"
-        state[key] = tensor
+    # a dense layer's MLP is its block's shared expert (as Qwen-MoE's mlp_only_layers, models.convert.mixtral)
+    state = dense_mlps_as_shared(unfuse_experts(state_dict, "mlp", PLAIN_EXPERT), set(range(dense)), "shared_experts")
     ckpt = CheckpointReader(model_type, state, ignore=[r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"])
     names = deepseek_names(config.block_options("ffn")["n_experts"])
     biases = [f"layers.{i}.ffn.{_BIAS}" for i in range(dense, config.n_layers)

@@ -32,7 +32,7 @@ DEFAULTS: dict[str, Any] = {
 
 def _v3_fields(cfg: HFConfig) -> dict[str, Any]:
     router = {"router": "sigmoid_group", "n_group": cfg.positive_int("n_group"),
-              "topk_group": cfg.positive_int("topk_group"), "renormalize": bool(cfg["norm_topk_prob"]),
+              "topk_group": cfg.positive_int("topk_group"), "renormalize": cfg.boolean("norm_topk_prob"),
               "routed_scaling_factor": float(cfg["routed_scaling_factor"])}
     return deepseek_fields(cfg, router, interleaved=bool(cfg["rope_interleave"]))
 

@@ -23,6 +23,8 @@ from blocks.adapters import check_exportable
 from blocks.heads import LM_HEADS
 from blocks.quantized import check_unquantized
 
+from ..core.finite import check_finite
+
 EXPORTER_KIND = "hf_exporter"
 #: kind of ``models.convert.tasks.export_task`` (models with a task head), looked up so this module imports it not.
 TASK_EXPORT_KIND = "hf_task_export"
@@ -51,8 +53,8 @@ def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[di
 
     Args:
         model: a zoo model.
-        model_type: the ``transformers`` family to write (default: the first registered family that can
-            represent the model exactly).
+        model_type: the ``transformers`` family to write (default: the family the model was converted from, else
+            the first registered family that can represent the model exactly).
 
     Returns:
         ``(config dict with "model_type" and "architectures", state dict)``; tensors are detached,
@@ -77,7 +79,7 @@ def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[di
         except NotExportable as err:
             raise NotExportable(f"this {type(model).__name__} cannot be written as {model_type!r}: {err}") from err
     reasons = []
-    for name in blocks.names(EXPORTER_KIND):
+    for name in families_to_try(model):
         try:
             return _unshared(blocks.get(EXPORTER_KIND, name)(model))
         except NotExportable as err:
@@ -98,14 +100,32 @@ def save_transformers(model: nn.Module, directory: str | os.PathLike[str], model
         The folder's path.
 
     Raises:
-        ValueError: as ``to_transformers``; nothing is written then.
+        ValueError: as ``to_transformers``, or a tensor holding NaN or inf (named); nothing is written then.
     """
     config, state_dict = to_transformers(model, model_type)
+    check_finite(state_dict, "export to transformers")
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     save_file(state_dict, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def families_to_try(model: nn.Module) -> list[str]:
+    """The registered exporters in the order an export tries them: the family the model was converted from
+    (``model.transformers_model_type``) first, so a RoBERTa stays a RoBERTa, then every other one.
+
+    Args:
+        model: the model to export.
+
+    Returns:
+        Exporter names, in order.
+    """
+    names = blocks.names(EXPORTER_KIND)
+    source = getattr(model, "transformers_model_type", None)
+    if isinstance(source, str) and source not in names:
+        source = source.removesuffix("_text")  # gemma3_text: the text model of the gemma3 family
+    return [source, *(n for n in names if n != source)] if source in names else names
 
 
 def require(condition: bool, reason: str) -> None:

@@ -88,6 +88,23 @@ class HFConfig:
             raise ValueError(f"{self.model_type} config field {key} must be a positive integer, got {value!r}")
         return value
 
+    def boolean(self, key: str) -> bool:
+        """The field as a JSON boolean.
+
+        Args:
+            key: the field.
+
+        Returns:
+            Its value.
+
+        Raises:
+            ValueError: not ``true``/``false`` (``"yes"``, ``1``, ``null``), naming the field.
+        """
+        value = self[key]
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.model_type} config field {key} must be true or false, got {value!r}")
+        return value
+
     def probability(self, key: str) -> float:
         """A dropout probability in [0, 1)."""
         value = self[key]
@@ -141,7 +158,13 @@ class HFConfig:
         data = self.data
         if parameters is None:
             # As transformers reads them: an (old-style) rope_scaling replaces rope_parameters.
+            for key in ("rope_scaling", "rope_parameters"):
+                if data.get(key) is not None and not isinstance(data[key], Mapping):
+                    raise ValueError(f"{self.model_type} config field {key} must be an object (e.g. "
+                                     f"{{\"rope_type\": \"linear\", \"factor\": 2.0}}) or null, got {data[key]!r}")
             parameters = dict(data.get("rope_scaling") or data.get("rope_parameters") or {})
+        elif not isinstance(parameters, Mapping):
+            raise ValueError(f"{self.model_type} RoPE parameters must be an object, got {parameters!r}")
         theta = parameters.get("rope_theta", data.get("rope_theta", default_theta))
         fraction = parameters.get("partial_rotary_factor", data.get("partial_rotary_factor", 1.0))
         kind = parameters.get("rope_type", parameters.get("type", "default"))
@@ -186,6 +209,10 @@ class HFConfig:
             if parameters.get("truncate") is not None:
                 scaling["truncate"] = bool(parameters["truncate"])
             return scaling
+        largest = data.get("max_position_embeddings")
+        if isinstance(largest, int) and int(original) > largest:
+            raise ValueError(f"{self.model_type} checkpoint's longrope original_max_position_embeddings={original} "
+                             f"exceeds max_position_embeddings={largest}: the scaled context must be the longer one")
         scaling.update(short_factor=[float(v) for v in parameters["short_factor"]],
                        long_factor=[float(v) for v in parameters["long_factor"]])
         if factor is not None:

@@ -37,6 +37,8 @@ DEFAULTS: dict[str, Any] = {
 MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 #: Qwen-MoE/OLMoE expert linears keep the zoo's names.
 PLAIN_EXPERT = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+_DENSE_MLP = re.compile(
+    r"(?P<layer>.*layers\.(?P<i>\d+))\.mlp\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>weight|bias)")
 _FUSED = re.compile(r"(?P<layer>.*layers\.\d+)\.mlp\.experts\.(?P<part>gate_up_proj|down_proj)")
 
 
@@ -72,6 +74,66 @@ def unfuse_experts(state_dict: Mapping[str, Tensor], prefix: str, expert: Mappin
                 out[f"{base}.{e}.{expert['gate_proj']}.weight"] = gate
                 out[f"{base}.{e}.{expert['up_proj']}.weight"] = up
     return out
+
+
+def dense_layer_options(d_ff: int) -> dict[str, dict[str, Any]]:
+    """The per-layer options that make a ``moe`` block a dense FFN of width ``d_ff``: no routed experts, the shared
+    expert (ungated) as the MLP. DeepSeek's first ``first_k_dense_replace`` layers and Qwen-MoE's
+    ``mlp_only_layers`` are such layers.
+
+    Args:
+        d_ff: the dense MLP's width.
+
+    Returns:
+        ``layer_options`` entry.
+    """
+    return {"ffn": {"n_experts": 0, "top_k": 0, "d_shared": d_ff, "shared_gate": False, "aux_loss_coef": 0.0}}
+
+
+def dense_mlps_as_shared(state_dict: Mapping[str, Tensor], dense: set[int], shared: str) -> dict[str, Tensor]:
+    """The state dict with each dense layer's ``mlp.{gate,up,down}_proj`` renamed to its block's shared expert
+    ``mlp.<shared>.*`` (how ``dense_layer_options`` holds it).
+
+    Args:
+        state_dict: the checkpoint's tensors.
+        dense: the dense layers' indices.
+        shared: the family's name of the shared expert (``shared_expert``, DeepSeek's ``shared_experts``).
+
+    Returns:
+        The renamed state dict (the same tensors).
+
+    Shapes: any tensors.
+    """
+    out: dict[str, Tensor] = {}
+    for key, tensor in state_dict.items():
+        match = _DENSE_MLP.fullmatch(key)
+        if match and int(match["i"]) in dense:
+            key = f"{match['layer']}.mlp.{shared}.{match['proj']}.{match['kind']}"
+        out[key] = tensor
+    return out
+
+
+def sparse_step_layers(cfg: HFConfig, n_layers: int) -> set[int]:
+    """The dense (MLP-only) layers of a Qwen-MoE config, as ``transformers`` chooses them: those in
+    ``mlp_only_layers``, and those ``decoder_sparse_step`` skips (layer ``i`` is MoE when ``(i + 1) % step == 0``).
+
+    Args:
+        cfg: the checkpoint's config.
+        n_layers: its layer count.
+
+    Returns:
+        The dense layers' indices.
+
+    Raises:
+        ValueError: ``mlp_only_layers`` not a list of layer indices, or ``decoder_sparse_step`` not a positive integer.
+    """
+    listed = cfg["mlp_only_layers"] or []
+    if not isinstance(listed, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers for i in listed
+    ):
+        raise cfg.unsupported("mlp_only_layers", "the dense layers", f"a list of layer indices in [0, {n_layers})")
+    step = cfg.positive_int("decoder_sparse_step")
+    return set(listed) | {i for i in range(n_layers) if (i + 1) % step}
 
 
 def moe_options(cfg: HFConfig, experts_key: str, width_key: str, renormalize: bool) -> tuple[int, dict[str, Any]]:

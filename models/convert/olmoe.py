@@ -37,7 +37,7 @@ def _olmoe_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
                               f"head_dim={fields['d_model'] // fields['n_heads']}")
     attention = {**fields["options"].get("attention", {}), **QK_NORM, "qk_norm_eps": fields["norm_eps"]}
     fields["ffn"] = "moe"
-    fields["d_ff"], ffn = moe_options(cfg, "num_experts", "intermediate_size", bool(cfg["norm_topk_prob"]))
+    fields["d_ff"], ffn = moe_options(cfg, "num_experts", "intermediate_size", cfg.boolean("norm_topk_prob"))
     fields["options"] = {**fields["options"], "attention": attention, "ffn": ffn}
     return fields
 

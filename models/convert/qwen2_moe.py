@@ -18,9 +18,9 @@ from .export import register_exporter, require
 from .hf_checkpoint import HFConfig
 from .llama import DEFAULTS as LLAMA_DEFAULTS
 from .llama import check_attention_options, convert_llama_like, export_llama_like
-from .mixtral import PLAIN_EXPERT, export_moe_fields, moe_names, moe_options, unfuse_experts
+from .mixtral import PLAIN_EXPERT, dense_mlps_as_shared, export_moe_fields, moe_names, moe_options, unfuse_experts
 from .qwen2 import qwen_window_fields, window_layers
-from .qwen3_moe import experts_everywhere, with_num_experts
+from .qwen3_moe import dense_layers_of, dense_of, with_num_experts
 from .registry import Converted, register_converter
 from .tasks import TaskLayout, decoder_classes, register_tasks
 
@@ -51,15 +51,14 @@ def _gate_into_router(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _qwen2_moe_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
-    experts_everywhere(cfg)
     fields["bias"] = False
     if cfg["qkv_bias"]:
         fields["options"] = {**fields["options"], "attention": {"qkv_bias": True}}
     fields["ffn"] = "moe"
-    fields["d_ff"], ffn = moe_options(cfg, "num_experts", "moe_intermediate_size", bool(cfg["norm_topk_prob"]))
+    fields["d_ff"], ffn = moe_options(cfg, "num_experts", "moe_intermediate_size", cfg.boolean("norm_topk_prob"))
     ffn.update(d_shared=cfg.positive_int("shared_expert_intermediate_size"), shared_gate=True)
     fields["options"] = {**fields["options"], "ffn": ffn}
-    return window_layers(cfg, fields)
+    return dense_layers_of(cfg, window_layers(cfg, fields))
 
 
 @register_converter("qwen2_moe")
@@ -67,11 +66,14 @@ def convert_qwen2_moe(hf_config: Mapping[str, Any], state_dict: Mapping[str, Ten
     """Convert a ``Qwen2MoeForCausalLM`` checkpoint (per-expert or fused expert tensors).
 
     Raises:
-        ValueError: as for Qwen2, dense layers among the MoE ones, or more experts per token than experts.
+        ValueError: as for Qwen2, ``mlp_only_layers`` that are not layer indices, or more experts per token than
+            experts (dense layers load as in Qwen3-MoE).
     """
     hf_config = with_num_experts(hf_config)
     n_experts = HFConfig("qwen2_moe", hf_config, DEFAULTS).positive_int("num_experts")
-    state_dict = _gate_into_router(unfuse_experts(state_dict, "mlp", PLAIN_EXPERT))
+    dense = dense_of(hf_config, DEFAULTS, "qwen2_moe")
+    state_dict = _gate_into_router(dense_mlps_as_shared(unfuse_experts(state_dict, "mlp", PLAIN_EXPERT), dense,
+                                                        "shared_expert"))
     return convert_llama_like("qwen2_moe", hf_config, state_dict, DEFAULTS, _qwen2_moe_fields,
                               names=moe_names(n_experts, "mlp", PLAIN_EXPERT, shared=True))
 

@@ -1,6 +1,8 @@
 """Qwen3-MoE (``model_type: qwen3_moe``) <-> ``DecoderLM``: a Qwen3 (per-head q/k RMSNorm) whose FFN is the ``moe``
 block (softmax top-k router, kept weights renormalised when ``norm_topk_prob``, SwiGLU experts of width
-``moe_intermediate_size``)."""
+``moe_intermediate_size``). Dense layers (``mlp_only_layers``, ``decoder_sparse_step``) load as a per-layer choice:
+``moe`` blocks without routed experts whose shared expert is the ``intermediate_size`` MLP (exports of such models
+are refused: the exporter writes only all-MoE configs)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,16 @@ from .export import register_exporter, require
 from .hf_checkpoint import HFConfig
 from .llama import DEFAULTS as LLAMA_DEFAULTS
 from .llama import check_attention_options, convert_llama_like, export_llama_like
-from .mixtral import PLAIN_EXPERT, export_moe_fields, moe_names, moe_options, unfuse_experts
+from .mixtral import (
+    PLAIN_EXPERT,
+    dense_layer_options,
+    dense_mlps_as_shared,
+    export_moe_fields,
+    moe_names,
+    moe_options,
+    sparse_step_layers,
+    unfuse_experts,
+)
 from .registry import Converted, register_converter
 from .tasks import TaskLayout, decoder_classes, register_tasks
 
@@ -29,16 +40,40 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def experts_everywhere(cfg: HFConfig) -> None:
-    """Refuse Qwen-MoE checkpoints with dense MLP layers among the MoE ones (the zoo's FFN is one block kind).
+def dense_layers_of(cfg: HFConfig, fields: dict[str, Any], width_key: str = "intermediate_size") -> dict[str, Any]:
+    """``fields`` with the per-layer options of the checkpoint's dense layers (``mlp_only_layers``,
+    ``decoder_sparse_step``): a ``moe`` block without routed experts whose shared expert is the ``width_key`` MLP.
 
-    Raises:
-        ValueError: ``mlp_only_layers`` not empty or ``decoder_sparse_step`` other than 1.
+    Args:
+        cfg: the checkpoint's config.
+        fields: the ``DecoderLMConfig`` fields so far (``n_layers`` set; ``layer_options`` kept and merged).
+        width_key: the dense MLP's width field.
+
+    Returns:
+        ``fields`` with ``layer_options``.
     """
-    if cfg["mlp_only_layers"]:
-        raise cfg.unsupported("mlp_only_layers", "dense MLP layers among the MoE layers", "mlp_only_layers=[]")
-    if cfg["decoder_sparse_step"] != 1:
-        raise cfg.unsupported("decoder_sparse_step", "MoE only every few layers", "decoder_sparse_step=1")
+    n_layers = fields["n_layers"]
+    dense = sparse_step_layers(cfg, n_layers)
+    if dense:
+        options = dense_layer_options(cfg.positive_int(width_key))
+        given = tuple(fields.get("layer_options") or ({},) * n_layers)  # e.g. sliding windows: kept
+        fields["layer_options"] = tuple({**given[i], **options} if i in dense else given[i] for i in range(n_layers))
+    return fields
+
+
+def dense_of(hf_config: Mapping[str, Any], defaults: Mapping[str, Any], model_type: str) -> set[int]:
+    """The dense layers of a Qwen-MoE config (checked as ``sparse_step_layers`` checks them).
+
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        defaults: the family's defaults.
+        model_type: the family, for messages.
+
+    Returns:
+        The dense layers' indices.
+    """
+    cfg = HFConfig(model_type, hf_config, defaults)
+    return sparse_step_layers(cfg, cfg.positive_int("num_hidden_layers"))
 
 
 def with_num_experts(hf_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -50,14 +85,13 @@ def with_num_experts(hf_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _qwen3_moe_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
-    experts_everywhere(cfg)
     attention = {**fields["options"].get("attention", {}), "qk_norm": "rmsnorm", "qk_norm_eps": fields["norm_eps"]}
     if cfg["use_sliding_window"] and cfg["sliding_window"] is not None:
         attention["window"] = cfg.positive_int("sliding_window")
     fields["ffn"] = "moe"
-    fields["d_ff"], ffn = moe_options(cfg, "num_experts", "moe_intermediate_size", bool(cfg["norm_topk_prob"]))
+    fields["d_ff"], ffn = moe_options(cfg, "num_experts", "moe_intermediate_size", cfg.boolean("norm_topk_prob"))
     fields["options"] = {**fields["options"], "attention": attention, "ffn": ffn}
-    return fields
+    return dense_layers_of(cfg, fields)
 
 
 @register_converter("qwen3_moe")
@@ -65,11 +99,15 @@ def convert_qwen3_moe(hf_config: Mapping[str, Any], state_dict: Mapping[str, Ten
     """Convert a ``Qwen3MoeForCausalLM`` checkpoint (per-expert or fused expert tensors).
 
     Raises:
-        ValueError: as for Llama, dense layers among the MoE ones, or more experts per token than experts.
+        ValueError: as for Llama, ``mlp_only_layers`` that are not layer indices, or more experts per token than
+            experts. Dense layers (``mlp_only_layers``, ``decoder_sparse_step``) are ``moe`` blocks without routed
+            experts whose shared expert is the MLP (``dense_layer_options``), as DeepSeek's first layers are.
     """
     hf_config = with_num_experts(hf_config)
-    names = moe_names(HFConfig("qwen3_moe", hf_config, DEFAULTS).positive_int("num_experts"), "mlp", PLAIN_EXPERT)
-    state_dict = unfuse_experts(state_dict, "mlp", PLAIN_EXPERT)
+    dense = dense_of(hf_config, DEFAULTS, "qwen3_moe")
+    names = moe_names(HFConfig("qwen3_moe", hf_config, DEFAULTS).positive_int("num_experts"), "mlp", PLAIN_EXPERT,
+                      shared=bool(dense))
+    state_dict = dense_mlps_as_shared(unfuse_experts(state_dict, "mlp", PLAIN_EXPERT), dense, "shared_expert")
     return convert_llama_like("qwen3_moe", hf_config, state_dict, DEFAULTS, _qwen3_moe_fields, names=names)
 
 

@@ -35,6 +35,7 @@ import blocks
 
 from ..core.base import ZooModel
 from ..core.config import ConfigBase
+from .bounds import check_hf_counts, check_zoo_counts
 
 CONVERTER_KIND = "hf_converter"
 #: kind of ``models.convert.tasks.convert_task`` (a task class's checkpoint), looked up so this module imports it not.
@@ -114,6 +115,7 @@ def from_transformers(hf_config: Mapping[str, Any], state_dict: Mapping[str, Ten
     if model_type not in supported:
         raise ValueError(f"no converter for transformers model_type {model_type!r}; supported: {supported}")
     _check_hf_layer_counts(hf_config, state_dict)  # before a converter loops over the layers or builds anything
+    check_hf_counts(hf_config, state_dict)  # experts, labels, widths, positions: before anything loops over them
     converter = blocks.get(CONVERTER_KIND, model_type)
     if TASK_CONVERT_KIND in blocks.kinds():  # task classes (models.convert.tasks, registered by the families)
         converted = blocks.get(TASK_CONVERT_KIND, "convert")(hf_config, state_dict)
@@ -279,6 +281,7 @@ def build_bounded(
             than allowed: the tensors that outgrow the checkpoint's are listed with the config fields behind them.
     """
     check_layer_counts(config, state, source)
+    check_zoo_counts(config, state, source)
     with torch.device("meta"), _MetaBuild():
         model = architecture(config)
     stored = sum(t.numel() for t in {id(t): t for t in state.values()}.values())

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 import blocks
 from blocks.heads import LM_HEADS
 
-from .export import EXPORTER_KIND, TASK_EXPORT_KIND, NotExportable, require, tensors
+from .export import EXPORTER_KIND, TASK_EXPORT_KIND, NotExportable, families_to_try, require, tensors
 from .registry import CONVERTER_KIND, TASK_CONVERT_KIND, Converted
 
 TASK_KIND = "hf_task"
@@ -165,7 +165,7 @@ def export_task(model: nn.Module, model_type: str | None = None) -> tuple[dict[s
     """
     c = model.config
     lm, own = lm_view(model)
-    names = [model_type] if model_type is not None else blocks.names(EXPORTER_KIND)
+    names = [model_type] if model_type is not None else families_to_try(model)
     reasons = []
     for name in names:
         try:
@@ -185,7 +185,7 @@ def lm_view(model: nn.Module) -> tuple[nn.Module, dict[str, Tensor]]:
     lm_head = next(h for h in type(c).heads if h in LM_HEADS)
     options = {k: v for k, v in c.options.items() if k != "head"}
     with torch.device("meta"):
-        lm = type(model)(c.replace(head=lm_head, options=options, tie_embeddings=True))
+        lm = type(model)(c.replace(head=lm_head, options=options))  # an untied LM head stays on meta: left out
     own = tensors(model)
     lm.load_state_dict({k: v for k, v in own.items() if not k.startswith("head.")}, strict=False, assign=True)
     return lm, own
@@ -200,7 +200,7 @@ def export_base(model: nn.Module, model_type: str | None = None) -> tuple[dict[s
     """
     lm, _ = lm_view(model)
     reasons = []
-    for name in [model_type] if model_type is not None else blocks.names(EXPORTER_KIND):
+    for name in [model_type] if model_type is not None else families_to_try(model):
         try:
             require(TASK_KIND in blocks.kinds() and name in blocks.names(TASK_KIND), "no base-model layout")
             layout: TaskLayout = blocks.get(TASK_KIND, name)

@@ -3,6 +3,7 @@
 - ``config`` — ``ConfigBase``, ``TransformerConfig`` and their validation.
 - ``outputs`` — ``ModelOutput``, ``Seq2SeqOutput``.
 - ``base`` — ``ZooModel``: presets, backend switching, input checks.
+- ``presets`` — ``PresetTable``: preset names in one convention, any spelling found, "did you mean" for a typo.
 - ``stack`` — building and running a stack of layers from a config (layers, norms, positions, caches, LM loss).
 - ``adapters`` — ``AdapterMixin``: adding, switching and merging LoRA adapters (module surgery only).
 - ``quantize`` — ``QuantizeMixin``: ``quantize()`` / ``dequantize()``.

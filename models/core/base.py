@@ -12,14 +12,15 @@ import blocks
 
 from .adapters import AdapterMixin
 from .config import ConfigBase
+from .presets import PresetTable
 from .quantize import QuantizeMixin
 
 
 class ZooModel(AdapterMixin, QuantizeMixin, nn.Module):
     """Base class of the zoo's models.
 
-    Subclasses set ``config_class`` and ``presets`` (name -> config overrides) and build themselves
-    from ``config`` alone.
+    Subclasses set ``config_class`` and ``presets`` (name -> config overrides, kept as a ``PresetTable``: any case,
+    ``-`` or ``_``) and build themselves from ``config`` alone.
 
     Args:
         config: an instance of the class's ``config_class``.
@@ -29,7 +30,12 @@ class ZooModel(AdapterMixin, QuantizeMixin, nn.Module):
     """
 
     config_class: ClassVar[type[ConfigBase]] = ConfigBase
-    presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    presets: ClassVar[dict[str, dict[str, Any]]] = PresetTable()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "presets" in cls.__dict__ and not isinstance(cls.presets, PresetTable):
+            cls.presets = PresetTable(cls.presets)  # names found whatever their case and - or _ (preset_key)
 
     def __init__(self, config: ConfigBase) -> None:
         super().__init__()
@@ -70,7 +76,8 @@ class ZooModel(AdapterMixin, QuantizeMixin, nn.Module):
             ValueError: unknown preset (the valid names are listed) or unknown/invalid overrides.
         """
         if name not in cls.presets:
-            raise ValueError(f"unknown {cls.__name__} preset {name!r}; expected one of {sorted(cls.presets)}")
+            raise cls.presets.unknown(name, cls.__name__) if isinstance(cls.presets, PresetTable) else ValueError(
+                f"unknown {cls.__name__} preset {name!r}; expected one of {sorted(cls.presets)}")
         return cls.config_class.from_dict({**cls.presets[name], **overrides})
 
     @classmethod

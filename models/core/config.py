@@ -14,6 +14,10 @@ from blocks.registry import check_option_types, expected_type
 
 C = TypeVar("C", bound="ConfigBase")
 
+#: The longest context (``max_len``) a config may claim: 2**24 tokens (the longest published context is ~10M); a
+#: larger claim is refused before anything is sized from it (rotary tables, default caches).
+MAX_POSITIONS = 1 << 24
+
 
 @dataclasses.dataclass(frozen=True)
 class ConfigBase:
@@ -146,6 +150,8 @@ class TransformerConfig(ConfigBase):
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "max_len"):
             check_positive_int(self, name)
+        if self.max_len > MAX_POSITIONS:
+            raise ValueError(f"max_len={self.max_len} exceeds MAX_POSITIONS={MAX_POSITIONS} (2**24 positions)")
         check_attention_shape(self)
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise ValueError(f"logit_softcap must be None or a finite number > 0, got {self.logit_softcap!r}")
@@ -167,6 +173,10 @@ class TransformerConfig(ConfigBase):
             if value is not None and not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name}={value!r} must be None or an id in [0, vocab_size={self.vocab_size})")
         object.__setattr__(self, "options", check_options(self, self.options, "options"))
+        length = self.options.get("head", {}).get("max_seq_length")
+        if isinstance(length, int) and length > self.max_len:
+            raise ValueError(f"options['head'].max_seq_length={length} exceeds the model's positions "
+                             f"(max_len={self.max_len})")
         if isinstance(self.layer_options, (list, tuple)):
             object.__setattr__(self, "layer_options", tuple(
                 check_options(self, entry, f"layer_options[{i}]") for i, entry in enumerate(self.layer_options)

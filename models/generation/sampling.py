@@ -76,6 +76,26 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def min_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Min-p filtering (Nguyen et al. 2024; llama.cpp, vLLM): drop the tokens whose probability is below ``p``
+    times the most likely token's, i.e. whose logit is below the maximum + ``log p``. The most likely token is
+    always kept.
+
+    Args:
+        logits: next-token logits.
+        p: the fraction of the best token's probability a token needs (0: keep all).
+
+    Returns:
+        The logits with the dropped tokens at ``-inf`` (a new tensor, or ``logits`` itself for ``p <= 0``).
+
+    Shapes: ``(B, V)`` -> ``(B, V)``.
+    """
+    if p <= 0.0:
+        return logits
+    floor = logits.amax(dim=-1, keepdim=True) + math.log(p)  # (B, 1)
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
 def top_p_filter(logits: Tensor, p: float) -> Tensor:
     """Nucleus filtering (Holtzman et al. 2020): keep the smallest set of most likely tokens whose total
     probability reaches ``p`` and set the rest to ``-inf``. The most likely token is always kept.
@@ -135,11 +155,13 @@ class SamplingParams:
             the request has already generated (the prompt does not count, as in the OpenAI API and vLLM).
         frequency_penalty: OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit once per time
             the request has generated it.
+        min_p: when sampling, drop tokens less likely than ``min_p`` times the most likely one in the tempered
+            distribution (as vLLM does); a number in [0, 1], None or 0 for all.
 
     Raises:
         ValueError: ``temperature <= 0`` with sampling, ``top_k < 1``, ``top_p`` outside (0, 1],
-            ``repetition_penalty <= 0``, a presence or frequency penalty outside [-2, 2], or values of the wrong
-            type.
+            ``repetition_penalty <= 0``, a presence or frequency penalty outside [-2, 2], ``min_p`` outside
+            [0, 1], or values of the wrong type.
     """
 
     do_sample: bool = False
@@ -149,6 +171,7 @@ class SamplingParams:
     repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_p: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.do_sample, bool):
@@ -172,6 +195,8 @@ class SamplingParams:
             or self.repetition_penalty <= 0
         ):
             raise ValueError(f"repetition_penalty must be None or a number > 0, got {self.repetition_penalty!r}")
+        if self.min_p is not None and (not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be None or a number in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:
@@ -246,6 +271,8 @@ class SamplingParams:
             shifted = scores - scores.amax(dim=-1, keepdim=True)
             temperature = min(self.temperature, torch.finfo(scores.dtype).max)
             scores = torch.where(shifted == 0, 0.0, shifted / temperature)
+        if self.min_p is not None:
+            scores = min_p_filter(scores, self.min_p)
         if self.top_k is not None:
             scores = top_k_filter(scores, self.top_k)
         if self.top_p is not None:

@@ -17,14 +17,14 @@ the model (``models.convert.export.to_transformers``, the family exporters), the
   rounding. Other quantized layers (``int8``, ``int4``) are unpacked and written as ``dtype``.
 
 The file is written next to its target under a hidden name, flushed and renamed over it (``os.replace``), so a
-save killed at any instant leaves the old file or the new one, never a part.
+save killed at any instant leaves the old file or the new one, never a part; the next save of the same path removes
+the hidden file a killed save left (``models.checkpoints.file_staging``). NaN/inf weights, and values the
+chosen type would turn into inf (1e6 as F16), are refused with the tensor named.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,9 @@ from blocks.quantized import QuantizedEmbedding, quantized_modules
 from tokenization.gguf import tokenizer_to_gguf
 
 from ..checkpoints.atomic import fsync
+from ..checkpoints.file_staging import staging_file
 from ..convert.export import to_transformers
+from ..core.finite import LARGEST, check_finite
 from .file import import_gguf
 from .read import permute_rows
 from .rope import llama3_divisors
@@ -67,7 +69,8 @@ def save_gguf(model: nn.Module, path: str | os.PathLike[str], dtype: str = "F32"
 
     Raises:
         ValueError: an unknown ``dtype``; a model no GGUF family represents (the exporter's reason is given); a
-            tokenizer llama.cpp cannot run (see ``tokenization.gguf.tokenizer_to_gguf``).
+            tokenizer llama.cpp cannot run (see ``tokenization.gguf.tokenizer_to_gguf``); a tensor holding NaN or
+            inf, or values ``dtype`` turns into inf (named). The target is then untouched, and no staging file stays.
     """
     if dtype not in EXPORT_TYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {list(EXPORT_TYPES)}")
@@ -83,9 +86,9 @@ def save_gguf(model: nn.Module, path: str | os.PathLike[str], dtype: str = "F32"
                          f"expected one of {sorted(_ARCH)} (pass model_type= to pick one)")
     vocab = tokenizer_to_gguf(tokenizer) if tokenizer is not None else None  # its errors before any writing
     arch = _ARCH[kind]
+    check_finite(state, "GGUF export")  # before anything is written (what dtype overflows: checked per tensor)
     path = Path(path)
-    staging = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.saving")
-    try:
+    with staging_file(path) as staging:  # an earlier killed save's staging file of this path is removed first
         writer = gguf.GGUFWriter(str(staging), arch)
         writer.add_name(name or kind)
         # The tokenizer's own special ids win over the config's (the same keys), as llama.cpp reads one of each.
@@ -102,9 +105,6 @@ def save_gguf(model: nn.Module, path: str | os.PathLike[str], dtype: str = "F32"
         fsync(staging)
         os.replace(staging, path)
         fsync(path.parent)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            staging.unlink()
     return path
 
 
@@ -276,8 +276,16 @@ def export_view(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
 _STAND_IN_OFFSET = 1 << 40
 
 
+#: how far beyond F16's range a block format's values may go: the block scale (F16) is the largest magnitude divided
+#: by this (Q4_1/Q5_1 also store the block's minimum as F16).
+_SCALE_RANGE = {"F16": 1, "Q8_0": 127, "Q4_0": 8, "Q5_0": 16, "Q4_1": 1, "Q5_1": 1}
+
+
 def _add(writer: Any, gguf: Any, name: str, data: np.ndarray, qtype: Any, block: int) -> None:
     if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and data.shape[1] % block == 0:
+        if qtype.name in _SCALE_RANGE:
+            check_finite({name: torch.from_numpy(data)}, "GGUF export", LARGEST["F16"] * _SCALE_RANGE[qtype.name],
+                         f"{qtype.name} (F16 scales)" if qtype.name != "F16" else "F16")
         writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     else:
         writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))

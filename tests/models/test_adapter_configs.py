@@ -154,23 +154,33 @@ NARROWED = {  # config fields that select fewer modules than the file holds LoRA
 
 
 @pytest.mark.parametrize("case", list(NARROWED))
-def test_tensors_the_config_does_not_select_are_ignored_as_peft_ignores_them(
-    case: str, bases, tmp_path: Path
-) -> None:
-    """The attack: an adapter with LoRAs on every layer whose config selects fewer (peft then ignores the rest)."""
-    fields, expected = NARROWED[case]
+def test_tensors_the_config_does_not_select_are_refused_by_name(case: str, bases, tmp_path: Path) -> None:
+    """The attack: an adapter with LoRAs on every layer whose config selects fewer (peft would silently ignore the
+    rest; a file peft writes never holds them), refused naming the modules, the model left unchanged."""
+    fields, _ = NARROWED[case]
     zoo, hf = bases["gpt2"]
     peft_adapter(hf, tmp_path / "a", r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"])
     config = json.loads((tmp_path / "a" / CONFIG).read_text())
     (tmp_path / "a" / CONFIG).write_text(json.dumps({**config, **fields}))
-    x = ids()
-    theirs = hf_logits(peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "a").eval(), x)
     zoo = copy.deepcopy(zoo)
-    with pytest.warns(UserWarning, match=r"do not select \['transformer\.h\.\d\."):
-        adapted = zoo.load_adapter(tmp_path / "a")
-    parts = {"attn.c_attn": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "mlp.c_fc": ["ffn.up_proj"]}
-    assert sorted(adapted) == sorted(f"layers.{i}.{p}" for i, ms in expected.items() for m in ms for p in parts[m])
-    torch.testing.assert_close(logits(zoo, x), theirs, atol=1e-4, rtol=0)
+    before = logits(zoo, ids())
+    with pytest.raises(ValueError, match=r"do not select \['transformer\.h\.\d\.(attn\.c_attn|mlp\.c_fc)'.*which the "
+                                         r"adapter holds LoRA weights for"):
+        zoo.load_adapter(tmp_path / "a")
+    assert zoo.adapter_names == []
+    torch.testing.assert_close(logits(zoo, ids()), before, atol=0, rtol=0)
+
+
+def test_tensors_for_a_module_no_config_targets_are_refused(bases, tmp_path: Path) -> None:
+    """``self_attn.evil``: a LoRA pair for a module the config does not target (and the model does not have)."""
+    zoo, hf = bases["gpt2"]
+    peft_adapter(hf, tmp_path / "a", r=2, lora_alpha=4, target_modules=["c_attn"])
+    tensors = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    tensors["base_model.model.transformer.h.0.self_attn.evil.lora_A.weight"] = torch.zeros(2, 8)
+    tensors["base_model.model.transformer.h.0.self_attn.evil.lora_B.weight"] = torch.zeros(8, 2)
+    save_file(tensors, tmp_path / "a" / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=r"do not select \['transformer\.h\.0\.self_attn\.evil'\]"):
+        copy.deepcopy(zoo).load_adapter(tmp_path / "a")
 
 
 # ---------------------------------------------------------------------------------------------- hostile files

@@ -3,6 +3,7 @@ folders the zoo writes load in ``SentenceTransformer``."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,15 @@ def test_packed_embeddings_equal_one_text_at_a_time(bert_folder, tmp_path) -> No
     sentences = texts(n=9, seed=3)
     alone = torch.cat([zoo.embed([s]) for s in sentences])
     torch.testing.assert_close(zoo.embed(sentences, batch_size=9), alone, atol=1e-5, rtol=0)
+
+
+def test_a_sentence_transformers_folder_loads_without_warnings(bert_folder, tmp_path) -> None:
+    # The base model's pooler and the LM head its conversion ties are never used by a sentence-transformers model:
+    # loading says nothing about leaving them out (loading the base model alone still does).
+    build_st(bert_folder, tmp_path / "st", "mean", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        models.from_pretrained(tmp_path / "st")
+    assert [str(w.message) for w in caught] == []
+    with pytest.warns(UserWarning, match="leaving out the pooler"):
+        models.from_pretrained(bert_folder)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,14 +60,6 @@ def test_presets_export_to_their_family_and_back(family: str) -> None:
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize(("field", "value"), [("mlp_only_layers", [1]), ("decoder_sparse_step", 2)])
-def test_dense_layers_among_moe_layers_are_refused_by_name(field: str, value: object) -> None:
-    hf = build_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", **BASE)
-    config = {**hf.config.to_dict(), field: value}
-    with pytest.raises(ValueError, match=field):
-        from_transformers(config, hf.state_dict())
-
-
 @pytest.mark.parametrize(("config_class", "task"), [
     ("MixtralConfig", "MixtralForSequenceClassification"), ("Qwen3MoeConfig", "Qwen3MoeForQuestionAnswering"),
     ("Qwen2MoeConfig", "Qwen2MoeForTokenClassification"),
@@ -86,3 +79,35 @@ def test_task_classes_convert_with_their_head(config_class: str, task: str, tmp_
     else:
         expected, actual = expected.logits, actual.logits
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("config_class", "model_class", "extra"), [
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 16, "norm_topk_prob": True}),
+    ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"shared_expert_intermediate_size": 32, "decoder_sparse_step": 2}),
+])
+@torch.no_grad()
+def test_dense_layers_among_the_moe_ones_load_as_a_per_layer_ffn(config_class: str, model_class: str,
+                                                                 extra: dict, tmp_path: Path) -> None:
+    """``mlp_only_layers`` (and ``decoder_sparse_step``): those layers are ``moe`` blocks without routed experts whose
+    shared expert is the ``intermediate_size`` MLP, as DeepSeek's first dense layers are; logits equal transformers'."""
+    hf = build_hf(config_class, model_class, vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=24, num_experts=4,
+                  num_experts_per_tok=2, mlp_only_layers=[0], max_position_embeddings=64, **extra).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    zoo = models.from_pretrained(tmp_path / "hf")
+    dense = [i for i in range(4) if zoo.layers[i].ffn.n_experts == 0]
+    assert dense == ([0] if "decoder_sparse_step" not in extra else [0, 2])
+    assert all(zoo.layers[i].ffn.shared_expert.up_proj.weight.shape == (40, 48) for i in dense)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(zoo(ids).logits, hf(input_ids=ids).logits, atol=1e-4, rtol=0)
+
+
+def test_mlp_only_layers_that_are_not_layer_indices_are_refused(tmp_path: Path) -> None:
+    hf = build_hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", vocab_size=97, hidden_size=48, intermediate_size=40,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    hf.save_pretrained(tmp_path / "hf")
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**raw, "mlp_only_layers": [5]}))
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[5\].*a list of layer indices in \[0, 2\)"):
+        models.from_pretrained(tmp_path / "hf")

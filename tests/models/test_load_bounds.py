@@ -91,10 +91,10 @@ def hf_checkpoint(folder: Path, family: str) -> Path:
     ("family", "field", "value", "named"),
     [
         ("llama", "vocab_size", 10**12, "vocab_size=1000000000000"),
-        ("llama", "intermediate_size", 10**9, "d_ff=1000000000"),  # the zoo field it becomes
+        ("llama", "intermediate_size", 10**9, "intermediate_size=1000000000"),
         ("llama", "num_hidden_layers", 10**6, "num_hidden_layers=1000000"),
         ("bert", "vocab_size", 10**12, "vocab_size=1000000000000"),
-        ("bert", "max_position_embeddings", 10**9, "max_len=1000000000"),
+        ("bert", "max_position_embeddings", 10**9, "max_position_embeddings=1000000000"),
         ("bert", "num_hidden_layers", 10**6, "num_hidden_layers=1000000"),
     ],
 )

@@ -97,7 +97,7 @@ def test_task_class_converts_computes_and_exports(family: str, task: str, tmp_pa
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        save_transformers(zoo, tmp_path / "export", model_type=family)
+        save_transformers(zoo, tmp_path / "export")  # the family it came from
         back = getattr(transformers, type(hf).__name__).from_pretrained(tmp_path / "export").float().eval()
     assert type(back).__name__ == type(hf).__name__
     compare(hf, back, ids, mask, task, other_is_hf=True)

@@ -83,7 +83,7 @@ def test_quantize_is_refused_for_a_quantized_checkpoint_and_dequantize_loads_flo
         with pytest.raises(SystemExit) as refused:
             cli.main([*command, "--quantize", "int8"])
         message = str(refused.value.code)
-        assert message.startswith(f"zoo: {folder / 'int8'} is already quantized (13 layers as 'int8')")
+        assert message.startswith(f"zoo: error: {folder / 'int8'} is already quantized (13 layers as 'int8')")
         assert "--dequantize" in message and "\n" not in message
     dequantized = copy.deepcopy(model).quantize("int8").dequantize()
     want = completion(dequantized, tok, tok.encode(PROMPT))
@@ -97,10 +97,11 @@ def test_quantize_is_refused_for_a_quantized_checkpoint_and_dequantize_loads_flo
 def test_chat_quantizes_the_model_it_answers_with(setup, engines: list[DecoderLM]) -> None:
     model, tok, folder = setup
     out = io.StringIO()
-    cli.chat(cli.parser().parse_args(["chat", str(folder / "float"), "--max-tokens", "6", "--quantize", "int8"]),
-             stdin=io.StringIO("hello there\n"), stdout=out)
+    cli.chat(cli.parser().parse_args(["chat", str(folder / "float"), "--max-tokens", "6", "--quantize", "int8",
+                                      "--temp", "0"]), stdin=io.StringIO("hello there\n"), stdout=out)
     ids = tok.apply_chat_template([{"role": "user", "content": "hello there"}], add_generation_prompt=True)
-    assert out.getvalue().split("\n")[0] == "> " + completion(copy.deepcopy(model).quantize("int8"), tok, ids)
+    answer = out.getvalue().split("\n")[0].removesuffix(" [cut at the 6-token limit; raise it with --max-tokens]")
+    assert answer == "> " + completion(copy.deepcopy(model).quantize("int8"), tok, ids)
     assert [int8_layers(m) for m in engines] == [13]
 
 

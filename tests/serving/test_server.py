@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -250,9 +251,10 @@ def folder(setup, tmp_path_factory) -> Path:
 def test_zoo_chat_answers_each_turn_as_generate_does(setup, folder: Path) -> None:
     model, tok, _ = setup
     out = io.StringIO()
-    cli.chat(cli.parser().parse_args(["chat", str(folder), "--max-tokens", "8"]),
+    cli.chat(cli.parser().parse_args(["chat", str(folder), "--max-tokens", "8", "--temp", "0"]),
              stdin=io.StringIO("hello there\nhow are you?\n\n"), stdout=out)
-    answers = [line.removeprefix("> ") for line in out.getvalue().split("\n")[:2]]
+    answers = [re.sub(r" \[cut at the 8-token limit; raise it with --max-tokens\]$", "", line.removeprefix("> "))
+               for line in out.getvalue().split("\n")[:2]]
     messages = [{"role": "user", "content": "hello there"}]
     first = tok.decode(reference(model, tok, messages, 8))
     messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "how are you?"}]
@@ -466,10 +468,12 @@ def test_zoo_chat_commands_and_ctrl_c_stop_only_the_reply(setup, folder: Path) -
 
     out = Interrupting()
     script = "hello there\n/system Be terse.\nhow are you?\n/reset\n/exit\nnever read\n"
-    cli.chat(cli.parser().parse_args(["chat", str(folder), "--max-tokens", "8"]), stdin=io.StringIO(script),
-             stdout=out)
+    cli.chat(cli.parser().parse_args(["chat", str(folder), "--max-tokens", "8", "--temp", "0"]),
+             stdin=io.StringIO(script), stdout=out)
     text = out.getvalue()
-    assert "[stopped]" in text and text.count("[history cleared]") == 2 and "never read" not in text
+    assert "[stopped]" in text and "never read" not in text
+    assert "[system message set; history cleared]" in text
+    assert "[history cleared; the system message is kept (/system alone removes it)]" in text
     # After /system the history is empty: the second answer is the one for [system, user] alone.
     turn = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "how are you?"}]
     assert tok.decode(reference(model, tok, turn, 8)) in text

@@ -83,10 +83,17 @@ def test_generate_trains_saves_reloads_and_samples(example, corpus, tmp_path, ca
     assert ">>> Return the" in capsys.readouterr().out
 
 
-def test_demo_is_generate_with_its_own_folder(example, corpus, tmp_path) -> None:
+def test_demo_is_generate_with_its_own_folder_and_resumes_when_run_again(example, corpus, tmp_path, capsys) -> None:
     out = tmp_path / "demo"
-    example("demo").main(["--data", str(corpus), *SMALL_LM, "--out", str(out), "--max-new-tokens", "2"])
-    assert (out / "model.safetensors").is_file()
+    demo = example("demo")
+    demo.main(["--data", str(corpus), *SMALL_LM, "--out", str(out), "--max-new-tokens", "2", "--warmup", "2"])
+    assert (out / "model.safetensors").is_file() and (out / "checkpoints" / "step-00000003").is_dir()
+    # Run again with more steps: the run is extended from its checkpoint (steps 4-5), not started afresh.
+    demo.main(["--data", str(corpus), *SMALL_LM, "--steps", "5", "--out", str(out), "--max-new-tokens", "2",
+               "--warmup", "2"])
+    shown = capsys.readouterr().out
+    assert f"resuming from {out / 'checkpoints' / 'step-00000003'} (step 3 of 5)" in shown
+    assert "trained steps 4-5 in" in shown and (out / "checkpoints" / "step-00000005").is_dir()
 
 
 def test_mlm_reports_the_unigram_baseline_and_fills_masks(example, corpus, tmp_path, capsys) -> None:
