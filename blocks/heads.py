@@ -81,6 +81,10 @@ def pool(x: Tensor, mask: Tensor | None, pooling: str) -> Tensor:
 class LMHead(nn.Linear):
     """A projection of each position to the vocabulary (GPT-2's ``lm_head``; tied to the embedding by the model).
 
+    Args:
+        d_model: the width of the hidden states.
+        vocab_size: the number of tokens.
+
     Shapes: ``(..., d_model)`` -> ``(..., vocab_size)``.
     """
 
@@ -115,6 +119,11 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 def check_labels_map(num_labels: int, id2label: Mapping[Any, str] | None, label2id: Mapping[str, Any] | None) -> None:
     """Check ``num_labels`` > 0 and that ``id2label`` / ``label2id`` name exactly the ids ``0 .. num_labels-1``.
+
+    Args:
+        num_labels: the number of labels.
+        id2label: label names by id, or None.
+        label2id: ids by label name, or None.
 
     Raises:
         ValueError: naming the bad value and what was expected.

@@ -27,6 +27,15 @@ class RaggedRows:
     """The one-token rows of a packed batch as entries, one per (row, block read); built by ``PagedBatch``.
 
     Shapes: ``R`` rows, ``E`` entries, ``W`` the most blocks a row reads.
+
+    Attributes:
+        query: ``(R,)`` long, the packed index of each row's query.
+        q_pos: ``(R,)`` long, the position of each row's query.
+        block: ``(E,)`` long, the block id of each entry.
+        row: ``(E,)`` long, the row (0 .. R - 1) of each entry.
+        start: ``(E,)`` long, the position of the entry's first slot.
+        layout: ``(R, W)`` long, the entry of each row's j-th block; E where the row reads fewer blocks.
+        whole: the rows are the whole packed batch, in order (``query`` is ``arange(R)``): no scatter into the output.
     """
 
     query: Tensor  # (R,) long, the packed index of each row's query
@@ -48,6 +57,19 @@ def ragged_decode_attention(k_pool: Tensor, v_pool: Tensor, q: Tensor, rows: Rag
     Every row has a key (its own position), so its largest score is finite; an entry whose keys are all masked (out
     of the window) contributes nothing. ``sinks`` ``(H,)`` (gpt-oss) are one more logit per query head in each row's
     softmax, with no value.
+
+    Args:
+        k_pool: the key pool of the layer.
+        v_pool: the value pool of the layer.
+        q: each row's query, its query heads grouped by key/value head.
+        rows: the rows' entries (``RaggedRows``).
+        scale: the score scale (default ``D ** -0.5``).
+        softcap: the soft cap of the scores (``cap · tanh(s / cap)``), or None.
+        window: a sliding window: keys fewer than ``window`` positions back only, or None.
+        sinks: one extra logit per query head, or None.
+
+    Returns:
+        Each row's attention output, in ``q``'s dtype.
 
     Shapes: pools ``(Hkv, blocks, block_size, D)``, q ``(R, Hkv, rep, D)`` (query head ``h·rep + r`` at ``[:, h,
     r]``) -> ``(R, Hkv, rep, Dv)``.

@@ -28,7 +28,16 @@ def split_by_length(members: list[tuple[int, int, int, Sequence[int]]], block_si
     of 20 and 300 positions in one group gather and attend 600 positions instead of 320. Sorted by length, the
     rows are cut (dynamic programming) where ``Σ rows · longest blocks · block_size + GROUP_COST`` per group is
     least, into at most ``max_groups`` groups. Rows needing the same number of blocks cost the same in any group
-    of them, so cuts fall only between distinct block counts (a cut inside them never lowers the cost)."""
+    of them, so cuts fall only between distinct block counts (a cut inside them never lowers the cost).
+
+    Args:
+        members: the decoding rows, each ``(row index, n_query, n_context, block_table)``.
+        block_size: positions per block.
+        max_groups: the most groups to make.
+
+    Returns:
+        The groups, each a list of members, from the shortest rows to the longest.
+    """
     if len(members) < 2:
         return [members]
     rows = sorted(members, key=lambda m: m[2])
@@ -59,7 +68,20 @@ def split_by_length(members: list[tuple[int, int, int, Sequence[int]]], block_si
 
 @dataclass
 class AttentionGroup:
-    """Rows attended together: their queries padded to ``Lq``, their keys to ``K = n_blocks · block_size``."""
+    """Rows attended together: their queries padded to ``Lq``, their keys to ``K = n_blocks · block_size``.
+
+    Attributes:
+        q_index: ``(G, Lq)`` long, the packed index of each query (0 where padded).
+        valid: ``(G, Lq)`` bool, True at real queries.
+        flat: ``(n_valid,)`` long, ``q_index[valid]``.
+        tables: ``(G, nb)`` long block ids (padded with the row's first block: read but masked).
+        q_pos: ``(G, Lq)`` long positions of the queries.
+        masks: the masks built so far, by ``(window, rep)``.
+        dense: every query is real (no padding): no boolean indexing (static shapes when compiled).
+        gathers: the gather indices built so far, by ``(heads, pool blocks)``.
+        row: ``(start, n_query, n_context)`` of a group holding one row of several new tokens (a prefill chunk),
+            which attends causally over its own ``n_context`` keys with no padding; else None.
+    """
 
     q_index: Tensor  # (G, Lq) long, the packed index of each query (0 where padded)
     valid: Tensor  # (G, Lq) bool
@@ -76,7 +98,18 @@ class AttentionGroup:
     def mask(self, window: int | None, block_size: int, rep: int = 1) -> Tensor:
         """``(G, 1, rep·Lq, K)`` bool, True = may attend: keys at or before each query's position (and within
         ``window``), each query row repeated for the ``rep`` query heads ``PagedKVCache.attend`` folds into the query
-        axis; broadcast over the key/value heads."""
+        axis; broadcast over the key/value heads.
+
+        Args:
+            window: a sliding window (keys fewer than ``window`` positions back only), or None.
+            block_size: positions per block.
+            rep: query heads per key/value head.
+
+        Returns:
+            The mask, built once per ``(window, rep)`` and kept.
+
+        Shapes: -> ``(G, 1, rep·Lq, K)`` bool.
+        """
         key = (window, rep)
         if key not in self.masks:
             keys = torch.arange(self.tables.shape[1] * block_size, device=self.q_pos.device)
@@ -91,7 +124,17 @@ class AttentionGroup:
     def gather_index(self, heads: int, pool_blocks: int) -> Tensor:
         """``(G · heads · nb,)`` long: the group's blocks in a pool ``(heads, pool_blocks, ...)`` viewed as
         ``(heads · pool_blocks, ...)`` — one ``index_select`` along dim 0 (contiguous rows copied whole, several
-        times faster on the CPU than selecting along dim 1) gives ``(G, heads, nb, ...)``."""
+        times faster on the CPU than selecting along dim 1) gives ``(G, heads, nb, ...)``.
+
+        Args:
+            heads: the pool's key/value heads.
+            pool_blocks: the pool's number of blocks.
+
+        Returns:
+            The flat index, built once per ``(heads, pool_blocks)`` and kept.
+
+        Shapes: -> ``(G · heads · nb,)`` long.
+        """
         key = (heads, pool_blocks)
         if key not in self.gathers:
             offsets = torch.arange(heads, device=self.tables.device)[:, None] * pool_blocks  # (heads, 1)

@@ -46,6 +46,9 @@ class BlockAllocator:
     Args:
         n_blocks: blocks in the cache (>= 1).
         block_size: positions per block (>= 1).
+
+    Raises:
+        ValueError: ``n_blocks`` or ``block_size`` is not a positive integer.
     """
 
     def __init__(self, n_blocks: int, block_size: int) -> None:
@@ -61,7 +64,15 @@ class BlockAllocator:
 
     @staticmethod
     def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-        """The prefix-cache key of a full block: SHA-256 of the previous block's key and this block's tokens."""
+        """The prefix-cache key of a full block: SHA-256 of the previous block's key and this block's tokens.
+
+        Args:
+            parent: the previous block's key, or None for the first block.
+            tokens: the block's token ids.
+
+        Returns:
+            The 32-byte digest.
+        """
         digest = hashlib.sha256(parent or b"")
         digest.update(b",".join(str(int(t)).encode() for t in tokens))
         return digest.digest()
@@ -77,11 +88,18 @@ class BlockAllocator:
         return len(self._by_hash)
 
     def cached_free_blocks(self) -> list[int]:
-        """Committed blocks with no reference, least recently freed first."""
+        """Committed blocks with no reference, least recently freed first.
+
+        Returns:
+            Their ids.
+        """
         return list(self._lru)
 
     def allocate(self) -> int:
         """A free block with one reference; evicts the least recently freed cached block if no plain one is free.
+
+        Returns:
+            The block id.
 
         Raises:
             RuntimeError: no block is free (callers check ``num_free`` first).
@@ -97,14 +115,28 @@ class BlockAllocator:
         return block
 
     def share(self, block: int) -> None:
-        """One more reference to a block in use (a sample forked from a request shares its full blocks)."""
+        """One more reference to a block in use (a sample forked from a request shares its full blocks).
+
+        Args:
+            block: the block id.
+
+        Raises:
+            ValueError: the block is free.
+        """
         if self.refs[block] < 1:
             raise ValueError(f"block {block} is free; only a block in use can be shared")
         self.refs[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block; blocks reaching 0 are free. The last block of a table is released
-        first, so the blocks at the start of a prefix — the ones most often shared — are evicted last."""
+        first, so the blocks at the start of a prefix — the ones most often shared — are evicted last.
+
+        Args:
+            blocks: the block ids (a block table).
+
+        Raises:
+            ValueError: a block is already free.
+        """
         for block in reversed(blocks):
             if self.refs[block] < 1:
                 raise ValueError(f"block {block} is already free")
@@ -117,7 +149,14 @@ class BlockAllocator:
 
     def forget(self, block: int) -> None:
         """Drop a free block from the prefix cache (its contents must not be found again: a request whose logits
-        were NaN wrote it)."""
+        were NaN wrote it).
+
+        Args:
+            block: the block id.
+
+        Raises:
+            ValueError: the block is in use.
+        """
         if self.refs[block] != 0:
             raise ValueError(f"block {block} is in use; only a free block can be forgotten")
         key = self._hash_of.pop(block, None)
@@ -127,7 +166,14 @@ class BlockAllocator:
             heapq.heappush(self._plain, block)
 
     def lookup(self, key: bytes) -> int | None:
-        """Take a reference to the committed block of ``key``, or return None on a miss."""
+        """Take a reference to the committed block of ``key``, or return None on a miss.
+
+        Args:
+            key: the prefix-cache key (``block_hash``).
+
+        Returns:
+            The block id, or None.
+        """
         block = self._by_hash.get(key)
         if block is None:
             return None
@@ -163,6 +209,9 @@ class PagedKVCache:
         block_size: positions per block.
 
     Shapes: pools ``(Hkv, blocks, block_size, D)``.
+
+    Raises:
+        ValueError: ``n_blocks`` or ``block_size`` is not a positive integer.
     """
 
     length = 0
@@ -184,7 +233,14 @@ class PagedKVCache:
 
     @staticmethod
     def numbers_per_position(attention: Any) -> int:
-        """Numbers one cached position of one layer takes: keys and values of every key/value head."""
+        """Numbers one cached position of one layer takes: keys and values of every key/value head.
+
+        Args:
+            attention: the attention module (its ``n_kv_heads``, ``d_head``, ``d_value``).
+
+        Returns:
+            ``n_kv_heads · (d_head + d_value)``.
+        """
         return attention.n_kv_heads * (attention.d_head + attention.d_value)
 
     def reserve(self, attention: Any, like: Tensor, blocks: int | None = None) -> None:
@@ -216,7 +272,13 @@ class PagedKVCache:
                 pool[:, :have] = before
 
     def scrub(self, blocks: Tensor) -> None:
-        """Zero ``blocks`` (long ids) in the pools (what a failed request wrote must not be read again)."""
+        """Zero ``blocks`` (long ids) in the pools (what a failed request wrote must not be read again).
+
+        Args:
+            blocks: the block ids (ids past the pool's size are skipped).
+
+        Shapes: blocks ``(n,)`` long.
+        """
         for pool in (self.k, self.v):
             if pool is not None:
                 pool.index_fill_(1, blocks[blocks < pool.shape[1]], 0.0)
@@ -227,7 +289,11 @@ class PagedKVCache:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 
     def block_nbytes(self) -> int:
-        """Bytes of one block (keys and values), 0 before the first write."""
+        """Bytes of one block (keys and values), 0 before the first write.
+
+        Returns:
+            The byte count.
+        """
         return 0 if self.k is None else self.nbytes // self.k.shape[1]
 
     def _grow(self, k: Tensor, v: Tensor, needed: int) -> None:
@@ -363,7 +429,13 @@ def _with_sink_key(k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor, lq: int) -
 class PagedLayerCache:
     """The cache of one decoder layer over a paged pool (self-attention only), as the layers expect it: a registered
     ``kv_cache`` kind built with ``(n_blocks, block_size)`` — ``"paged"``, or ``"paged_latent"`` for latent
-    attention (its ``paged_cache_kind``)."""
+    attention (its ``paged_cache_kind``).
+
+    Args:
+        n_blocks: blocks the pool may grow to.
+        block_size: positions per block.
+        kind: the registered ``kv_cache`` kind of the pool.
+    """
 
     cross_attn = None
 

@@ -37,12 +37,27 @@ class PagedLatentCache(PagedKVCache):
 
     @staticmethod
     def numbers_per_position(attention: Any) -> int:
-        """Numbers one cached position of one layer takes: ``kv_lora_rank + d_rope``."""
+        """Numbers one cached position of one layer takes: ``kv_lora_rank + d_rope``.
+
+        Args:
+            attention: the latent-attention module (its ``kv_lora_rank`` and ``d_rope``).
+
+        Returns:
+            ``kv_lora_rank + d_rope``.
+        """
         return attention.kv_lora_rank + attention.d_rope
 
     def reserve(self, attention: Any, like: Tensor, blocks: int | None = None) -> None:
         """Allocate the pool of ``blocks`` blocks (default: all ``n_blocks``) now, zeroed, in ``like``'s dtype and
-        device."""
+        device.
+
+        Args:
+            attention: the latent-attention module (sets the row width).
+            like: a tensor whose dtype and device the pool takes.
+            blocks: the number of blocks, or None for ``n_blocks``.
+
+        Shapes: like any shape; pool -> ``(1, blocks, block_size, kv_lora_rank + d_rope)``.
+        """
         n = self.n_blocks if blocks is None else blocks
         self.k = like.new_zeros((1, n, self.block_size, self.numbers_per_position(attention)))
 
@@ -55,8 +70,18 @@ class PagedLatentCache(PagedKVCache):
         """Write the packed new latents ``(1, 1, T, r)`` and rotary keys ``(1, 1, T, d_rope)`` at the batch's slots;
         return them unchanged.
 
+        Args:
+            latent: the new tokens' compressed key/value latents.
+            k_rope: the new tokens' rotary keys.
+
+        Returns:
+            ``(latent, k_rope)``, unchanged.
+
         Raises:
-            ValueError: not one packed row of one latent per token, or no batch set.
+            ValueError: not one packed row of one latent per token, a row width other than the pool's, or no batch
+                set.
+
+        Shapes: latent ``(1, 1, T, r)``, k_rope ``(1, 1, T, d_rope)`` -> the same.
         """
         batch = self._current()
         if latent.shape[:3] != (1, 1, batch.n_tokens) or k_rope.shape[:3] != latent.shape[:3]:
@@ -90,6 +115,8 @@ class PagedLatentCache(PagedKVCache):
 
         Returns:
             ``(1, H, T, Dv)``.
+
+        Shapes: q_nope ``(1, H, T, d_nope)``, q_rope ``(1, H, T, d_rope)`` -> ``(1, H, T, Dv)``.
         """
         batch = self._current()
         out = None

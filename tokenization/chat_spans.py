@@ -26,7 +26,14 @@ _START, _END = "\ue000", "\ue001"
 
 
 def has_generation_blocks(template: str) -> bool:
-    """Whether ``template`` marks the assistant's text with ``{% generation %}`` blocks."""
+    """Whether ``template`` marks the assistant's text with ``{% generation %}`` blocks.
+
+    Args:
+        template: the Jinja chat template's text.
+
+    Returns:
+        True when it holds both ``generation`` and ``endgeneration``.
+    """
     return "generation" in template and "endgeneration" in template
 
 
@@ -125,7 +132,15 @@ def _strings(value: Any) -> list[str]:
 
 
 def common_prefix_length(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """How many leading items (characters, token ids) ``a`` and ``b`` share."""
+    """How many leading items (characters, token ids) ``a`` and ``b`` share.
+
+    Args:
+        a: the first sequence.
+        b: the second sequence.
+
+    Returns:
+        The length of their common prefix.
+    """
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

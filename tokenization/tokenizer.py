@@ -184,7 +184,11 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def to_str(self) -> str:
-        """The ``tokenizer.json`` text."""
+        """The ``tokenizer.json`` text.
+
+        Returns:
+            The serialised tokenizer, as JSON text.
+        """
         return self.backend.to_str()
 
     # ------------------------------------------------------------------ special tokens

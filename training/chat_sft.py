@@ -123,6 +123,14 @@ class ChatSFTDataset(Sequence):
     def from_jsonl(cls, path: str | os.PathLike[str], tokenizer: Tokenizer, **options: Any) -> ChatSFTDataset:
         """Read and tokenize a JSON Lines file of conversations (``training.jsonl.read_conversations``).
 
+        Args:
+            path: the JSON Lines file.
+            tokenizer: the model's tokenizer.
+            **options: ``max_length`` and ``chat_template``, as the class takes them.
+
+        Returns:
+            The dataset, one item per conversation.
+
         Raises:
             ValueError: naming the file and line.
         """

@@ -280,7 +280,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 # ---------------------------------------------------------------------------------------------- manifest
 def write_manifest(folder: Path) -> None:
-    """Record every file below ``folder`` (size and SHA-256) in ``manifest.json``, flushed to disk."""
+    """Record every file below ``folder`` (size and SHA-256) in ``manifest.json``, flushed to disk.
+
+    Args:
+        folder: the checkpoint folder.
+    """
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_NAME):
         fsync(path)
@@ -398,13 +402,21 @@ def publish(staging: Path, final: Path) -> None:
 
 def remove(folder: Path) -> None:
     """Delete a checkpoint folder: renamed to a hidden name first (atomic), so a half-deleted folder is never
-    listed as a checkpoint."""
+    listed as a checkpoint.
+
+    Args:
+        folder: the checkpoint folder.
+    """
     atomic.remove_folder(folder)
 
 
 def recover(root: Path) -> None:
     """Finish or undo interrupted saves in ``root``: put back a checkpoint renamed aside whose replacement
-    never arrived, and delete staging, replaced and half-deleted leftovers."""
+    never arrived, and delete staging, replaced and half-deleted leftovers.
+
+    Args:
+        root: the checkpoint directory (nothing is done when it does not exist).
+    """
     if not root.is_dir():
         return
     atomic.recover_all(root, CHECKPOINT_PREFIX)

@@ -19,6 +19,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def read_jsonl(path: str | os.PathLike[str]) -> list[tuple[int, dict[str, Any]]]:
     """The objects of a JSON Lines file with their line numbers.
 
+    Args:
+        path: the JSON Lines file.
+
     Returns:
         ``[(line_number, object), ...]`` (1-based line numbers; blank lines skipped).
 
@@ -91,6 +94,9 @@ def check_messages(messages: Any, where: str, *, needs_assistant: bool = True) -
 def read_conversations(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Conversations from a JSON Lines file: ``{"messages": [...], "tools": [...]?}`` per line.
 
+    Args:
+        path: the JSON Lines file.
+
     Returns:
         ``[{"messages": [...], "tools": [...] or None}, ...]``.
 
@@ -113,6 +119,12 @@ def read_preferences(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Preference pairs from a JSON Lines file: ``{"prompt", "chosen", "rejected"}`` per line, each a string, or
     (conversational, as TRL takes them) ``prompt`` a list of messages and ``chosen``/``rejected`` lists of assistant
     messages.
+
+    Args:
+        path: the JSON Lines file.
+
+    Returns:
+        ``[{"prompt", "chosen", "rejected"}, ...]``, one dict per line with those three fields only.
 
     Raises:
         ValueError: as ``read_jsonl``, a missing field, an empty completion, or fields of mixed kinds.

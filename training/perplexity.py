@@ -44,6 +44,17 @@ class PerplexityResult:
 def chunk_tokens(tokens: list[int], n_ctx: int, bos_token_id: int | None, max_chunks: int | None = None) -> Tensor:
     """The chunks llama.cpp reads: ``(n_chunks, n_ctx)`` with BOS (if any) as each chunk's first token.
 
+    Args:
+        tokens: the token ids of the whole text.
+        n_ctx: the context length of each chunk.
+        bos_token_id: the BOS id that replaces each chunk's first token, or None to keep it.
+        max_chunks: the most chunks to take, or None for all full chunks.
+
+    Returns:
+        The chunks, long.
+
+    Shapes: -> ``(n_chunks, n_ctx)``.
+
     Raises:
         ValueError: ``n_ctx`` < 4, or fewer than ``2 * n_ctx`` tokens.
     """

@@ -56,6 +56,12 @@ class PreferenceCollator:
     def tokenize(self, pair: Mapping[str, Any]) -> dict[str, list[int]]:
         """One pair as ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (TRL's split).
 
+        Args:
+            pair: ``{"prompt", "chosen", "rejected"}``, all strings or all lists of messages.
+
+        Returns:
+            The prompt's ids and each completion's own ids (after the part they share with the prompt).
+
         Raises:
             ValueError: a pair without the three fields, or a completion with no token of its own.
         """
@@ -108,6 +114,14 @@ def sequence_logps(model: nn.Module, batch: Mapping[str, Tensor], *, average: bo
     """The log-probability of each row's completion: the sum (or mean) over its completion tokens of
     ``log p(token | everything before it)``.
 
+    Args:
+        model: the language model to score with.
+        batch: ``input_ids``, ``attention_mask`` and ``completion_mask`` (True at completion tokens).
+        average: take the mean over the completion tokens instead of the sum (SimPO).
+
+    Returns:
+        One float32 log-probability per row.
+
     Shapes:
         ``batch["input_ids"]``, ``attention_mask``, ``completion_mask`` ``(N, L)`` -> ``(N,)``.
     """
@@ -122,6 +136,12 @@ def sequence_logps(model: nn.Module, batch: Mapping[str, Tensor], *, average: bo
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Run ``model`` without its adapters inside the block (the base model); nothing else changes.
+
+    Args:
+        model: the model (possibly wrapped for distributed training) whose adapter layers are switched off.
+
+    Yields:
+        Nothing: the body of the ``with`` block runs the base model; the active adapters are restored after it.
 
     Raises:
         ValueError: an adapter merged into the weights (the base weights are not there to run).
@@ -186,11 +206,30 @@ class PreferenceLoss:
         self.metrics: dict[str, float] = {}
 
     def count(self, batch: Mapping[str, Tensor]) -> int:
-        """The number of pairs in ``batch``."""
+        """The number of pairs in ``batch``.
+
+        Args:
+            batch: a batch from ``PreferenceCollator`` (chosen rows over rejected rows).
+
+        Returns:
+            Half its number of rows.
+
+        Shapes: ``batch["input_ids"]``, ``attention_mask``, ``completion_mask`` ``(2B, L)````.
+        """
         return int(batch["input_ids"].shape[0]) // 2
 
     def reference_logps(self, model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
-        """``(2B,)`` the reference's completion log-probabilities (DPO), without gradient."""
+        """``(2B,)`` the reference's completion log-probabilities (DPO), without gradient.
+
+        Args:
+            model: the model being trained (its adapters are switched off when the reference is the base model).
+            batch: a batch from ``PreferenceCollator``.
+
+        Returns:
+            The summed completion log-probability of each row under the reference.
+
+        Shapes: ``batch["input_ids"]``, ``attention_mask``, ``completion_mask`` ``(2B, L)```` -> ``(2B,)``.
+        """
         with torch.no_grad():
             if self.uses_adapters:
                 with adapters_disabled(model):
@@ -202,10 +241,16 @@ class PreferenceLoss:
             return sequence_logps(self.reference, batch)
 
     def pair_losses(self, model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """Per-pair losses and rewards.
+        """Per-pair losses and rewards (the batch's mean rewards and log-probabilities go to ``metrics``).
+
+        Args:
+            model: the model being trained.
+            batch: a batch from ``PreferenceCollator``.
 
         Returns:
             ``(losses, chosen_rewards, rejected_rewards)``, each ``(B,)``; the losses carry the gradient.
+
+        Shapes: ``batch["input_ids"]``, ``attention_mask``, ``completion_mask`` ``(2B, L)```` -> each ``(B,)``.
         """
         logps = sequence_logps(model, batch, average=self.method == "simpo")
         chosen, rejected = logps.chunk(2)

@@ -26,6 +26,15 @@ def gnmt_length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
     """``lp(Y) = ((5 + |Y|) / 6) ** alpha`` (Wu et al. 2016, eq. 14); a hypothesis scores ``log P(Y|X) / lp(Y)``.
 
     ``alpha = 0`` ranks by raw log-probability; larger values favour longer outputs.
+
+    Args:
+        length: the hypothesis length ``|Y|`` (a number, or a tensor of lengths).
+        alpha: the length-penalty exponent.
+
+    Returns:
+        The penalty ``lp(Y)``, of ``length``'s kind.
+
+    Shapes: length any shape -> same shape.
     """
     return ((5 + length) / 6) ** alpha
 

@@ -54,7 +54,15 @@ _BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def bucket_length(needed: int, capacity: int | None) -> int:
-    """The smallest bucket (``MIN_BUCKET`` · 2^n) holding ``needed`` positions, capped at ``capacity``."""
+    """The smallest bucket (``MIN_BUCKET`` · 2^n) holding ``needed`` positions, capped at ``capacity``.
+
+    Args:
+        needed: the number of positions the bucket must hold.
+        capacity: the model's maximum number of positions, or None for no cap.
+
+    Returns:
+        The bucket length: never below ``needed``, at most ``capacity`` unless ``needed`` is larger.
+    """
     bucket = MIN_BUCKET
     while bucket < needed:
         bucket *= 2
@@ -64,6 +72,15 @@ def bucket_length(needed: int, capacity: int | None) -> int:
 def next_token_logits(model: Any, tokens: Tensor, mask: Tensor, caches: list[LayerCache]) -> Tensor:
     """The one-token decoder step that ``compiled_steps`` and the compiled speculative draft compile (one function,
     so they share its graphs).
+
+    Args:
+        model: the decoder language model.
+        tokens: the one new token of each row.
+        mask: the visible cache slots of each row.
+        caches: the per-layer bucket caches, written in place at the write index.
+
+    Returns:
+        The logits of the next token of each row.
 
     Shapes: tokens ``(B, 1)``, mask ``(B, bucket)`` -> ``(B, V)``.
     """
@@ -90,7 +107,14 @@ _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def weights_state(model: nn.Module) -> tuple:
     """What tells a model's weights apart from their earlier values: each parameter's and buffer's storage and
-    in-place version (an optimizer step, ``load_state_dict``, ``.to()``, merging an adapter all change it)."""
+    in-place version (an optimizer step, ``load_state_dict``, ``.to()``, merging an adapter all change it).
+
+    Args:
+        model: the model whose parameters and buffers are read.
+
+    Returns:
+        One ``(data_ptr, dtype, version)`` tuple per parameter and buffer (version -1 for an inference tensor).
+    """
     state = []
     for t in (*model.parameters(), *model.buffers()):
         try:
@@ -103,7 +127,15 @@ def weights_state(model: nn.Module) -> tuple:
 
 def freezes_weights(model: nn.Module, device: torch.device) -> bool:
     """Whether the step runs with ``FROZEN_OPTIONS``: inductor on CPU, float weights only (an int8 weight would be
-    folded into a float constant, read at four bytes again)."""
+    folded into a float constant, read at four bytes again).
+
+    Args:
+        model: the model to decode.
+        device: the device the step runs on.
+
+    Returns:
+        True when the weights are to be frozen into the graph.
+    """
     return (device.type == "cpu" and BACKEND == "inductor"
             and all(t.is_floating_point() for t in (*model.parameters(), *model.buffers())))
 
@@ -111,7 +143,14 @@ def freezes_weights(model: nn.Module, device: torch.device) -> bool:
 def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` under a copy of its code object. Dynamo keeps compiled graphs (and its recompile limit) per code
     object, so what ``torch.compile`` makes of the copy is never offered to another caller of ``fn``, and it is
-    freed with the copy."""
+    freed with the copy.
+
+    Args:
+        fn: the function to copy.
+
+    Returns:
+        A new function with the same globals, name, defaults and closure over a copy of ``fn.__code__``.
+    """
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
@@ -121,6 +160,11 @@ class CompiledStep:
     ``skip_guards=True`` runs the graph the last guarded call chose without checking dynamo's guards (~1,400 of
     them, ~0.5 ms per token on 2 CPU cores): only for later steps of one decoding loop, on the same model, buffers
     and shapes, with nothing else run in between.
+
+    Args:
+        fn: the step function to compile.
+        frozen: whether the model's weights are frozen into the graph (``FROZEN_OPTIONS``).
+        device: the device the step runs on (CUDA: CUDA graphs, ``mode="reduce-overhead"``).
     """
 
     def __init__(self, fn: Callable[..., Any], frozen: bool, device: torch.device) -> None:
@@ -171,6 +215,15 @@ def compile_step(fn: Callable[..., Any], model: nn.Module, device: torch.device,
 
     One ``CompiledStep`` per ``(model, fn, device kind, BACKEND, frozen)``; dynamo keeps one graph per shape under
     it.
+
+    Args:
+        fn: the step function to compile (e.g. ``next_token_logits``).
+        model: the model it decodes; its compiled steps are kept with it.
+        device: the device the step runs on.
+        rows: the number of rows of the step, when known (1 is never frozen).
+
+    Returns:
+        The model's ``CompiledStep`` for ``fn``, compiled anew when a frozen graph's weights changed.
     """
     frozen = freezes_weights(model, device) and rows != 1
     key = (fn, device.type, BACKEND, frozen)
@@ -203,6 +256,19 @@ def bucket_buffers(model: Any, caches: list[LayerCache], b: int, bucket: int, ow
     dropped; or ``release_buffers`` when a loop moves to a larger bucket): two streams open at once, or a stream
     left open around a ``generate`` call of the same shapes, each decode in their own buffers. A second set needs no
     new graph (dynamo guards on shapes, not on the tensors).
+
+    Args:
+        model: the model whose kept buffers are used.
+        caches: the per-layer caches to copy from.
+        b: the batch size.
+        bucket: the bucket length.
+        owner: a weak reference to what decodes with the set; the set is free again once it is dead.
+        filled: how many positions of ``caches`` to copy (default: each cache's length).
+
+    Returns:
+        The set's per-layer caches, its visible-slot mask and its write index.
+
+    Shapes: -> caches, mask ``(B, bucket)``, index ``(1,)``.
     """
     first = caches[0].self_attn.k
     key = (b, bucket, first.dtype, first.device)
@@ -234,7 +300,12 @@ def bucket_buffers(model: Any, caches: list[LayerCache], b: int, bucket: int, ow
 
 
 def release_buffers(model: Any, caches: list[LayerCache]) -> None:
-    """Free the kept set whose caches are ``caches`` (a loop that moved to a larger bucket), for later calls."""
+    """Free the kept set whose caches are ``caches`` (a loop that moved to a larger bucket), for later calls.
+
+    Args:
+        model: the model whose kept buffers are searched.
+        caches: the caches of the set to free.
+    """
     for pool in _BUFFERS.get(model, {}).values():
         for kept_set in pool:
             if kept_set.caches is caches:
@@ -247,12 +318,29 @@ def first_bucket(needed: int, start: int, capacity: int | None) -> int:
 
     Like the eager cache, the bucket grows (``grown_bucket``) when it is full: a huge ``max_new_tokens`` costs
     memory only for the tokens really generated, and the step compiles once more per bucket reached.
+
+    Args:
+        needed: the positions the request can use (prompt plus ``max_new_tokens``).
+        start: the prompt length.
+        capacity: the model's maximum number of positions, or None.
+
+    Returns:
+        The first bucket length.
     """
     return bucket_length(min(needed, start + steps.CACHE_CHUNK), capacity)
 
 
 def grown_bucket(bucket: int, needed: int, capacity: int | None) -> int:
-    """The bucket after a full ``bucket``: twice as long, at most ``needed`` positions (rounded up to a bucket)."""
+    """The bucket after a full ``bucket``: twice as long, at most ``needed`` positions (rounded up to a bucket).
+
+    Args:
+        bucket: the full bucket's length.
+        needed: the positions the request can use.
+        capacity: the model's maximum number of positions, or None.
+
+    Returns:
+        The next bucket length.
+    """
     return bucket_length(min(needed, 2 * bucket), capacity)
 
 
@@ -265,6 +353,15 @@ def compiled_steps(model: Any, request: LMRequest, steady: bool = True, constrai
     between steps). Then the steps after the first skip dynamo's guard checks: they call the graph the first
     step chose, on the same model, buffers and shapes (checking ~1,400 guards costs ~0.5 ms per token on 2 CPU
     cores, a sixth of a step). ``constraints`` mask the logits outside the graph (no recompile).
+
+    Args:
+        model: the decoder language model.
+        request: the checked request (prompt, mask, sampling parameters, EOS/pad, ``max_new_tokens``).
+        steady: whether nothing else touches the model between steps (later steps then skip guard checks).
+        constraints: per-row constraints on the tokens, or None.
+
+    Yields:
+        One ``Step`` per generated token (none when ``max_new_tokens`` is 0).
     """
     if request.max_new_tokens == 0:
         return

@@ -53,6 +53,9 @@ PARALLEL_CPUS = 8
 def library() -> Any:
     """The ``llguidance`` module, imported on first use (the ``structured`` extra).
 
+    Returns:
+        The imported ``llguidance`` module.
+
     Raises:
         ImportError: llguidance is not installed, with the command that installs it.
     """
@@ -85,6 +88,12 @@ class Constraint:
     def json_schema(cls, schema: Any) -> Constraint:
         """Output that is JSON valid under ``schema`` (a dict, its JSON text, or a pydantic model class).
 
+        Args:
+            schema: the JSON schema: a dict, its JSON text, or a pydantic model class.
+
+        Returns:
+            The constraint, holding the schema as canonical JSON text.
+
         Raises:
             ValueError: ``schema`` is not a JSON object (or its text).
         """
@@ -101,7 +110,11 @@ class Constraint:
 
     @classmethod
     def json_object(cls) -> Constraint:
-        """Output that is any JSON object."""
+        """Output that is any JSON object.
+
+        Returns:
+            The ``json_object`` constraint.
+        """
         return cls("json_object")
 
     @classmethod
@@ -122,6 +135,12 @@ class Constraint:
     def choice(cls, options: Sequence[str]) -> Constraint:
         """Output that is exactly one of ``options``.
 
+        Args:
+            options: the strings allowed.
+
+        Returns:
+            The ``choice`` constraint, holding the options as a tuple.
+
         Raises:
             ValueError: not a non-empty list of non-empty strings.
         """
@@ -131,7 +150,11 @@ class Constraint:
         return cls("choice", tuple(options))
 
     def grammar_text(self) -> str:
-        """The constraint as an llguidance grammar (JSON text)."""
+        """The constraint as an llguidance grammar (JSON text).
+
+        Returns:
+            The grammar text that ``llguidance.LLMatcher`` takes.
+        """
         if self.kind == "json_schema":
             return library().LLMatcher.grammar_from_json_schema(self.value, overrides=JSON_OPTIONS)
         if self.kind == "json_object":
@@ -159,7 +182,11 @@ class Constraint:
 
 
 class ConstraintState:
-    """One decoded row's position in its constraint's grammar."""
+    """One decoded row's position in its constraint's grammar.
+
+    Args:
+        matcher: the row's ``llguidance.LLMatcher``.
+    """
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
@@ -174,6 +201,9 @@ class ConstraintState:
     def advance(self, token: int) -> None:
         """Take the chosen token.
 
+        Args:
+            token: the token chosen for this row.
+
         Raises:
             ValueError: the token is not allowed here (it was not chosen under this state's mask).
         """
@@ -181,16 +211,34 @@ class ConstraintState:
             raise ValueError(f"token {token} does not continue the constraint: {self.matcher.get_error()}")
 
     def allows(self, tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` (a draft), taken in order from here, the grammar accepts (nothing is taken)."""
+        """How many of ``tokens`` (a draft), taken in order from here, the grammar accepts (nothing is taken).
+
+        Args:
+            tokens: the proposed tokens, in order.
+
+        Returns:
+            The length of the longest accepted prefix of ``tokens``.
+        """
         return self.matcher.validate_tokens([int(t) for t in tokens])
 
     def rollback(self, n: int) -> None:
-        """Undo the last ``n`` tokens taken."""
+        """Undo the last ``n`` tokens taken.
+
+        Args:
+            n: how many tokens to undo (0 does nothing).
+
+        Raises:
+            ValueError: the matcher cannot roll back ``n`` tokens.
+        """
         if n and not self.matcher.rollback(n):
             raise ValueError(f"cannot roll back {n} tokens: {self.matcher.get_error()}")
 
     def copy(self) -> ConstraintState:
-        """An independent state at the same position (for another sample of the same request)."""
+        """An independent state at the same position (for another sample of the same request).
+
+        Returns:
+            A new ``ConstraintState`` over a deep copy of the matcher.
+        """
         return ConstraintState(self.matcher.deep_copy())
 
     @property
@@ -206,14 +254,24 @@ class ConstraintState:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledConstraint:
-    """A ``Constraint`` compiled for one vocabulary (``compile_constraint``); ``start()`` for each row."""
+    """A ``Constraint`` compiled for one vocabulary (``compile_constraint``); ``start()`` for each row.
+
+    Attributes:
+        constraint: the constraint compiled.
+        template: the matcher at the start of the grammar, copied for each row.
+        vocab_size: the model's number of logits.
+    """
 
     constraint: Constraint
     template: Any  # the matcher at the start, copied for each row
     vocab_size: int
 
     def start(self) -> ConstraintState:
-        """A fresh state at the start of the grammar."""
+        """A fresh state at the start of the grammar.
+
+        Returns:
+            A ``ConstraintState`` over a copy of the template matcher.
+        """
         return ConstraintState(self.template.deep_copy())
 
 
@@ -254,6 +312,9 @@ def compile_constraint(constraint: Constraint | CompiledConstraint, tokenizer: A
         vocab_size: the model's number of logits.
         eos: the token that ends a complete output.
 
+    Returns:
+        The compiled constraint.
+
     Raises:
         ValueError: no EOS token, or an invalid constraint (naming its kind).
     """
@@ -283,6 +344,13 @@ def compile_constraint(constraint: Constraint | CompiledConstraint, tokenizer: A
 
 def new_bitmask(rows: int, vocab_size: int) -> Tensor:
     """An all-allowed bitmask for ``rows`` rows.
+
+    Args:
+        rows: the number of rows.
+        vocab_size: the number of tokens a row covers.
+
+    Returns:
+        A CPU int32 tensor with every bit set.
 
     Shapes: -> ``(rows, ceil(vocab_size / 32))`` int32.
     """

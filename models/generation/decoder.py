@@ -140,8 +140,21 @@ class DecoderLMGenerationMixin:
         it, whatever other streams are open.
 
         Args:
-            input_ids: the prompts; this and every other argument (``compile``, ``constraint``, ``tokenizer``
-                included) as ``generate`` takes them.
+            input_ids: prompt token ids, left-padded.
+            attention_mask: True at real tokens, or None when nothing is padded.
+            max_new_tokens: the most tokens to add (>= 0).
+            do_sample: sample from the distribution instead of taking the arg-max.
+            temperature: logits are divided by it before sampling (> 0 when sampling).
+            top_k: sample among the k most likely tokens only.
+            top_p: sample from the smallest set of tokens holding probability ``top_p`` (in (0, 1]).
+            repetition_penalty: CTRL's penalty (> 0) on tokens already in the row, prompt included.
+            eos_token_id: stop token (default ``config.eos_token_id``; None disables stopping).
+            pad_token_id: written after a row's EOS (default ``config.pad_token_id``, else the EOS id).
+            generator: the random generator for sampling, for reproducible samples.
+            sampling: all the sampling settings as one ``SamplingParams`` (as ``generate``).
+            compile: decode with the compiled static-shape step (as ``generate``).
+            constraint: what each row's output must match (as ``generate``).
+            tokenizer: the tokenizer a ``constraint`` is compiled for (default ``self.tokenizer``).
 
         Returns:
             An iterator of ``(B,)`` long tensors, one per generated position (``pad_token_id`` for rows that
@@ -149,6 +162,8 @@ class DecoderLMGenerationMixin:
 
         Raises:
             ValueError: as ``generate``.
+
+        Shapes: ``input_ids (B, L)``, ``attention_mask (B, L)`` -> each item ``(B,)``.
         """
         request = lm_request(
             self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,

@@ -36,7 +36,16 @@ CONFIG_DEFAULT: Any = _ConfigDefault()
 
 @dataclasses.dataclass(kw_only=True)
 class DecodingRequest:
-    """What every decoding loop reads from a checked request: how many tokens, how to choose them, when to stop."""
+    """What every decoding loop reads from a checked request: how many tokens, how to choose them, when to stop.
+
+    Attributes:
+        max_new_tokens: the most tokens to generate per row.
+        params: how each token is chosen.
+        eos: the stop token, or None to never stop early.
+        pad: the token written in a row after it stopped.
+        generator: the random generator of sampling, or None for torch's global one.
+        compile: decode with the compiled static-shape step.
+    """
 
     max_new_tokens: int
     params: SamplingParams
@@ -48,7 +57,12 @@ class DecodingRequest:
 
 @dataclasses.dataclass(kw_only=True)
 class LMRequest(DecodingRequest):
-    """A validated ``DecoderLM.generate`` / ``stream`` request."""
+    """A validated ``DecoderLM.generate`` / ``stream`` request.
+
+    Attributes:
+        prompt: the prompt token ids ``(B, L)``, L >= 1.
+        mask: the prompt's bool padding mask ``(B, L)`` (left padding), None when nothing is padded.
+    """
 
     prompt: Tensor  # (B, L), L >= 1
     mask: Tensor | None  # (B, L) bool, None when nothing is padded
@@ -56,7 +70,13 @@ class LMRequest(DecodingRequest):
 
 @dataclasses.dataclass(kw_only=True)
 class Seq2SeqRequest(DecodingRequest):
-    """A validated ``Seq2SeqTransformer.generate`` / ``stream`` request (what beam search and greedy share)."""
+    """A validated ``Seq2SeqTransformer.generate`` / ``stream`` request (what beam search and greedy share).
+
+    Attributes:
+        src_ids: the source token ids ``(B, S)``, S >= 1.
+        src_mask: the source's bool padding mask ``(B, S)``, None when nothing is padded.
+        start: the decoder start token.
+    """
 
     src_ids: Tensor  # (B, S), S >= 1
     src_mask: Tensor | None  # (B, S) bool, None when nothing is padded
@@ -65,6 +85,15 @@ class Seq2SeqRequest(DecodingRequest):
 
 def resolve_token(value: Any, default: int | None, name: str, vocab_size: int) -> int | None:
     """``value`` (or ``default`` for ``CONFIG_DEFAULT``) checked to be None or an id in the vocabulary.
+
+    Args:
+        value: the token id given, None, or ``CONFIG_DEFAULT``.
+        default: the config's id, used for ``CONFIG_DEFAULT``.
+        name: the argument's name, for the error message.
+        vocab_size: the size of the vocabulary.
+
+    Returns:
+        The id as an ``int``, or None.
 
     Raises:
         ValueError: ``value`` is neither None nor an integer in ``[0, vocab_size)``.
@@ -79,7 +108,19 @@ def resolve_token(value: Any, default: int | None, name: str, vocab_size: int) -
 
 
 def resolve_eos_pad(eos_token_id: Any, pad_token_id: Any, config: Any) -> tuple[int | None, int]:
-    """The stop id (None: never stop) and the id written after it (the pad id, else the EOS id)."""
+    """The stop id (None: never stop) and the id written after it (the pad id, else the EOS id).
+
+    Args:
+        eos_token_id: the EOS id given (``CONFIG_DEFAULT``: the config's).
+        pad_token_id: the pad id given (``CONFIG_DEFAULT``: the config's).
+        config: the model's config (its ``eos_token_id``, ``pad_token_id`` and ``vocab_size``).
+
+    Returns:
+        ``(eos, pad)``: pad falls back to the EOS id, else 0.
+
+    Raises:
+        ValueError: from ``resolve_token``, an id outside the vocabulary.
+    """
     eos = resolve_token(eos_token_id, config.eos_token_id, "eos_token_id", config.vocab_size)
     pad = resolve_token(pad_token_id, config.pad_token_id, "pad_token_id", config.vocab_size)
     if pad is None:
@@ -88,19 +129,43 @@ def resolve_eos_pad(eos_token_id: Any, pad_token_id: Any, config: Any) -> tuple[
 
 
 def check_count(value: Any, name: str) -> None:
-    """Raise ``ValueError`` unless ``value`` is an integer >= 0 (a bool is not a count)."""
+    """Raise ``ValueError`` unless ``value`` is an integer >= 0 (a bool is not a count).
+
+    Args:
+        value: the value to check.
+        name: the argument's name, for the error message.
+
+    Raises:
+        ValueError: ``value`` is a bool, not an integer, or negative.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 
 def check_flag(value: Any, name: str) -> None:
-    """Raise ``ValueError`` unless ``value`` is ``True`` or ``False`` (not merely truthy)."""
+    """Raise ``ValueError`` unless ``value`` is ``True`` or ``False`` (not merely truthy).
+
+    Args:
+        value: the value to check.
+        name: the argument's name, for the error message.
+
+    Raises:
+        ValueError: ``value`` is not a bool.
+    """
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def check_generator(generator: Any, device: torch.device) -> None:
-    """Raise ``ValueError`` unless ``generator`` is None or a ``torch.Generator`` on ``device``'s kind."""
+    """Raise ``ValueError`` unless ``generator`` is None or a ``torch.Generator`` on ``device``'s kind.
+
+    Args:
+        generator: the generator given.
+        device: the device of the inputs.
+
+    Raises:
+        ValueError: ``generator`` is not a ``torch.Generator``, or is on another kind of device.
+    """
     if generator is None:
         return
     if not isinstance(generator, torch.Generator):
@@ -112,6 +177,9 @@ def check_generator(generator: Any, device: torch.device) -> None:
 def check_compilable(model: Any) -> None:
     """Reject what the compiled decoding steps (``models.generation.compiled``, ``seq2seq_compiled``) do not
     support, before any work.
+
+    Args:
+        model: the model to decode (its ``config.attention_backend`` is read).
 
     Raises:
         ValueError: naming the unsupported setting — a model whose attention backend is not ``"sdpa"`` or
@@ -135,6 +203,17 @@ def sampling_params(
 ) -> SamplingParams:
     """The one ``SamplingParams`` of a request: ``sampling`` itself, or one built from the keyword arguments.
 
+    Args:
+        sampling: the settings given as one object, or None.
+        do_sample: sample the next token (False: greedy).
+        temperature: the softmax temperature of sampling.
+        top_k: keep only the ``top_k`` most likely tokens when sampling, or None.
+        top_p: the nucleus threshold of sampling, or None.
+        repetition_penalty: the penalty on tokens already seen, or None.
+
+    Returns:
+        ``sampling`` when given, else the settings built from the keyword arguments.
+
     Raises:
         ValueError: ``sampling`` is not a ``SamplingParams``, or is given together with a keyword argument that
             differs from its default (two sources for one setting), or as ``SamplingParams``.
@@ -152,6 +231,10 @@ def sampling_params(
 
 def check_token_head(model: Any, what: str) -> None:
     """``what`` (generation, fill-mask) predicts tokens: it needs the LM or MLM head.
+
+    Args:
+        model: the model (its ``config.head`` is read).
+        what: the name of the task, for the error message.
 
     Raises:
         ValueError: a model whose head is a task head (``config.head``), named.
@@ -181,8 +264,30 @@ def lm_request(
     """Check every argument of ``DecoderLM.generate`` / ``stream`` on ``model`` before any computation, and
     resolve the defaults.
 
+    Args:
+        model: the decoder language model.
+        input_ids: the prompt token ids (L may be 0: the BOS token is used).
+        attention_mask: the prompt's padding mask (left padding), or None.
+        max_new_tokens: the most tokens to generate per row.
+        do_sample: sample the next token (False: greedy).
+        temperature: the softmax temperature of sampling.
+        top_k: keep only the ``top_k`` most likely tokens when sampling, or None.
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p`` when sampling, or None.
+        repetition_penalty: the penalty on tokens already seen, or None.
+        eos_token_id: the stop token (``CONFIG_DEFAULT``: the config's; None: never stop).
+        pad_token_id: the token written after a row stops (``CONFIG_DEFAULT``: the config's).
+        generator: the random generator of sampling, or None.
+        sampling: the sampling settings as one object, or None (then the keyword arguments build it).
+        compile: decode with the compiled static-shape step.
+
+    Returns:
+        The checked request (a mask with nothing padded becomes None).
+
     Raises:
-        ValueError: as ``DecoderLM.generate``.
+        ValueError: as ``DecoderLM.generate``: an empty prompt without a BOS id, rows ending in padding, more
+            positions than the model has, or a bad argument.
+
+    Shapes: input_ids ``(B, L)``, attention_mask ``(B, L)``.
     """
     config = model.config
     check_token_head(model, "generate")
@@ -245,8 +350,32 @@ def seq2seq_request(
     """Check every argument that ``Seq2SeqTransformer.generate`` and ``stream`` share before any computation, and
     resolve the defaults (``num_beams``, already checked, only rejects sampling settings that need one beam).
 
+    Args:
+        model: the encoder-decoder model.
+        src_ids: the source token ids.
+        src_mask: the source's padding mask, or None.
+        max_new_tokens: the most tokens to generate per row, or None for the longest source + 50.
+        do_sample: sample the next token (False: greedy).
+        temperature: the softmax temperature of sampling.
+        top_k: keep only the ``top_k`` most likely tokens when sampling, or None.
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p`` when sampling, or None.
+        repetition_penalty: the penalty on tokens already seen, or None.
+        eos_token_id: the stop token (``CONFIG_DEFAULT``: the config's; None: never stop).
+        pad_token_id: the token written after a row stops (``CONFIG_DEFAULT``: the config's).
+        decoder_start_token_id: the decoder start token (``CONFIG_DEFAULT``: the config's).
+        generator: the random generator of sampling, or None.
+        sampling: the sampling settings as one object, or None.
+        compile: decode with the compiled static-shape step.
+        num_beams: the beam count of the call (sampling and penalties need 1).
+
+    Returns:
+        The checked request (a mask with nothing padded becomes None).
+
     Raises:
-        ValueError: as ``Seq2SeqTransformer.generate``.
+        ValueError: as ``Seq2SeqTransformer.generate``: an empty source, no start token, sampling with beams,
+            more target positions than the decoder has, or a bad argument.
+
+    Shapes: src_ids ``(B, S)``, src_mask ``(B, S)``.
     """
     config = model.config
     model.check_ids(src_ids, "src_ids")

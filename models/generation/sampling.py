@@ -42,6 +42,15 @@ def apply_presence_frequency_penalty(logits: Tensor, counts: Tensor, presence: f
     """OpenAI's presence and frequency penalties: ``logit[j] - count[j] · frequency - (count[j] > 0) · presence``,
     where ``count[j]`` is how many times the row has generated token ``j`` so far.
 
+    Args:
+        logits: next-token logits.
+        counts: how many times each row has generated each token.
+        presence: the presence penalty, subtracted once from every token generated at least once.
+        frequency: the frequency penalty, subtracted once per time a token was generated.
+
+    Returns:
+        The penalised logits (a new tensor).
+
     Shapes: logits ``(B, V)``, counts ``(B, V)`` integer -> ``(B, V)``.
     """
     return logits - counts.to(logits.dtype) * frequency - (counts > 0).to(logits.dtype) * presence
@@ -51,6 +60,13 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
     """Keep the ``k`` largest logits of each row and set the rest to ``-inf`` (Fan et al. 2018).
 
     Tokens tied with the k-th largest logit are kept too. ``k >= V`` keeps everything.
+
+    Args:
+        logits: next-token logits.
+        k: how many of the largest logits to keep per row.
+
+    Returns:
+        The filtered logits (``logits`` itself when ``k >= V``).
 
     Shapes: ``(B, V)`` -> ``(B, V)``.
     """
@@ -84,6 +100,13 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
     """Nucleus filtering (Holtzman et al. 2020): keep the smallest set of most likely tokens whose total
     probability reaches ``p`` and set the rest to ``-inf``. The most likely token is always kept.
 
+    Args:
+        logits: next-token logits.
+        p: the probability mass to keep (``p >= 1`` keeps everything).
+
+    Returns:
+        The filtered logits (``logits`` itself when ``p >= 1``).
+
     Shapes: ``(B, V)`` -> ``(B, V)``.
     """
     if p >= 1.0:
@@ -104,6 +127,12 @@ def infinite_logits_share(logits: Tensor) -> Tensor:
     """Rows holding a ``+inf`` logit as the limit of a finite row: the tokens at ``+inf`` share the whole mass (their
     logits become 0, every other one ``-inf``). Without this, the softmax of such a row is NaN (inf - inf), and so is
     the shift that a temperature applies. Other rows are returned unchanged.
+
+    Args:
+        logits: scores over the vocabulary in the last dimension.
+
+    Returns:
+        The logits with each row holding ``+inf`` turned into 0 at its infinite tokens and ``-inf`` elsewhere.
 
     Shapes: ``(..., V)`` -> ``(..., V)``.
     """
@@ -268,6 +297,14 @@ class SamplingParams:
 def seen_tokens(ids: Tensor, mask: Tensor | None, vocab_size: int) -> Tensor:
     """Which vocabulary entries occur among the real tokens of each row.
 
+    Args:
+        ids: token ids.
+        mask: True at real tokens, or None when nothing is padded.
+        vocab_size: the size of the vocabulary V.
+
+    Returns:
+        True where the token occurs in the row.
+
     Shapes: ids ``(B, L)``, mask ``(B, L)`` bool (True = real token) -> ``(B, V)`` bool.
     """
     counts = torch.zeros(ids.shape[0], vocab_size, dtype=torch.long, device=ids.device)
@@ -280,6 +317,13 @@ def nan_rows(logits: Tensor, live: Tensor | None = None) -> Tensor:
     """Which rows (of those still choosing, ``live``) hold a NaN among their logits: a token chosen from them
     would mean nothing (``argmax`` of NaN logits picks a NaN's index; sampling fails inside ``torch.multinomial``).
 
+    Args:
+        logits: next-token logits.
+        live: True at the rows still choosing, or None for all rows.
+
+    Returns:
+        True at the live rows holding a NaN.
+
     Shapes: logits ``(B, V)``, live ``(B,)`` bool -> ``(B,)`` bool.
     """
     bad = torch.isnan(logits.amax(dim=-1))  # a max reduction propagates NaN: one pass, no (B, V) mask
@@ -288,12 +332,31 @@ def nan_rows(logits: Tensor, live: Tensor | None = None) -> Tensor:
 
 def has_nan(logits: Tensor) -> bool:
     """Whether any of ``logits`` is NaN: one max reduction and one host read (about a tenth of the time of
-    ``isnan(...).any()`` on a CPU, for a vocabulary of 8k-50k), the per-step check of a CPU decoding loop."""
+    ``isnan(...).any()`` on a CPU, for a vocabulary of 8k-50k), the per-step check of a CPU decoding loop.
+
+    Args:
+        logits: the logits to check.
+
+    Returns:
+        True when some element is NaN (False for an empty tensor).
+
+    Shapes: logits any shape.
+    """
     return math.isnan(logits.amax().item()) if logits.numel() else False
 
 
 def raise_nan_logits(bad: Tensor, step: int) -> None:
-    """Raise the ``ValueError`` of NaN logits at decoding ``step`` (0: the prompt's), naming the rows ``bad``."""
+    """Raise the ``ValueError`` of NaN logits at decoding ``step`` (0: the prompt's), naming the rows ``bad``.
+
+    Args:
+        bad: True at the rows whose logits hold a NaN.
+        step: the decoding step, for the message.
+
+    Raises:
+        ValueError: always, naming the step and the rows.
+
+    Shapes: bad ``(B,)`` bool.
+    """
     rows = bad.nonzero().flatten().tolist()
     raise ValueError(
         f"the next-token logits of step {step} are NaN in row(s) {rows}; expected finite logits to choose tokens "

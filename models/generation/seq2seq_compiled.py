@@ -201,6 +201,8 @@ def greedy_step(
 
     Returns:
         ``(logits (B, V), step)``: ``step(tokens (B,)) -> logits (B, V)`` for the token after ``tokens``.
+
+    Shapes: memory ``(B, S, d_model)``, src_mask ``(B, S)`` -> logits ``(B, V)``.
     """
     b = memory.shape[0]
     first = torch.full((b, 1), start, dtype=torch.long, device=memory.device)

@@ -101,6 +101,12 @@ def verify_draft(
 def check_draft(target: Any, draft: Any, num_draft_tokens: Any, request: LMRequest) -> None:
     """Reject a draft model or request that speculative decoding cannot serve, before any work.
 
+    Args:
+        target: the model whose distribution the output follows.
+        draft: the smaller model that proposes tokens.
+        num_draft_tokens: the tokens the draft proposes per round.
+        request: the checked request.
+
     Raises:
         ValueError: the draft is not a model of the target's kind (a ``DecoderLM``: a ``ZooModel`` with the
             target's config class), its vocabulary differs from the target's,
@@ -238,6 +244,19 @@ def speculative_steps(target: Any, draft: Any, request: LMRequest, k: int, const
     fed a slice of the buffer — only the tokens its cache has not seen (the draft never re-runs accepted tokens:
     1 new token per draft step, 2 after a round that accepted everything). The target checks all proposals in
     one forward pass of ``k + 1`` tokens.
+
+    Args:
+        target: the model whose distribution the output follows.
+        draft: the smaller model that proposes tokens.
+        request: the checked one-row request.
+        k: the most tokens the draft proposes per round.
+        constraint: the row's constraint state, or None.
+
+    Returns:
+        The sequences (prompt and generated tokens) and the counts of proposed and accepted tokens and rounds.
+
+    Raises:
+        ValueError: the draft's or the target's next-token logits hold a NaN.
     """
     prompt, params, generator = request.prompt, request.params, request.generator
     length = prompt.shape[1]

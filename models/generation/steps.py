@@ -42,7 +42,13 @@ NAN_CHECK_EVERY_STEP = ("cpu",)
 
 @dataclasses.dataclass
 class Step:
-    """One decoding step of a batch."""
+    """One decoding step of a batch.
+
+    Attributes:
+        tokens: ``(B,)`` the chosen token of each row; pad for rows that had already finished.
+        logits: ``(B, V)`` the logits the token was chosen from.
+        live: ``(B,)`` bool, the rows still generating before this step (None: all of them).
+    """
 
     tokens: Tensor  # (B,) the chosen token of each row; pad for rows that had already finished
     logits: Tensor  # (B, V) the logits the token was chosen from
@@ -67,6 +73,22 @@ def token_loop(
     counts of the generated tokens (presence and frequency penalties) are kept here when ``params`` needs them.
     ``constraints`` (``models.generation.constraints``) masks its constrained rows' logits before each choice and
     takes the chosen tokens.
+
+    Args:
+        logits: the logits of the first token (from the prompt).
+        step: maps the chosen tokens ``(B,)`` to the next logits ``(B, V)``.
+        params: how each token is chosen.
+        generator: the random generator of sampling, or None.
+        eos: the stop token, or None to never stop early.
+        pad: the token written in a row after its EOS.
+        max_new_tokens: the most tokens to choose per row.
+        seen: True where a token already occurs in the row (repetition penalty), updated in place; or None.
+        constraints: per-row constraints on the tokens, or None.
+
+    Yields:
+        One ``Step`` per chosen token.
+
+    Shapes: logits ``(B, V)``, seen ``(B, V)`` bool.
 
     Raises:
         ValueError: the logits a live row chooses from hold a NaN (NaN weights or inputs): checked before the
@@ -118,7 +140,14 @@ def token_loop(
 
 
 def longrope_switch(model: nn.Module) -> int | None:
-    """The positions past which the model's LongRoPE switches to its long factors (None: no LongRoPE)."""
+    """The positions past which the model's LongRoPE switches to its long factors (None: no LongRoPE).
+
+    Args:
+        model: the model whose positional modules are read.
+
+    Returns:
+        The smallest switch point among its positional modules, or None.
+    """
     positionals = [getattr(model, "positional", None), *getattr(model, "layer_positionals", {}).values()]
     switches = [p.switch_after for p in positionals if getattr(p, "switch_after", None) is not None]
     return min(switches) if switches else None
@@ -127,6 +156,12 @@ def longrope_switch(model: nn.Module) -> int | None:
 def refuse_longrope_switch(model: nn.Module, length: int, limit: int, what: str) -> None:
     """Raise when a decoding loop that cannot compute its cache again (``what``) would cross the LongRoPE switch:
     a prompt of ``length`` positions growing to ``limit``.
+
+    Args:
+        model: the model whose LongRoPE switch is read.
+        length: the prompt's positions.
+        limit: the positions the loop can grow to.
+        what: the loop's name, for the message.
 
     Raises:
         ValueError: naming the switch and the way that works (eager ``generate``).
@@ -146,6 +181,11 @@ def make_room(caches: list[LayerCache], new: int, limit: int) -> None:
 
     Caches grow here rather than being preallocated for the worst case, so memory follows the tokens really
     generated; doubling keeps the copies to O(total length) over a whole generation.
+
+    Args:
+        caches: the per-layer caches, whose ``self_attn`` caches are replaced by larger ones when full.
+        new: how many positions must fit besides those held.
+        limit: the most positions the request can ever need.
     """
     kv = caches[0].self_attn
     if kv.length + new <= kv.max_len:
@@ -164,6 +204,13 @@ def each_step_in_eval_mode(module: nn.Module, steps: Generator[T, None, None]) -
 
     Holding eval mode across a ``yield`` would let two interleaved iterators restore each other's flags (the
     later one would restore the eval mode the first one set, for good).
+
+    Args:
+        module: the module to switch to eval mode.
+        steps: the generator to drive (closed at the end).
+
+    Yields:
+        The items of ``steps``.
     """
     done = object()
     try:
@@ -179,7 +226,14 @@ def each_step_in_eval_mode(module: nn.Module, steps: Generator[T, None, None]) -
 
 @contextlib.contextmanager
 def eval_mode(module: nn.Module) -> Iterator[None]:
-    """Eval mode (dropout off) for the duration; every submodule's own flag is restored afterwards."""
+    """Eval mode (dropout off) for the duration; every submodule's own flag is restored afterwards.
+
+    Args:
+        module: the module to switch to eval mode.
+
+    Yields:
+        Nothing: the body of the ``with`` block runs in eval mode.
+    """
     modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
