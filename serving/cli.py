@@ -227,7 +227,10 @@ def serve(args: argparse.Namespace) -> None:
         args: the parsed ``zoo serve`` options.
 
     Raises:
-        SystemExit: the port is in use, or the model or an option is refused (a one-line message).
+        OSError: the port cannot be bound (``check_port``, before anything is loaded).
+        ValueError: a port outside 0..65535.
+        SystemExit: the model, its tokenizer, ``--quantize``/``--dequantize`` or ``--ctx-size`` is refused (a
+            one-line message).
     """
     import logging
 
