@@ -24,6 +24,9 @@ from typing import Any
 def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     """Add ``eval`` and ``perplexity`` to the subparsers ``sub`` of the ``zoo`` command.
 
+    Args:
+        sub: what ``ArgumentParser.add_subparsers`` returned.
+
     Returns:
         ``{"eval": handler, "perplexity": handler}``.
     """
@@ -54,8 +57,14 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``zoo eval``: print lm-eval's table (and write ``--output``).
 
+    Args:
+        args: the parsed ``zoo eval`` options.
+
     Returns:
         lm-eval's results dict.
+
+    Raises:
+        SystemExit: the model or adapter is refused (``ValueError`` from ``ZooLM``).
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -95,8 +104,15 @@ def _needs_catalogue(tasks: list[str], include_path: str | None) -> bool:
 def run_perplexity(args: argparse.Namespace) -> Any:
     """Run ``zoo perplexity``.
 
+    Args:
+        args: the parsed ``zoo perplexity`` options.
+
     Returns:
         The ``training.perplexity.PerplexityResult``.
+
+    Raises:
+        SystemExit: the file is not readable UTF-8 text, the model has no tokenizer, or ``perplexity`` refuses
+            the arguments.
     """
     import models
     from training.perplexity import perplexity

@@ -27,6 +27,9 @@ METHODS = ("sft", "dpo", "simpo")
 def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     """Add ``finetune`` to the subparsers ``sub`` of the ``zoo`` command.
 
+    Args:
+        sub: what ``ArgumentParser.add_subparsers`` returned.
+
     Returns:
         ``{"finetune": handler}``.
     """
@@ -59,6 +62,12 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:
     """The model (adapter added with ``--lora``) and its ``Trainer`` for the parsed arguments.
+
+    Args:
+        args: the parsed ``zoo finetune`` options.
+
+    Returns:
+        ``(model, trainer)``: the model to train and a ``Trainer`` over the data read from ``--data``.
 
     Raises:
         ValueError: a bad value or data file (naming it).
@@ -102,7 +111,14 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace) -> None:
-    """Run ``zoo finetune`` (see the module docstring); a bad argument or data file exits with its message."""
+    """Run ``zoo finetune`` (see the module docstring); a bad argument or data file exits with its message.
+
+    Args:
+        args: the parsed ``zoo finetune`` options.
+
+    Raises:
+        SystemExit: ``build`` refused an argument or the data file.
+    """
     from training import list_checkpoints
 
     out = Path(args.out)

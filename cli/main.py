@@ -81,7 +81,15 @@ def one_line(err: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse ``argv`` (default: ``sys.argv[1:]``) and run the command it names; a user's mistake exits with status 1
     and one line on stderr (``USER_ERRORS``; a command's own ``SystemExit("zoo: error: ...")`` is printed by Python
-    alike), Ctrl-C with status 130."""
+    alike), Ctrl-C with status 130.
+
+    Args:
+        argv: the command-line arguments (None: ``sys.argv[1:]``).
+
+    Raises:
+        SystemExit: status 1 after a user's mistake (with ``--debug`` or ``ZOO_DEBUG=1`` the error itself is
+            raised), 130 after Ctrl-C.
+    """
     p, handlers = parser()
     args = p.parse_args(argv)
     debug = args.debug or os.environ.get("ZOO_DEBUG", "") not in ("", "0")

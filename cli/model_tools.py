@@ -18,6 +18,9 @@ FORMATS = ("transformers", "gguf", "zoo")
 def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     """Add ``merge`` and ``convert`` to the subparsers ``sub`` of the ``zoo`` command.
 
+    Args:
+        sub: what ``ArgumentParser.add_subparsers`` returned.
+
     Returns:
         ``{"merge": handler, "convert": handler}``.
     """
@@ -39,8 +42,14 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
 def run_merge(args: argparse.Namespace) -> Path:
     """Run ``zoo merge``.
 
+    Args:
+        args: the parsed ``zoo merge`` options.
+
     Returns:
         The folder written.
+
+    Raises:
+        SystemExit: the adapter cannot be loaded onto or merged into the model.
     """
     import models
 
@@ -58,8 +67,14 @@ def run_merge(args: argparse.Namespace) -> Path:
 def run_convert(args: argparse.Namespace) -> Path:
     """Run ``zoo convert``.
 
+    Args:
+        args: the parsed ``zoo convert`` options.
+
     Returns:
         The folder or file written.
+
+    Raises:
+        SystemExit: the model cannot be written in the format asked for.
     """
     import models
     from models.convert.export import save_transformers

@@ -44,7 +44,14 @@ class EngineDeadError(EngineStepError):
 
 def engine_stats(engine: Engine) -> dict[str, int]:
     """What ``/metrics`` reads of an engine: sequences running and waiting, KV blocks in all and in use, prompt
-    tokens taken from the prefix cache."""
+    tokens taken from the prefix cache.
+
+    Args:
+        engine: the engine to read.
+
+    Returns:
+        ``running``, ``waiting``, ``blocks_total``, ``blocks_used`` and ``prefix_hits`` counts.
+    """
     scheduler, allocator = engine.scheduler, engine.allocator
     return {"running": len(scheduler.running), "waiting": len(scheduler.waiting), "blocks_total": allocator.n_blocks,
             "blocks_used": allocator.n_blocks - allocator.num_free, "prefix_hits": scheduler.prefix_hits}
@@ -64,21 +71,40 @@ class DeltaStreams:
         return len(self._open)
 
     def open_stream(self, request_id: str, n: int) -> None:
-        """Make the queue of a new request of ``n`` samples (before the engine can answer it)."""
+        """Make the queue of a new request of ``n`` samples (before the engine can answer it).
+
+        Args:
+            request_id: the request's id.
+            n: how many samples it has (its stream ends when all have finished).
+
+        Raises:
+            ValueError: ``request_id`` already has a queue.
+        """
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is in use")
         self._queues[request_id] = asyncio.Queue()
         self._open[request_id] = n
 
     def drop_stream(self, request_id: str) -> None:
-        """Forget a request the engine refused."""
+        """Forget a request the engine refused.
+
+        Args:
+            request_id: the request's id (unknown ids are ignored).
+        """
         self._queues.pop(request_id, None)
         self._open.pop(request_id, None)
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestDelta]:
         """The deltas of a request as its samples gain tokens, ending after every sample has finished.
 
+        Args:
+            request_id: the id ``open_stream`` was given.
+
+        Yields:
+            Its deltas in order; deltas of one sample that queued up meanwhile are joined into one.
+
         Raises:
+            ValueError: no stream is open for ``request_id``.
             EngineStepError: an engine step failed while the request was in the engine (it was aborted).
         """
         queue = self._queues.get(request_id)
@@ -106,7 +132,12 @@ class DeltaStreams:
             self._queues.pop(request_id, None)
 
     def fail(self, request_ids: Any, failure: EngineStepError) -> None:
-        """End the streams of ``request_ids`` (all open ones when None) with ``failure``."""
+        """End the streams of ``request_ids`` (all open ones when None) with ``failure``.
+
+        Args:
+            request_ids: the requests to fail, or None for every open one.
+            failure: the error their readers' ``stream`` raises.
+        """
         for request_id in list(self._open) if request_ids is None else request_ids:
             queue = self._queues.get(request_id)
             if queue is not None:
@@ -114,6 +145,11 @@ class DeltaStreams:
             self._open.pop(request_id, None)
 
     def deliver(self, delta: RequestDelta) -> None:
+        """Queue ``delta`` on its request's stream, ending the stream after its last sample finishes.
+
+        Args:
+            delta: a delta from the engine.
+        """
         queue = self._queues.get(delta.request_id)
         if queue is not None:
             queue.put_nowait(delta)
@@ -150,6 +186,11 @@ class AsyncEngine(DeltaStreams):
     failure: str | None = None
 
     def stats(self) -> dict[str, int]:
+        """The engine's counts for ``/metrics`` (see ``engine_stats``).
+
+        Returns:
+            Sequences running and waiting, KV blocks in all and in use, prefix-cache hits.
+        """
         return engine_stats(self.engine)
 
     def listen(self) -> None:
@@ -162,6 +203,22 @@ class AsyncEngine(DeltaStreams):
                           n: Any = 1, seed: Any = None, logprobs: Any = None, request_id: str | None = None,
                           constraint: Any = None, logit_bias: Any = None, adapter: str | None = None) -> str:
         """Queue a request (arguments as ``Engine.generate`` takes them for one prompt); return its id.
+
+        Args:
+            prompt: the prompt's token ids.
+            sampling: the sampling parameters (None: the engine's defaults).
+            max_tokens: new tokens per sample at most.
+            stop: stop strings or token ids.
+            n: samples to draw.
+            seed: the sampling seed.
+            logprobs: how many top log-probabilities to return per token (None: none).
+            request_id: the id to use (None: a fresh one).
+            constraint: a structured-output constraint on the tokens.
+            logit_bias: token id -> bias added to its logit.
+            adapter: the name of a loaded LoRA adapter to apply.
+
+        Returns:
+            The request's id, to pass to ``stream`` and ``abort``.
 
         Raises:
             ValueError: bad arguments (an adapter not loaded included) or an id in use.
@@ -185,7 +242,11 @@ class AsyncEngine(DeltaStreams):
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request: its stream ends with a delta whose ``finish_reason`` is ``"abort"`` per open sample."""
+        """Cancel a request: its stream ends with a delta whose ``finish_reason`` is ``"abort"`` per open sample.
+
+        Args:
+            request_id: the id ``add_request`` returned.
+        """
         self._submit(lambda: abort_deltas(self.engine, request_id))
 
     async def lora(self, action: str, name: str, path: Any = None) -> None:
@@ -258,7 +319,15 @@ class AsyncEngine(DeltaStreams):
 
 
 def abort_deltas(engine: Engine, request_id: str) -> list[RequestDelta]:
-    """Abort a request in ``engine``; the ``"abort"`` deltas of its open samples (none if it is unknown or done)."""
+    """Abort a request in ``engine``.
+
+    Args:
+        engine: the engine holding it.
+        request_id: the request's id.
+
+    Returns:
+        The ``"abort"`` deltas of its open samples (none if it is unknown or done).
+    """
     seqs = engine.requests.get(request_id, [])
     done = {s.index for s in seqs if s.finish_reason is not None}
     if not engine.abort(request_id):
@@ -268,14 +337,26 @@ def abort_deltas(engine: Engine, request_id: str) -> list[RequestDelta]:
 
 
 def forget_finished(engine: Engine, deltas: list[RequestDelta]) -> None:
-    """Drop the requests whose every sample has finished from ``engine.requests`` (their deltas are out)."""
+    """Drop the requests whose every sample has finished from ``engine.requests`` (their deltas are out).
+
+    Args:
+        engine: the engine.
+        deltas: the deltas of the last step.
+    """
     for request_id in {d.request_id for d in deltas if d.finish_reason is not None}:
         if all(s.finish_reason is not None for s in engine.requests.get(request_id, [])):
             engine.requests.pop(request_id, None)
 
 
 def abort_all(engine: Engine) -> list[str]:
-    """After a step raised: abort every request in the engine (its blocks freed) and forget it; their ids."""
+    """After a step raised: abort every request in the engine (its blocks freed) and forget it.
+
+    Args:
+        engine: the engine.
+
+    Returns:
+        The ids of the requests dropped.
+    """
     ids = list(engine.requests)
     for request_id in ids:
         try:

@@ -79,7 +79,17 @@ _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 
 
 def memory_size(text: str) -> int:
-    """``"512MiB"``, ``"2GiB"``, ``"1.5G"``, ``"4096"`` (bytes) as a number of bytes; a trailing ``B`` is optional."""
+    """``"512MiB"``, ``"2GiB"``, ``"1.5G"``, ``"4096"`` (bytes) as a number of bytes; a trailing ``B`` is optional.
+
+    Args:
+        text: the size as typed on the command line (decimal ``k``/``M``/``G``/``T`` or binary ``Ki``/``Mi``/...).
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not such a size, or is under 1 byte.
+    """
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text.lower())
     if match is None:
         raise argparse.ArgumentTypeError(f"expected a size such as 512MiB, 2GiB or 1000000 (bytes), got {text!r}")
@@ -183,7 +193,11 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The parser of these commands alone (``cli.main.parser`` is the whole ``zoo`` command)."""
+    """The parser of these commands alone (``cli.main.parser`` is the whole ``zoo`` command).
+
+    Returns:
+        A parser with the ``serve``, ``chat``, ``generate`` and ``embed`` subcommands.
+    """
     p = argparse.ArgumentParser(prog="zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_commands(p.add_subparsers(dest="command", required=True))
     return p
@@ -207,6 +221,17 @@ def served_name(model: str) -> str:
 
 
 def serve(args: argparse.Namespace) -> None:
+    """``zoo serve``: load the model and serve the OpenAI API with uvicorn until stopped.
+
+    Args:
+        args: the parsed ``zoo serve`` options.
+
+    Raises:
+        OSError: the port cannot be bound (``check_port``, before anything is loaded).
+        ValueError: a port outside 0..65535.
+        SystemExit: the model, its tokenizer, ``--quantize``/``--dequantize`` or ``--ctx-size`` is refused (a
+            one-line message).
+    """
     import logging
 
     import uvicorn
@@ -283,7 +308,16 @@ def _engine(args: argparse.Namespace, model: Any) -> Any:
 
 def chat(args: argparse.Namespace, stdin: Any = None, stdout: Any = None) -> None:
     """A chat through the model's template (``serving.cli_chat``): each answer streams as it is generated and joins
-    the history; lines starting with ``/`` are commands (``/help``)."""
+    the history; lines starting with ``/`` are commands (``/help``).
+
+    Args:
+        args: the parsed ``zoo chat`` options.
+        stdin: where the user's lines are read (None: ``sys.stdin``).
+        stdout: where the answers are written (None: ``sys.stdout``).
+
+    Raises:
+        SystemExit: the model has no chat template, or the model or an option is refused.
+    """
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     apply_threads(args)
     defaults = {**LLAMA_CPP_SAMPLING, **model_sampling_defaults(args.model)}
@@ -301,7 +335,14 @@ def chat(args: argparse.Namespace, stdin: Any = None, stdout: Any = None) -> Non
 
 def generate(args: argparse.Namespace, stdout: Any = None, stdin: Any = None, stderr: Any = None) -> None:
     """Complete one prompt (the argument, ``-f FILE`` or standard input), streamed to ``stdout``; the speed goes to
-    ``stderr``."""
+    ``stderr``.
+
+    Args:
+        args: the parsed ``zoo generate`` options.
+        stdout: where the completion is written (None: ``sys.stdout``).
+        stdin: where the prompt is read when neither the argument nor ``-f`` gives it (None: ``sys.stdin``).
+        stderr: where the speed is written with ``--timings`` (None: ``sys.stderr``).
+    """
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     apply_threads(args)
     params = sampling_params(args, {})
@@ -316,6 +357,15 @@ def generate(args: argparse.Namespace, stdout: Any = None, stdin: Any = None, st
 
 
 def embed(args: argparse.Namespace, stdout: Any = None) -> None:
+    """``zoo embed``: write the embedding of each text as one JSON list per line.
+
+    Args:
+        args: the parsed ``zoo embed`` options.
+        stdout: where the vectors are written (None: ``sys.stdout``).
+
+    Raises:
+        SystemExit: the model has no embedding head.
+    """
     apply_threads(args)
     model = _load(args.model, **model_options(args))
     if getattr(model.config, "head", None) != "embedding":
@@ -327,7 +377,11 @@ def embed(args: argparse.Namespace, stdout: Any = None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run one of these commands (as ``python -m serving.cli``); ``zoo`` itself is ``cli.main.main``."""
+    """Run one of these commands (as ``python -m serving.cli``); ``zoo`` itself is ``cli.main.main``.
+
+    Args:
+        argv: the command-line arguments (None: ``sys.argv[1:]``).
+    """
     p = argparse.ArgumentParser(prog="zoo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     handlers = add_commands(p.add_subparsers(dest="command", required=True))
     args = p.parse_args(argv)

@@ -195,7 +195,14 @@ class Engine(LoRAEngineMixin):
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request (all its samples) now; its blocks are released. False if it is unknown or done."""
+        """Cancel a request (all its samples) now; its blocks are released.
+
+        Args:
+            request_id: the request's id.
+
+        Returns:
+            Whether it was cancelled (False if it is unknown or done).
+        """
         seqs = self.requests.get(request_id)
         if seqs is None or all(s.finish_reason for s in seqs):
             return False
@@ -206,6 +213,11 @@ class Engine(LoRAEngineMixin):
         return True
 
     def has_unfinished(self) -> bool:
+        """Whether some request is waiting or running.
+
+        Returns:
+            True while ``step`` has work to do.
+        """
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def pop_output(self, request_id: str) -> RequestOutput:
@@ -223,7 +235,11 @@ class Engine(LoRAEngineMixin):
 
     # ------------------------------------------------------------------------------------------------ steps
     def step(self) -> list[RequestDelta]:
-        """Run one iteration: schedule, one forward pass, choose tokens. Returns what each sample gained."""
+        """Run one iteration: schedule, one forward pass, choose tokens.
+
+        Returns:
+            One delta per sample that gained a token or finished (none for a step of prefill chunks only).
+        """
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []

@@ -104,13 +104,25 @@ class ModelSource:
     def from_model(cls, model: Any) -> ModelSource:
         """A source that rebuilds ``model`` (its class, config, quantized layers and a copy of its weights, packed as
         they are) in the engine process; for models made in memory (tests, examples). Adapted models: merge or save
-        them and give the path."""
+        them and give the path.
+
+        Args:
+            model: the model to copy.
+
+        Returns:
+            A source whose factory is ``rebuild_model`` on that copy.
+        """
         buffer = io.BytesIO()
         torch.save(model.state_dict(), buffer)
         return cls(factory=functools.partial(rebuild_model, type(model), model.config.to_dict(), buffer.getvalue(),
                                              quantized_modules(model), quantization_options(model)))
 
     def build(self) -> Any:
+        """Load or make the model (in the engine process), quantized or dequantized as asked.
+
+        Returns:
+            The model.
+        """
         if self.path is not None:
             return load_model(self.path, quantize=self.quantize, dequantize=self.dequantize, **self.options)
         model = self.factory()
@@ -119,13 +131,27 @@ class ModelSource:
 
 
 def pack_delta(delta: RequestDelta) -> tuple:
-    """A delta as plain tuples for the pipe (half the pickled bytes of the dataclasses)."""
+    """A delta as plain tuples for the pipe (half the pickled bytes of the dataclasses).
+
+    Args:
+        delta: the delta.
+
+    Returns:
+        Its fields, its log-probabilities as ``(token_id, logprob, top)`` tuples.
+    """
     logprobs = None if delta.logprobs is None else [(e.token_id, e.logprob, e.top) for e in delta.logprobs]
     return delta.request_id, delta.index, delta.token_ids, delta.text, delta.finish_reason, logprobs
 
 
 def unpack_delta(item: tuple) -> RequestDelta:
-    """The delta ``pack_delta`` packed."""
+    """The delta ``pack_delta`` packed.
+
+    Args:
+        item: what ``pack_delta`` returned.
+
+    Returns:
+        The delta.
+    """
     request_id, index, token_ids, text, finish_reason, logprobs = item
     return RequestDelta(request_id, index, token_ids, text, finish_reason,
                         None if logprobs is None else [TokenLogprob(*e) for e in logprobs])
@@ -141,6 +167,9 @@ class ProcessEngine(DeltaStreams):
         engine_limits: the other ``Engine`` arguments (``max_num_seqs``, ``num_blocks``, ``block_size`` …).
 
     ``start()`` (on the event loop) waits until the model is loaded; errors loading it raise ``EngineDeadError``.
+
+    Raises:
+        ValueError: ``source`` is not a ``ModelSource``.
     """
 
     def __init__(self, source: ModelSource, tokenizer: Any = None, *, max_waiting: int = 1024,
@@ -168,7 +197,11 @@ class ProcessEngine(DeltaStreams):
         atexit.register(self._stop_now)
 
     def stats(self) -> dict[str, int]:
-        """The engine's statistics after its latest step (see ``serving.async_engine.engine_stats``)."""
+        """The engine's statistics after its latest step (see ``serving.async_engine.engine_stats``).
+
+        Returns:
+            A copy of the counts.
+        """
         return dict(self._stats)
 
     def listen(self) -> None:
@@ -225,7 +258,11 @@ class ProcessEngine(DeltaStreams):
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request: its stream ends with a delta whose ``finish_reason`` is ``"abort"`` per open sample."""
+        """Cancel a request: its stream ends with a delta whose ``finish_reason`` is ``"abort"`` per open sample.
+
+        Args:
+            request_id: the id ``add_request`` returned.
+        """
         if self.alive and self._loop is not None:
             self._send(("abort", request_id))
 
@@ -341,7 +378,15 @@ class ProcessEngine(DeltaStreams):
 # ------------------------------------------------------------------------------------- the engine process
 def run_engine_process(conn: Any, source: ModelSource, tokenizer: Any, limits: dict[str, Any], threads: int) -> None:
     """The engine process: build the model and the engine, then serve operations until told to stop or until the
-    pipe closes (the server process has gone)."""
+    pipe closes (the server process has gone).
+
+    Args:
+        conn: the engine process's end of the pipe.
+        source: how to build the model.
+        tokenizer: the engine's tokenizer (None: the model's own).
+        limits: the ``Engine`` arguments.
+        threads: torch's thread count in this process.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process drains and then stops this one
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(threads)

@@ -27,6 +27,13 @@ from .requests import RequestSpec, Sequence
 def check_logit_bias(logit_bias: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """``logit_bias`` (``{token id: bias}``, ids as ints or strings as JSON sends them; None) as sorted pairs.
 
+    Args:
+        logit_bias: the request's ``logit_bias``, or None.
+        vocab_size: the number of token ids.
+
+    Returns:
+        ``(token id, bias)`` pairs sorted by id (empty for None).
+
     Raises:
         ValueError: not a mapping, a key that is not a token id in ``[0, vocab_size)`` or a bias outside
             [-100, 100].
@@ -54,6 +61,17 @@ def guided_spec(spec: RequestSpec, constraint: Any, logit_bias: Any, tokenizer: 
                 eos: int | None) -> RequestSpec:
     """``spec`` with its constraint compiled (cached per distinct constraint) and its logit bias checked.
 
+    Args:
+        spec: the checked request.
+        constraint: a ``Constraint`` (or an already compiled one), or None.
+        logit_bias: the request's ``logit_bias``, or None.
+        tokenizer: the engine's tokenizer (needed by a ``Constraint``).
+        vocab_size: the number of token ids.
+        eos: the EOS token id, allowed where the constraint may end.
+
+    Returns:
+        ``spec`` itself when it has neither, else a copy holding them.
+
     Raises:
         ValueError: an invalid constraint or logit bias, or a constraint without a tokenizer.
     """
@@ -73,6 +91,13 @@ def guided_logits(logits: Tensor, scheduled: list[tuple[Sequence, int]]) -> Tens
     ``-inf``; ``logits`` itself when no row has either.
 
     Rows that are a prefill chunk (choosing nothing) are left as they are.
+
+    Args:
+        logits: the step's logits.
+        scheduled: the step's ``(sequence, n_tokens)`` pairs, one per row.
+
+    Returns:
+        The logits to choose from (float32 when any row was changed).
 
     Shapes: logits ``(B, V)``, one row per scheduled sequence -> ``(B, V)``.
     """

@@ -108,7 +108,18 @@ class ZooLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs: Any) -> list[int]:
-        """Token ids of ``string`` (special tokens as the ``hf`` backend adds them)."""
+        """Token ids of ``string`` (special tokens as the ``hf`` backend adds them).
+
+        Args:
+            string: the text.
+            add_special_tokens: whether to add the tokenizer's special tokens (None: as ``add_bos_token`` says,
+                and not when ``string`` already starts with the BOS token).
+            left_truncate_len: keep only the last this many ids (None: all).
+            **kwargs: other lm-eval arguments, ignored.
+
+        Returns:
+            The token ids.
+        """
         if add_special_tokens is None:
             add_special_tokens = True if self.add_bos_token is None else self.add_bos_token
             bos = self.tokenizer.special_tokens.get("bos")
@@ -120,10 +131,26 @@ class ZooLM(TemplateLM):
         return ids[-left_truncate_len:] if left_truncate_len else ids
 
     def tok_decode(self, tokens: Sequence[int]) -> str:
+        """The text of token ids.
+
+        Args:
+            tokens: the ids.
+
+        Returns:
+            Their decoded text.
+        """
         return self.tokenizer.decode(list(tokens))
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The chat rendered with the tokenizer's template (lm-eval's ``--apply_chat_template``)."""
+        """The chat rendered with the tokenizer's template (lm-eval's ``--apply_chat_template``).
+
+        Args:
+            chat_history: the messages (``role`` and ``content``).
+            add_generation_prompt: end with the start of the assistant's turn.
+
+        Returns:
+            The rendered prompt text.
+        """
         return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt,
                                                   tokenize=False)
 
@@ -165,7 +192,15 @@ class ZooLM(TemplateLM):
         return results
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        """The log-likelihood of whole texts, in lm-eval's disjoint rolling windows of ``max_length`` tokens."""
+        """The log-likelihood of whole texts, in lm-eval's disjoint rolling windows of ``max_length`` tokens.
+
+        Args:
+            requests: lm-eval instances whose ``args`` are ``(text,)``.
+            disable_tqdm: hide the progress bar.
+
+        Returns:
+            Each text's total log-likelihood, in order.
+        """
         windows, owners = [], []
         for index, (string,) in enumerate(req.args for req in requests):
             for window in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
@@ -181,7 +216,16 @@ class ZooLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Continue every context with the engine until a stop string, EOS or ``max_gen_toks``."""
+        """Continue every context with the engine until a stop string, EOS or ``max_gen_toks``.
+
+        Args:
+            requests: lm-eval instances whose ``args`` are ``(context, gen_kwargs)`` (``until``, ``max_gen_toks``,
+                ``temperature``, ``do_sample``, ``top_p``, ``top_k``).
+            disable_tqdm: hide the progress bar.
+
+        Returns:
+            Each continuation's text, cut before its first stop string, in order.
+        """
         if self._engine is None:
             self._engine = Engine(self.model, self.tokenizer, max_model_len=self.max_length)
         prompts, settings, stops = [], [], []

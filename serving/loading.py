@@ -17,7 +17,15 @@ from blocks.quantized import packable_schemes, quantized_modules
 
 def check_request(quantize: str | None, dequantize: bool) -> None:
     """Raise ``ValueError`` for ``quantize`` and ``dequantize`` together or an unknown scheme (the registered ones
-    listed), before anything is loaded."""
+    listed), before anything is loaded.
+
+    Args:
+        quantize: a scheme name, or None.
+        dequantize: whether the packed weights are to be unpacked.
+
+    Raises:
+        ValueError: ``dequantize`` not a bool, both given, or an unknown scheme.
+    """
     if not isinstance(dequantize, bool):
         raise ValueError(f"dequantize must be True or False, got {dequantize!r}")
     if quantize is not None and dequantize:
@@ -54,6 +62,11 @@ def apply_quantization(model: Any, quantize: str | None, dequantize: bool) -> An
     """``model`` quantized with ``quantize``, or with its quantized layers unpacked to float32 when ``dequantize``
     (both in place; nothing to do leaves it as it is).
 
+    Args:
+        model: the loaded model.
+        quantize: a scheme name, or None.
+        dequantize: whether to unpack its quantized layers to float32.
+
     Returns:
         ``model``.
     """
@@ -66,13 +79,30 @@ def apply_quantization(model: Any, quantize: str | None, dequantize: bool) -> An
 
 def load_options(dequantize: bool, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` for ``models.from_pretrained``, with ``dequantize=True`` when asked (a GGUF file then loads as
-    float32 without its packed form being built first)."""
+    float32 without its packed form being built first).
+
+    Args:
+        dequantize: whether the weights are to be loaded as float32.
+        options: the other ``models.from_pretrained`` options.
+
+    Returns:
+        A new dict of options.
+    """
     return {**options, "dequantize": True} if dequantize else dict(options)
 
 
 def load_model(path: str, *, quantize: str | None = None, dequantize: bool = False, **options: Any) -> Any:
     """``models.from_pretrained(path, **options)`` with ``quantize`` or ``dequantize`` applied (see the module
     docstring).
+
+    Args:
+        path: a checkpoint folder, ``.gguf`` file or Hub repo id.
+        quantize: a scheme to quantize a float checkpoint with, or None.
+        dequantize: whether to load a quantized checkpoint as float32.
+        **options: further ``models.from_pretrained`` options.
+
+    Returns:
+        The model.
 
     Raises:
         ValueError: as ``check_quantization``, and as ``models.from_pretrained``.

@@ -44,11 +44,23 @@ class ServerMetrics:
         self.received_tokens = 0
 
     def bind(self, engine: Any) -> None:
+        """Read the gauges from ``engine`` at each scrape.
+
+        Args:
+            engine: the engine's front (``AsyncEngine`` or ``ProcessEngine``).
+        """
         self.engine = engine
 
     def observe_tokens(self, count: int, since_start: float, since_last: float, first: bool) -> None:
         """A delta of ``count`` tokens arrived: the first one's latency is time-to-first-token, later ones'
-        inter-token latency (a delta of several tokens counts the wait once, spread over its tokens)."""
+        inter-token latency (a delta of several tokens counts the wait once, spread over its tokens).
+
+        Args:
+            count: the delta's tokens.
+            since_start: seconds since the request arrived.
+            since_last: seconds since the request's previous delta.
+            first: whether this is the request's first delta.
+        """
         self.generation_tokens.inc(count)
         if first:  # tokens after the first in the same delta came with it
             self.ttft.observe(since_start)
@@ -59,11 +71,20 @@ class ServerMetrics:
             self.itl.observe(gap)
 
     def received(self, prompt_tokens: int) -> None:
+        """Count a request's prompt tokens.
+
+        Args:
+            prompt_tokens: its prompt's length in tokens.
+        """
         self.prompt_tokens.inc(prompt_tokens)
         self.received_tokens += prompt_tokens
 
     def render(self) -> tuple[bytes, str]:
-        """The exposition text (gauges refreshed from the engine first) and its content type."""
+        """The exposition text (gauges refreshed from the engine first) and its content type.
+
+        Returns:
+            ``(body, content type)`` for the ``/metrics`` response.
+        """
         if self.engine is not None:
             stats = self.engine.stats()
             self.running.set(stats["running"])

@@ -15,7 +15,16 @@ from models.generation.sampling import SamplingParams
 
 
 class APIError(Exception):
-    """An error answered in OpenAI's shape."""
+    """An error answered in OpenAI's shape.
+
+    Args:
+        status: the HTTP status code.
+        message: the error's text.
+        type_: OpenAI's error type (``invalid_request_error``, ...).
+        param: the request field at fault, if any.
+        code: OpenAI's error code, if any.
+        retry_after: seconds to send as ``Retry-After`` (None: no such header).
+    """
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, retry_after: int | None = None) -> None:
@@ -24,6 +33,11 @@ class APIError(Exception):
         self.retry_after = retry_after
 
     def response(self) -> JSONResponse:
+        """The JSON response ``{"error": {"message", "type", "param", "code"}}`` with this error's status.
+
+        Returns:
+            The response, with ``Retry-After`` when ``retry_after`` is set.
+        """
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         headers = None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
         return JSONResponse(body, status_code=self.status, headers=headers)
@@ -34,10 +48,14 @@ RETRY_AFTER_S = 1
 
 
 class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
+    """The fields the completions and chat bodies share: the model, the sampling fields and streaming."""
+
     # Undeclared fields are kept: serving.openai_fields refuses the OpenAI-defined ones the server does not honour.
     model_config = ConfigDict(extra="allow")
 
@@ -58,12 +76,16 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    """The body of ``POST /v1/completions``."""
+
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
 
 class ChatRequest(SamplingFields):
+    """The body of ``POST /v1/chat/completions``."""
+
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -75,6 +97,8 @@ class ChatRequest(SamplingFields):
 
 
 class EmbeddingRequest(BaseModel):
+    """The body of ``POST /v1/embeddings``."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -84,7 +108,17 @@ class EmbeddingRequest(BaseModel):
 
 def sampling_params(body: SamplingFields) -> SamplingParams:
     """OpenAI's sampling fields as the zoo's ``SamplingParams`` (temperature 0 is greedy; default 1; the presence
-    and frequency penalties apply to greedy decoding too)."""
+    and frequency penalties apply to greedy decoding too).
+
+    Args:
+        body: the request's body.
+
+    Returns:
+        The sampling parameters.
+
+    Raises:
+        APIError: 400 for a ``top_k`` below 1 other than -1.
+    """
     if body.top_k is not None and body.top_k != -1 and body.top_k < 1:
         raise APIError(400, f"top_k={body.top_k}: expected an integer >= 1 (or -1 for all)", param="top_k")
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -97,6 +131,12 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
 
 def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Content given as parts (``[{"type": "text", "text": ...}]``) joined to the string templates expect.
+
+    Args:
+        messages: the chat messages of the request.
+
+    Returns:
+        The messages, each content a string (or None).
 
     Raises:
         APIError: 400 naming ``messages[i].role`` or ``messages[i].content``: a role that is not a string, content
@@ -128,6 +168,9 @@ def refuse_surrogates(body: BaseModel) -> None:
     """Refuse text holding a lone surrogate (``"\\ud800"`` in the JSON): it is not Unicode text, no tokenizer can
     encode it and no answer could quote it.
 
+    Args:
+        body: the request's body (every string in it is checked).
+
     Raises:
         APIError: 400 naming the field (``messages[0].content``, ``prompt``, ``stop[1]`` …).
     """
@@ -148,7 +191,15 @@ def refuse_surrogates(body: BaseModel) -> None:
 
 def top_by_text(top: dict[int, float], text: Any) -> dict[str, float]:
     """Top log-probabilities keyed by token text (the completions API's shape); ids that decode alike (parts of
-    one character) keep the largest."""
+    one character) keep the largest.
+
+    Args:
+        top: token id -> log-probability.
+        text: a function from a token id to its text.
+
+    Returns:
+        Token text -> log-probability.
+    """
     out: dict[str, float] = {}
     for token, logprob in top.items():
         key = text(token)
@@ -157,6 +208,15 @@ def top_by_text(top: dict[int, float], text: Any) -> dict[str, float]:
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:
+    """OpenAI's ``usage`` object.
+
+    Args:
+        prompt: the number of prompt tokens.
+        completion: the number of generated tokens.
+
+    Returns:
+        ``prompt_tokens``, ``completion_tokens`` and ``total_tokens``.
+    """
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

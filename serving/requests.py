@@ -24,7 +24,13 @@ FINISH_REASONS = ("stop", "length", "abort")
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
     """The log-probability of a chosen token under the model (log-softmax of the raw logits, before sampling
-    processors, as vLLM reports them) and the ``top`` most likely tokens with theirs."""
+    processors, as vLLM reports them) and the ``top`` most likely tokens with theirs.
+
+    Attributes:
+        token_id: the chosen token.
+        logprob: its log-probability.
+        top: token id -> log-probability of the most likely tokens (as many as the request asked).
+    """
 
     token_id: int
     logprob: float
@@ -56,7 +62,16 @@ class RequestOutput:
 
 @dataclasses.dataclass
 class RequestDelta:
-    """What one engine step added to one sample of a request (the async API streams these)."""
+    """What one engine step added to one sample of a request (the async API streams these).
+
+    Attributes:
+        request_id: the request's id.
+        index: the sample (0 .. n - 1).
+        token_ids: the tokens added.
+        text: the text they completed (possibly empty).
+        finish_reason: why the sample ended in this step (see ``FINISH_REASONS``), or None while it runs.
+        logprobs: one ``TokenLogprob`` per added token when the request asked for them, else None.
+    """
 
     request_id: str
     index: int  # the sample (0 .. n - 1)
@@ -68,7 +83,22 @@ class RequestDelta:
 
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:
-    """One checked request: its prompt ids and how to continue it."""
+    """One checked request: its prompt ids and how to continue it.
+
+    Attributes:
+        prompt: the prompt's token ids.
+        params: the sampling parameters.
+        max_tokens: new tokens per sample at most.
+        stop_ids: token ids that end a sample (the EOS included).
+        stop_strings: strings that end a sample (cut from its text).
+        n: the number of samples.
+        seed: the sampling seed, or None.
+        logprobs: how many top log-probabilities to report per token, or None for none.
+        constraint: a ``CompiledConstraint`` the output must follow, or None.
+        logit_bias: ``(token id, bias)`` pairs added to the logits.
+        adapter: the LoRA adapter the request runs with, or None.
+        cache_salt: seeds its prefix-cache keys (cached blocks are shared only under one salt), or None.
+    """
 
     prompt: list[int]
     params: SamplingParams
@@ -86,7 +116,30 @@ class RequestSpec:
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    """One sample of a request while the engine runs it: its tokens, its blocks and what it has computed."""
+    """One sample of a request while the engine runs it: its tokens, its blocks and what it has computed.
+
+    Attributes:
+        request_id: the request's id.
+        index: the sample (0 .. n - 1).
+        spec: the checked request.
+        generator: the sample's random generator (seeded requests), or None.
+        arrival: the order in which it arrived (for scheduling).
+        tokens: prompt + output tokens.
+        block_table: the KV-cache blocks holding its keys/values, in order.
+        block_hashes: the prefix-cache hashes of its committed full blocks.
+        num_computed: tokens whose keys/values are in the cache.
+        finish_reason: why it ended, or None while it runs.
+        text: the output's text so far.
+        sent_tokens: output tokens already reported in a delta.
+        sent_text: characters of ``text`` already reported.
+        logprobs: one ``TokenLogprob`` per output token when asked.
+        detokenizer: decodes the output a window at a time, or None.
+        seen: ``(1, V)`` bool, the tokens seen (for the repetition penalty), or None.
+        counts: ``(1, V)`` int32, each token's count in the output (presence/frequency penalties), or None.
+        forked: whether the request's other samples exist.
+        guide: the sample's ``ConstraintState`` when its request has a constraint.
+        error: why the sample ended with finish_reason ``"error"``.
+    """
 
     request_id: str
     index: int
@@ -145,7 +198,14 @@ character (byte-level BPE, SentencePiece on valid UTF-8), ``text`` is always a p
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_ids: Seq[int]) -> str:
-        """Append tokens; return the text they completed (possibly empty)."""
+        """Append tokens; return the text they completed.
+
+        Args:
+            token_ids: the new tokens.
+
+        Returns:
+            The text they completed (possibly empty, while a character's bytes are incomplete).
+        """
         self.tokens += token_ids
         window = self._decode(self.tokens[self.prefix:])
         if len(window) <= len(self.prefix_text) or window.endswith("\ufffd") or not window.startswith(self.prefix_text):
@@ -158,12 +218,25 @@ character (byte-level BPE, SentencePiece on valid UTF-8), ``text`` is always a p
 
     def finish(self) -> str:
         """The whole text, ``decode(tokens)``, decoded once: exact even where a decoder rewrites characters it had
-        completed (byte fallback turns a finished character into U+FFFD when invalid bytes follow it)."""
+        completed (byte fallback turns a finished character into U+FFFD when invalid bytes follow it).
+
+        Returns:
+            The decoded text of all the tokens.
+        """
         return self._decode(self.tokens)
 
 
 def per_prompt(value: Any, n_prompts: int, name: str, is_list: Any = None) -> list[Any]:
     """``value`` repeated for every prompt, or ``value`` itself when it is a list with one item per prompt.
+
+    Args:
+        value: one value for all prompts, or a list of one per prompt.
+        n_prompts: the number of prompts.
+        name: the argument's name (for the error message).
+        is_list: tells whether ``value`` is per prompt (None: whether it is a list).
+
+    Returns:
+        One value per prompt.
 
     Raises:
         ValueError: a per-prompt list whose length is not the number of prompts.
@@ -177,7 +250,14 @@ def per_prompt(value: Any, n_prompts: int, name: str, is_list: Any = None) -> li
 
 
 def stop_is_per_prompt(value: Any) -> bool:
-    """Whether a ``stop`` list gives one stop specification per prompt (every item None or a list/tuple)."""
+    """Whether a ``stop`` list gives one stop specification per prompt (every item None or a list/tuple).
+
+    Args:
+        value: the ``stop`` argument.
+
+    Returns:
+        True when it is a non-empty list of per-prompt stops.
+    """
     return isinstance(value, list) and bool(value) and all(v is None or isinstance(v, (list, tuple)) for v in value)
 
 
@@ -187,6 +267,15 @@ def _is_int(value: Any) -> bool:
 
 def check_prompt(prompt: Any, tokenizer: Any, vocab_size: int, context: int) -> list[int]:
     """A prompt (a string or token ids) as a list of ids in the vocabulary.
+
+    Args:
+        prompt: a string, a list of token ids or a 1-D integer tensor.
+        tokenizer: encodes a string prompt (None: only ids are accepted).
+        vocab_size: the number of token ids.
+        context: the engine's context (prompt + output tokens at most).
+
+    Returns:
+        The prompt's token ids.
 
     Raises:
         ValueError: an empty prompt, a string without a tokenizer, ids outside ``[0, vocab_size)`` or a prompt
@@ -218,7 +307,20 @@ def check_prompt(prompt: Any, tokenizer: Any, vocab_size: int, context: int) -> 
 
 
 def check_stop(stop: Any, tokenizer: Any, vocab_size: int) -> tuple[frozenset[int], tuple[str, ...]]:
-    """Stop token ids and stop strings from ``stop`` (None, a string, an id, or a list/tuple mixing them)."""
+    """Stop token ids and stop strings from ``stop`` (None, a string, an id, or a list/tuple mixing them).
+
+    Args:
+        stop: the request's stop argument.
+        tokenizer: needed for stop strings (None: ids only).
+        vocab_size: the number of token ids.
+
+    Returns:
+        ``(stop ids, stop strings)``.
+
+    Raises:
+        ValueError: an empty stop string, a stop string without a tokenizer, or an item that is neither a string
+            nor a token id in the vocabulary.
+    """
     items = [] if stop is None else list(stop) if isinstance(stop, (list, tuple)) else [stop]
     ids, strings = set(), []
     for item in items:
@@ -240,6 +342,23 @@ def check_request(
     tokenizer: Any, vocab_size: int, context: int, eos: int | None, cache_tokens: int,
 ) -> RequestSpec:
     """Check one request's arguments (see ``Engine.generate``) and return its ``RequestSpec``.
+
+    Args:
+        prompt: a string or token ids.
+        sampling: the sampling parameters (None: greedy).
+        max_tokens: new tokens per sample at most.
+        stop: stop strings and/or token ids.
+        n: the number of samples.
+        seed: the sampling seed, or None.
+        logprobs: how many top log-probabilities to report per token, or None.
+        tokenizer: the engine's tokenizer, or None.
+        vocab_size: the number of token ids.
+        context: the engine's context.
+        eos: the EOS token id, added to the stop ids (None: none).
+        cache_tokens: the positions the paged cache holds in all.
+
+    Returns:
+        The checked request.
 
     Raises:
         ValueError: naming the bad argument and what was expected.

@@ -37,19 +37,46 @@ COMPILE_MODES = (False, True, "attention")
 
 
 def check_compile(compile: Any) -> None:  # noqa: A002
-    """Raise ``ValueError`` unless ``compile`` is one of ``COMPILE_MODES``."""
+    """Raise ``ValueError`` unless ``compile`` is one of ``COMPILE_MODES``.
+
+    Args:
+        compile: the ``compile`` argument to check.
+
+    Raises:
+        ValueError: ``compile`` is neither a bool nor ``"attention"``.
+    """
     if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "attention")):
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
 
 
 def packed_logits(model: Any, ids: Tensor, positions: Tensor, caches: list[PagedLayerCache], keep: Tensor) -> Tensor:
-    """One packed forward pass: the logits at ``keep``, ``(len(keep), V)`` (the function the compiled step wraps)."""
+    """One packed forward pass: the logits at ``keep`` (the function the compiled step wraps).
+
+    Args:
+        model: the ``DecoderLM``.
+        ids: the new tokens of every row, packed into one sequence.
+        positions: each token's position in its row.
+        caches: the per-layer paged caches, their ``batch`` set.
+        keep: the packed indices whose logits are returned (each row's last new token).
+
+    Returns:
+        The logits at ``keep``.
+
+    Shapes: ids ``(1, T)``, positions ``(1, T)``, keep ``(R,)`` -> ``(R, V)``.
+    """
     return model(ids, positions=positions, cache=caches, logits_to_keep=keep).logits[0]
 
 
 def paged_kind(layer: Any) -> str:
     """The registered ``kv_cache`` kind of a decoder layer's paged cache: its attention's ``paged_cache_kind``
-    (``"paged_latent"`` for latent attention), ``"paged"`` by default."""
+    (``"paged_latent"`` for latent attention), ``"paged"`` by default.
+
+    Args:
+        layer: a decoder layer (with ``self_attn``).
+
+    Returns:
+        The ``kv_cache`` registry name.
+    """
     return getattr(layer.self_attn, "paged_cache_kind", "paged")
 
 
@@ -58,6 +85,12 @@ def float_like(model: Any) -> Tensor:
     key/value pools take. The most common floating dtype decides; the packed tensors of quantized layers and
     embeddings (int8 buffers, and no ``weight`` parameter) have no say, so a quantized model's float dtype is found
     as well as a float model's.
+
+    Args:
+        model: the model.
+
+    Returns:
+        An empty tensor of that dtype and device.
 
     Raises:
         ValueError: ``model`` has no floating parameter (nothing tells its float dtype).
@@ -73,21 +106,37 @@ def float_like(model: Any) -> Tensor:
 
 
 def block_nbytes(model: Any, block_size: int) -> int:
-    """Bytes one paged block of ``block_size`` positions takes over every layer of ``model``, in its float dtype."""
+    """Bytes one paged block of ``block_size`` positions takes over every layer of ``model``, in its float dtype.
+
+    Args:
+        model: the ``DecoderLM``.
+        block_size: positions per block.
+
+    Returns:
+        The block's size in bytes.
+    """
     element = float_like(model).element_size()
     return block_size * element * sum(get("kv_cache", paged_kind(layer)).numbers_per_position(layer.self_attn)
                                       for layer in model.layers)
 
 
 def mark_dynamic(*tensors: tuple[Tensor, tuple[int, ...]]) -> None:
-    """Mark the listed dims of each tensor dynamic for ``torch.compile`` (one graph for every size)."""
+    """Mark the listed dims of each tensor dynamic for ``torch.compile`` (one graph for every size).
+
+    Args:
+        *tensors: ``(tensor, dims)`` pairs.
+    """
     for tensor, dims in tensors:
         for dim in dims:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def mark_batch(batch: PagedBatch) -> None:
-    """Mark a packed batch's token, row, entry and block counts dynamic."""
+    """Mark a packed batch's token, row, entry and block counts dynamic.
+
+    Args:
+        batch: the step's packed batch.
+    """
     mark_dynamic((batch.positions, (0,)), (batch.slots, (0,)), (batch.last, (0,)))
     if batch.ragged is not None:
         mark_ragged(batch.ragged)
@@ -97,7 +146,11 @@ def mark_batch(batch: PagedBatch) -> None:
 
 
 def mark_ragged(rows: RaggedRows) -> None:
-    """Mark the row, entry and width counts of ragged decode rows dynamic."""
+    """Mark the row, entry and width counts of ragged decode rows dynamic.
+
+    Args:
+        rows: the ragged decode rows.
+    """
     mark_dynamic((rows.query, (0,)), (rows.q_pos, (0,)), (rows.block, (0,)), (rows.row, (0,)), (rows.start, (0,)),
                  (rows.layout, (0, 1)))
 
@@ -106,7 +159,15 @@ def compile_dynamic(fn: Callable[..., Any], regions: bool = False) -> Callable[.
     """``fn`` compiled under a code object of its own (the graphs of one runner are not offered to another's), run
     size-oblivious (``backed_size_oblivious``): a count of 1 is not specialised, so one graph serves every size of
     the dims marked dynamic; with ``regions``, each decoder layer structure is traced and compiled once
-    (``models.core.stack.repeated_layer_regions``)."""
+    (``models.core.stack.repeated_layer_regions``).
+
+    Args:
+        fn: the function to compile.
+        regions: compile each decoder layer structure once.
+
+    Returns:
+        A function with ``fn``'s arguments that runs the compiled graph.
+    """
     compiled_fn = torch.compile(compiled.own_code(fn), backend=compiled.BACKEND)
 
     def run(*args: Any) -> Any:
@@ -202,7 +263,11 @@ class PagedRunner:
     @torch.inference_mode()
     def scrub(self, blocks: Sequence[int]) -> None:
         """Zero ``blocks`` in every layer's pools (what a failed request wrote must not be read again: a masked
-        slot of a reused block still enters the attention products)."""
+        slot of a reused block still enters the attention products).
+
+        Args:
+            blocks: the block ids to zero.
+        """
         index = torch.as_tensor(list(blocks), dtype=torch.long)
         for cache in self.caches:
             cache.self_attn.scrub(index)
@@ -224,7 +289,11 @@ class PagedRunner:
         return sum(cache.self_attn.nbytes for cache in self.caches)
 
     def block_nbytes(self) -> int:
-        """Bytes one block takes over all layers (0 before the first step)."""
+        """Bytes one block takes over all layers (0 before the first step).
+
+        Returns:
+            The block's size in bytes.
+        """
         return sum(cache.self_attn.block_nbytes() for cache in self.caches)
 
     @torch.inference_mode()
@@ -237,6 +306,8 @@ class PagedRunner:
 
         Returns:
             ``(n_rows, vocab_size)`` float logits.
+
+        Shapes: -> ``(R, V)``, one row per entry of ``rows``.
         """
         device = self.device
         step, decode = packed_logits, self.decode

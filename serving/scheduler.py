@@ -45,7 +45,14 @@ class Scheduler:
         self.prefix_hits = 0  # tokens taken from the prefix cache
 
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """The sequences of the next step, each with the number of its tokens to compute (>= 1)."""
+        """The sequences of the next step, each with the number of its tokens to compute (>= 1).
+
+        Returns:
+            ``(sequence, n_tokens)`` pairs: running sequences first, then waiting ones that joined.
+
+        Raises:
+            RuntimeError: the first chunk of a waiting sequence does not fit in an empty cache.
+        """
         budget = self.budget
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
@@ -85,7 +92,12 @@ class Scheduler:
         return scheduled
 
     def computed(self, seq: Sequence, n: int) -> None:
-        """Record that ``n`` more tokens of ``seq`` are cached; commit the blocks they fill."""
+        """Record that ``n`` more tokens of ``seq`` are cached; commit the blocks they fill.
+
+        Args:
+            seq: the sequence.
+            n: tokens computed in the last step.
+        """
         seq.num_computed += n
         if not self.prefix_caching:
             return
@@ -99,7 +111,12 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start ``child`` (another sample of ``parent``'s prompt) sharing ``parent``'s full blocks; the partial
-        last block is recomputed by the child (no block is ever written by two sequences)."""
+        last block is recomputed by the child (no block is ever written by two sequences).
+
+        Args:
+            parent: the running sample.
+            child: the new sample.
+        """
         full = parent.num_computed // self.block_size
         child.block_table = parent.block_table[:full]
         child.block_hashes = parent.block_hashes[:full]
@@ -109,19 +126,31 @@ class Scheduler:
         self.running.append(child)
 
     def preempt(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks and put it first in the waiting queue (recomputed when it runs again)."""
+        """Release ``seq``'s blocks and put it first in the waiting queue (recomputed when it runs again).
+
+        Args:
+            seq: a running sequence.
+        """
         self.running.remove(seq)
         self.release(seq)
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
     def release(self, seq: Sequence) -> None:
-        """Drop ``seq``'s blocks; nothing of it stays cached except through the prefix cache."""
+        """Drop ``seq``'s blocks; nothing of it stays cached except through the prefix cache.
+
+        Args:
+            seq: the sequence.
+        """
         self.allocator.release(seq.block_table)
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence wherever it is and release its blocks."""
+        """Remove a finished or aborted sequence wherever it is and release its blocks.
+
+        Args:
+            seq: the sequence.
+        """
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -31,7 +31,20 @@ STRUCTURED_KEYS = {"json": Constraint.json_schema, "regex": Constraint.regex, "g
 
 
 def checked(build: Any, value: Any, param: str) -> Constraint:
-    """``build(value)`` validated; a bad one is a 400 naming ``param``."""
+    """``build(value)`` validated; a bad one is a 400 naming ``param``.
+
+    Args:
+        build: a ``Constraint`` constructor (``Constraint.json_schema``, ``Constraint.regex`` …).
+        value: what it builds from (a schema, a pattern, a grammar, choices).
+        param: the request field ``value`` came from.
+
+    Returns:
+        The checked constraint.
+
+    Raises:
+        APIError: 400 when the constraint is invalid (``invalid_schema``) or its extra is not installed
+            (``unsupported``).
+    """
     try:
         constraint = build(value)
         constraint.check()
@@ -44,6 +57,13 @@ def checked(build: Any, value: Any, param: str) -> Constraint:
 
 def response_constraint(response_format: Any, structured_outputs: Any) -> Constraint | None:
     """The constraint a request's ``response_format`` or ``structured_outputs`` asks for (None: free text).
+
+    Args:
+        response_format: OpenAI's ``response_format`` field, or None.
+        structured_outputs: vLLM's ``structured_outputs`` field, or None.
+
+    Returns:
+        The constraint, or None for free text.
 
     Raises:
         APIError: 400 for an unknown type, a missing or invalid schema, pattern or grammar, or both fields.
@@ -78,7 +98,16 @@ def response_constraint(response_format: Any, structured_outputs: Any) -> Constr
 
 @dataclasses.dataclass
 class ToolPlan:
-    """How a chat request with ``tools`` is answered."""
+    """How a chat request with ``tools`` is answered.
+
+    Attributes:
+        tools: the tools as the template renders them.
+        choice: ``"none"``, ``"auto"``, ``"required"`` or ``"named"``.
+        name: the named function (``"named"``), else None.
+        parallel: whether the answer may hold several calls.
+        parser: the tool-call parser's name (``serving.tool_parsers``).
+        constraint: the decoding constraint (``"required"`` and ``"named"``), else None.
+    """
 
     tools: list[dict[str, Any]]  # as the template renders them
     choice: str  # "none", "auto", "required" or "named"
@@ -88,7 +117,14 @@ class ToolPlan:
     constraint: Constraint | None
 
     def message(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The answer as (content, tool calls)."""
+        """The answer as (content, tool calls).
+
+        Args:
+            text: the model's answer.
+
+        Returns:
+            ``(content, calls)``: content None when the answer is only calls.
+        """
         if self.choice == "named":
             return None, [ToolCall(self.name, text.strip())]
         if self.choice == "required":
@@ -102,6 +138,12 @@ class ToolPlan:
 
 def check_tools(tools: Any) -> dict[str, dict[str, Any]]:
     """The functions of ``tools`` by name, each with its parameters schema checked.
+
+    Args:
+        tools: the request's ``tools`` field.
+
+    Returns:
+        Function name -> its parameters schema (an empty object schema when it has none).
 
     Raises:
         APIError: 400 naming ``tools[i]``.
@@ -123,6 +165,15 @@ def check_tools(tools: Any) -> dict[str, dict[str, Any]]:
 
 def tool_plan(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, parser: str) -> ToolPlan | None:
     """The ``ToolPlan`` of a request (None without tools).
+
+    Args:
+        tools: the request's ``tools`` field, or None.
+        tool_choice: the request's ``tool_choice`` field, or None (``"auto"``).
+        parallel_tool_calls: the request's ``parallel_tool_calls`` (None: allowed).
+        parser: the tool-call parser's name for ``"auto"``.
+
+    Returns:
+        The plan, or None without tools.
 
     Raises:
         APIError: 400 for bad tools, a ``tool_choice`` that is not one of the four forms or names an unknown
@@ -164,7 +215,14 @@ def tool_plan(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, pa
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates read them: an assistant's ``tool_calls`` arguments (JSON text in the OpenAI
-    API) as objects, as ``transformers``' templates expect (``arguments | tojson``)."""
+    API) as objects, as ``transformers``' templates expect (``arguments | tojson``).
+
+    Args:
+        messages: the request's messages.
+
+    Returns:
+        The messages, with arguments that are valid JSON text parsed (others left as they are).
+    """
     out = []
     for message in messages:
         calls = message.get("tool_calls")
@@ -185,7 +243,16 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def decode_keeping(tokenizer: Any, token_ids: list[int], markers: tuple[str, ...]) -> str:
-    """``token_ids`` decoded without the special tokens except ``markers`` (a parser's ``[TOOL_CALLS]`` …)."""
+    """``token_ids`` decoded without the special tokens except ``markers`` (a parser's ``[TOOL_CALLS]`` …).
+
+    Args:
+        tokenizer: the model's tokenizer (or its ``backend``, a ``tokenizers.Tokenizer``).
+        token_ids: the answer's tokens.
+        markers: the special tokens to keep.
+
+    Returns:
+        The decoded text.
+    """
     backend = getattr(tokenizer, "backend", tokenizer)
     added = backend.get_added_tokens_decoder() if hasattr(backend, "get_added_tokens_decoder") else {}
     kept = [t for t in token_ids if t not in added or not added[t].special or added[t].content in markers]
@@ -195,7 +262,18 @@ def decode_keeping(tokenizer: Any, token_ids: list[int], markers: tuple[str, ...
 def answer(plan: ToolPlan | None, tokenizer: Any, token_ids: list[int], text: str, stream: bool
            ) -> tuple[str | None, list[dict[str, Any]] | None]:
     """A chat answer's ``content`` and ``tool_calls`` (None: no calls) under ``plan``; streamed calls carry their
-    ``index``."""
+    ``index``.
+
+    Args:
+        plan: the request's tool plan, or None.
+        tokenizer: decodes the answer keeping the parser's markers (None: ``text`` is parsed).
+        token_ids: the answer's tokens.
+        text: the answer's text (special tokens skipped).
+        stream: whether the calls go out in a streamed delta.
+
+    Returns:
+        ``(content, tool_calls)`` in OpenAI's shape; ``(text, None)`` when the answer holds no calls.
+    """
     if plan is None or plan.choice == "none":
         return text, None
     markers = MARKERS.get(plan.parser, ())

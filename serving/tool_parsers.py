@@ -28,14 +28,27 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-    """One function call: its name and its arguments as JSON text (as the OpenAI API sends them)."""
+    """One function call: its name and its arguments as JSON text (as the OpenAI API sends them).
+
+    Attributes:
+        name: the function's name.
+        arguments: its arguments, a JSON object as text.
+        id: the call's id (``call_`` and 24 random hex digits by default).
+    """
 
     name: str
     arguments: str
     id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        """The call in OpenAI's ``tool_calls`` shape (with ``index`` for a streamed delta)."""
+        """The call in OpenAI's ``tool_calls`` shape (with ``index`` for a streamed delta).
+
+        Args:
+            index: the call's position among the answer's calls, for a streamed delta (None: left out).
+
+        Returns:
+            ``{"id", "type": "function", "function": {"name", "arguments"}}`` (and ``index``).
+        """
         out: dict[str, Any] = {"id": self.id, "type": "function",
                                "function": {"name": self.name, "arguments": self.arguments}}
         return out if index is None else {"index": index, **out}
@@ -49,7 +62,15 @@ MARKERS: dict[str, tuple[str, ...]] = {}
 
 
 def register(name: str, markers: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
-    """Register a parser ``fn(text) -> (content, calls)`` under ``name``."""
+    """Register a parser ``fn(text) -> (content, calls)`` under ``name``.
+
+    Args:
+        name: the parser's name (``--tool-call-parser NAME``).
+        markers: the special tokens it reads (kept when the answer is decoded).
+
+    Returns:
+        A decorator that registers the function and returns it unchanged.
+    """
     def add(fn: Callable) -> Callable:
         PARSERS[name] = fn
         MARKERS[name] = markers
@@ -58,7 +79,14 @@ def register(name: str, markers: tuple[str, ...] = ()) -> Callable[[Callable], C
 
 
 def call_from(obj: Any) -> ToolCall | None:
-    """A ``{"name", "arguments" | "parameters"}`` dict as a ``ToolCall`` (None for anything else)."""
+    """A ``{"name", "arguments" | "parameters"}`` dict as a ``ToolCall`` (None for anything else).
+
+    Args:
+        obj: a parsed JSON value; its arguments may be a dict or a JSON object as text.
+
+    Returns:
+        The call, or None when ``obj`` is not a call object.
+    """
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -73,7 +101,14 @@ def call_from(obj: Any) -> ToolCall | None:
 
 
 def calls_from_json(text: str) -> list[ToolCall] | None:
-    """Calls from JSON text holding one call object or a list of them (None when it is not that)."""
+    """Calls from JSON text holding one call object or a list of them (None when it is not that).
+
+    Args:
+        text: JSON text.
+
+    Returns:
+        The calls, or None when ``text`` is not one call object or a non-empty list of them.
+    """
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -85,7 +120,15 @@ def calls_from_json(text: str) -> list[ToolCall] | None:
 
 @register("hermes", ("<tool_call>", "</tool_call>"))
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """``<tool_call>{json}</tool_call>`` blocks (the last may be unclosed at the end of the answer)."""
+    """``<tool_call>{json}</tool_call>`` blocks (the last may be unclosed at the end of the answer).
+
+    Args:
+        text: the model's answer.
+
+    Returns:
+        ``(content, calls)``: the text around the calls (None when empty), and the calls; ``(text, [])`` when the
+        answer does not hold calls in this format.
+    """
     calls, spans = [], []
     for match in re.finditer(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, re.DOTALL):
         parsed = calls_from_json(match.group(1))
@@ -102,7 +145,15 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
 
 @register("llama3_json", ("<|python_tag|>",))
 def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
-    """``{"name": ..., "parameters": {...}}`` objects separated by ``;`` (after an optional ``<|python_tag|>``)."""
+    """``{"name": ..., "parameters": {...}}`` objects separated by ``;`` (after an optional ``<|python_tag|>``).
+
+    Args:
+        text: the model's answer.
+
+    Returns:
+        ``(content, calls)``: the text around the calls (None when empty), and the calls; ``(text, [])`` when the
+        answer does not hold calls in this format.
+    """
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return text, []
@@ -126,7 +177,15 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
 
 @register("mistral", ("[TOOL_CALLS]", "[ARGS]"))
 def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
-    """``[TOOL_CALLS][{...}, ...]`` or ``[TOOL_CALLS]name[ARGS]{...}`` (repeated), after optional content."""
+    """``[TOOL_CALLS][{...}, ...]`` or ``[TOOL_CALLS]name[ARGS]{...}`` (repeated), after optional content.
+
+    Args:
+        text: the model's answer.
+
+    Returns:
+        ``(content, calls)``: the text around the calls (None when empty), and the calls; ``(text, [])`` when the
+        answer does not hold calls in this format.
+    """
     if "[TOOL_CALLS]" not in text:
         return text, []
     content, _, rest = text.partition("[TOOL_CALLS]")
@@ -148,7 +207,15 @@ def parse_mistral(text: str) -> tuple[str | None, list[ToolCall]]:
 
 @register("pythonic")
 def parse_pythonic(text: str) -> tuple[str | None, list[ToolCall]]:
-    """``[f(a=1), g(b="x")]``: a Python list of calls with keyword arguments that are literals."""
+    """``[f(a=1), g(b="x")]``: a Python list of calls with keyword arguments that are literals.
+
+    Args:
+        text: the model's answer.
+
+    Returns:
+        ``(content, calls)``: the text around the calls (None when empty), and the calls; ``(text, [])`` when the
+        answer does not hold calls in this format.
+    """
     body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
     try:
         tree = ast.parse(body, mode="eval").body
@@ -171,7 +238,15 @@ def parse_pythonic(text: str) -> tuple[str | None, list[ToolCall]]:
 
 @register("json")
 def parse_json(text: str) -> tuple[str | None, list[ToolCall]]:
-    """The whole answer as one call object or a list of them (``arguments`` or ``parameters``), else pythonic."""
+    """The whole answer as one call object or a list of them (``arguments`` or ``parameters``), else pythonic.
+
+    Args:
+        text: the model's answer.
+
+    Returns:
+        ``(content, calls)``: the text around the calls (None when empty), and the calls; ``(text, [])`` when the
+        answer does not hold calls in this format.
+    """
     calls = calls_from_json(text.strip())
     if calls:
         return None, calls
@@ -180,6 +255,13 @@ def parse_json(text: str) -> tuple[str | None, list[ToolCall]]:
 
 def parser_for(template: str | None, name: str | None = None) -> str:
     """The parser's name: ``name`` itself, else the one whose markers the chat template writes, else ``json``.
+
+    Args:
+        template: the model's chat template, or None.
+        name: the parser asked for (``--tool-call-parser``), or None to choose from the template.
+
+    Returns:
+        A key of ``PARSERS``.
 
     Raises:
         ValueError: an unknown ``name``.
@@ -199,5 +281,13 @@ def parser_for(template: str | None, name: str | None = None) -> str:
 
 
 def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
-    """Split an answer into (content, calls) with the parser named ``parser``."""
+    """Split an answer into (content, calls) with the parser named ``parser``.
+
+    Args:
+        text: the model's answer.
+        parser: a key of ``PARSERS``.
+
+    Returns:
+        ``(content, calls)`` as the parser returns them.
+    """
     return PARSERS[parser](text)

@@ -114,6 +114,9 @@ def staging_folder(target: Path) -> Iterator[Path]:
 
     Args:
         target: the checkpoint folder that will be written (need not exist; its parents are created).
+
+    Yields:
+        The staging folder's path.
     """
     target = Path(target).expanduser().resolve()
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -57,8 +57,14 @@ WeightsFormat = Literal["safetensors", "sharded", "pickle"]
 class CheckpointFiles:
     """Where a checkpoint's files are on the local disk (a folder, or the Hub cache).
 
-    ``source`` names the checkpoint in messages (a path, or ``repo_id@revision``); ``commit`` is the Hub
-    commit the files come from (``None`` for a local folder).
+    Attributes:
+        source: names the checkpoint in messages (a path, or ``repo_id@revision``).
+        config: its ``config.json``.
+        weights: its weights files (one, or the shards in order).
+        weights_format: ``"safetensors"``, ``"sharded"`` or ``"pickle"``.
+        index: the shard index (``"sharded"``), else None.
+        tokenizer: its ``tokenizer.json``, or None.
+        commit: the Hub commit the files come from (None for a local folder).
     """
 
     source: str
@@ -71,7 +77,11 @@ class CheckpointFiles:
 
 
 def library_version() -> str:
-    """The installed transformer-zoo version (``"unknown"`` when run from an uninstalled checkout)."""
+    """The installed transformer-zoo version (``"unknown"`` when run from an uninstalled checkout).
+
+    Returns:
+        The version string.
+    """
     try:
         return metadata.version(LIBRARY_NAME)
     except metadata.PackageNotFoundError:
@@ -79,18 +89,38 @@ def library_version() -> str:
 
 
 def is_zoo_config(raw: dict[str, Any]) -> bool:
-    """Whether a parsed ``config.json`` was written by transformer-zoo."""
+    """Whether a parsed ``config.json`` was written by transformer-zoo.
+
+    Args:
+        raw: the parsed ``config.json``.
+
+    Returns:
+        True when it has ``architecture`` and ``format_version``.
+    """
     return "architecture" in raw and "format_version" in raw
 
 
 def is_transformers_config(raw: dict[str, Any]) -> bool:
-    """Whether a parsed ``config.json`` was written by ``transformers`` (it names a ``model_type``)."""
+    """Whether a parsed ``config.json`` was written by ``transformers`` (it names a ``model_type``).
+
+    Args:
+        raw: the parsed ``config.json``.
+
+    Returns:
+        True when it names a ``model_type`` and is not a zoo config.
+    """
     return "model_type" in raw and not is_zoo_config(raw)
 
 
 # ---------------------------------------------------------------------------------------------- writing
 def unique_state(model: nn.Module) -> dict[str, Tensor]:
     """The model's state dict on CPU with every tied tensor stored once, under its first name.
+
+    Args:
+        model: the model (a sharded model's DTensors are gathered: every rank must call this).
+
+    Returns:
+        Name -> contiguous CPU tensor.
 
     Shapes: each tensor keeps its shape and dtype.
     """
@@ -121,6 +151,12 @@ def save_weights(state: dict[str, Tensor], path: Path) -> None:
     Raises:
         OSError: the write failed (a full disk, a file size limit, ...): safetensors' own ``SafetensorError`` is
             turned into the ``OSError`` it stands for, with its errno and the path.
+
+    Args:
+        state: name -> tensor (contiguous, on CPU, no two sharing memory: ``unique_state``).
+        path: the file to write.
+
+    Shapes: each tensor as stored (any shape).
     """
     try:
         save_file(state, str(path), metadata={"format": "pt"})
@@ -130,7 +166,12 @@ def save_weights(state: dict[str, Tensor], path: Path) -> None:
 
 
 def write_json(obj: dict[str, Any], path: Path) -> None:
-    """Write ``obj`` as indented JSON with a trailing newline."""
+    """Write ``obj`` as indented JSON with a trailing newline.
+
+    Args:
+        obj: the JSON object.
+        path: the file to write.
+    """
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
@@ -141,6 +182,9 @@ def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any]:
     Args:
         path: the file.
         max_bytes: the largest file read (``MAX_JSON_BYTES``; ``MAX_CONFIG_BYTES`` for a model's ``config.json``).
+
+    Returns:
+        The parsed object.
 
     Raises:
         ValueError: the file is larger than ``max_bytes`` (checked before reading), not valid UTF-8 JSON, not an
@@ -173,7 +217,14 @@ _JSON_STRUCTURE = re.compile(r'[\[\]{}"\\]')
 
 def json_depth(text: str) -> int:
     """How deeply ``text`` nests JSON arrays and objects (brackets inside strings do not count), in one linear
-    pass that never recurses, so it is safe on any input, valid JSON or not."""
+    pass that never recurses, so it is safe on any input, valid JSON or not.
+
+    Args:
+        text: the JSON text.
+
+    Returns:
+        The deepest nesting (0 for a scalar).
+    """
     depth = deepest = 0
     in_string = False
     skip = -1  # the index of a character escaped by a backslash
@@ -200,6 +251,12 @@ def load_tokenizer(path: Path) -> Any:
     """Load a checkpoint's ``tokenizer.json`` as a ``tokenization.Tokenizer`` (special-token roles come from a
     ``tokenizer_config.json`` beside it, when present).
 
+    Args:
+        path: the ``tokenizer.json`` file.
+
+    Returns:
+        The tokenizer.
+
     Raises:
         ValueError: the file is not a valid tokenizer (the path is named).
     """
@@ -211,9 +268,17 @@ def load_tokenizer(path: Path) -> Any:
 def read_weights(files: CheckpointFiles) -> dict[str, Tensor]:
     """All tensors of a checkpoint, on CPU, in the checkpoint's own names and dtypes.
 
+    Args:
+        files: the checkpoint's files.
+
+    Returns:
+        Name -> tensor.
+
     Raises:
         ValueError: a corrupted or truncated safetensors file, an inconsistent shard index, or a pickle
             that ``torch.load(weights_only=True)`` refuses (it is never unpickled any other way).
+
+    Shapes: each tensor as stored (any shape).
     """
     if files.weights_format == "pickle":
         return read_pickle(files.weights[0])
@@ -240,6 +305,12 @@ def shard_names(index: Path) -> list[str]:
     """The distinct shard files named by a ``model.safetensors.index.json``, in order of first use, as written
     there: names read from a file, which the caller joins to the folder through ``paths.confined``.
 
+    Args:
+        index: the ``model.safetensors.index.json`` file.
+
+    Returns:
+        The shard file names.
+
     Raises:
         ValueError: a malformed index.
     """
@@ -258,8 +329,17 @@ def _weight_map(index: Path) -> dict[str, str]:
 def read_safetensors(path: Path) -> dict[str, Tensor]:
     """Every tensor of a safetensors file, on CPU.
 
+    Args:
+        path: the file.
+
+    Returns:
+        Name -> tensor.
+
     Raises:
         ValueError: a truncated or corrupted file (the path is named).
+        OSError: the file cannot be read (``FileNotFoundError`` included).
+
+    Shapes: each tensor as stored (any shape).
     """
     try:
         return load_file(str(path), device="cpu")
@@ -278,8 +358,16 @@ def read_pickle(path: Path) -> dict[str, Tensor]:
     """The tensors of a PyTorch pickle (``pytorch_model.bin``, ``adapter_model.bin``), read with
     ``torch.load(weights_only=True)``: never unpickled any other way.
 
+    Args:
+        path: the file.
+
+    Returns:
+        Name -> tensor.
+
     Raises:
         ValueError: a pickle holding more than a flat dict of tensors, or an unreadable file (the path is named).
+
+    Shapes: each tensor as stored (any shape).
     """
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -301,6 +389,13 @@ def quantization_entry(raw: dict[str, Any], source: str) -> tuple[dict[str, str]
     when it has none (see ``models.checkpoints.persistence`` for the two forms).
 
     Checked before any weights are read or downloaded.
+
+    Args:
+        raw: the parsed ``config.json``.
+        source: names the checkpoint in messages.
+
+    Returns:
+        ``(layer name -> scheme, scheme -> options)``, or None when the model is not quantized.
 
     Raises:
         ValueError: a malformed entry (an object of ``scheme`` and a ``modules`` list, or of a ``modules`` object

@@ -242,6 +242,8 @@ def load_state_into(
         ValueError: missing, unexpected or mis-shaped tensors (every one listed), integer tensors of another
             dtype than the model's (int8 weights stored wider), tied names whose tensors in ``state`` differ, or
             quantized weights for a model whose layers are unquantized, or the reverse (the scheme is named).
+
+    Shapes: each tensor of ``state`` as the model's tensor of that name.
     """
     mismatch = quantization_mismatch(model, state)
     if mismatch is not None:

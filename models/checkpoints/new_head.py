@@ -25,11 +25,23 @@ def with_head(
     """The config, state and allowed-missing names for loading ``state`` into ``cls`` with another head.
 
     Args:
+        cls: the model class.
+        config: the checkpoint's config.
+        state: the checkpoint's tensors, in the model's naming.
+        allow_missing: names that may be absent already.
         head: the registered head (None: the checkpoint's).
         options: head options; merged over the checkpoint's when the head is the same.
+        source: names the checkpoint in the warnings.
+
+    Returns:
+        ``(config, state, allow_missing)``: the config with the head, ``state`` without the head tensors the new
+        head does not take (absent or of another shape), and ``allow_missing`` with the new head's tensors.
 
     Raises:
-        ValueError: a head or options the model class refuses (named by the config's validation).
+        ValueError: a head or options the model class refuses (named by the config's validation), or a model
+            class that takes no head option.
+
+    Shapes: state's tensors keep their shapes.
     """
     if not hasattr(config, "head"):
         raise ValueError(f"{cls.__name__} takes no head option; its head is fixed")

@@ -48,9 +48,22 @@ def peft_files(
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The ``adapter_config.json`` dict and the tensors of adapter ``name`` in the ``peft`` layout.
 
+    Args:
+        model: the adapted model.
+        name: the adapter's name.
+        base_model: the base model's name or path to record in the config, or None.
+        model_type: the ``transformers`` family whose module names to use (None: the first that represents the
+            model).
+
+    Returns:
+        ``(config, tensors)``: the ``adapter_config.json`` dict and ``base_model.model.<module>.lora_A.weight`` /
+        ``lora_B.weight`` tensors (fused modules' LoRAs fused into one).
+
     Raises:
         ValueError: adapters that are not LoRA, adapted layers without a ``transformers`` module, or parts of one
             fused module with different dropouts (``peft`` has one per module).
+
+    Shapes: each module's ``lora_A`` ``(r, in_features)`` and ``lora_B`` ``(out_features, r)``.
     """
     lora: dict[str, LoRA] = {}
     for module_name, layer in model._adapted_layers():
@@ -162,8 +175,20 @@ def zoo_adapters(
     The module names are read as those of ``model_type``, or by default of the first family that represents the
     model and has every module the adapter names (an encoder may be a BERT or a RoBERTa).
 
+    Args:
+        model: the model the adapter loads into.
+        config: the parsed ``adapter_config.json``.
+        tensors: the adapter file's tensors.
+        source: names the adapter in messages.
+        model_type: the ``transformers`` family the module names are read as, or None to try each.
+
+    Returns:
+        Zoo module name -> ``LoRA`` block.
+
     Raises:
         ValueError: see ``AdapterFilesMixin.load_adapter`` (``models.checkpoints.adapter_files``).
+
+    Shapes: each module's ``lora_A`` ``(r, in_features)`` and ``lora_B`` ``(out_features, r)``.
     """
     loras, dropout, selection, missing_ok = _read_peft(config, tensors, source)
     candidates = [name_map(model, model_type)] if model_type is not None else list(name_maps(model).values())

@@ -47,9 +47,12 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class NameMap:
-    """Zoo linear layers -> ``Placement``; ``modules`` are every module name with a weight on the other side.
+    """Zoo linear layers -> ``Placement``, in one family's module names.
 
-    ``family`` is the ``transformers`` ``model_type`` or ``None`` when the zoo's own names are used.
+    Attributes:
+        placements: zoo linear layer name -> where its weight sits.
+        modules: every module name with a weight on the other side.
+        family: the ``transformers`` ``model_type``, or None when the zoo's own names are used.
     """
 
     placements: dict[str, Placement]
@@ -57,7 +60,11 @@ class NameMap:
     family: str | None
 
     def parts(self) -> dict[str, list[tuple[str, Placement]]]:
-        """``transformers`` module -> its zoo parts ``(zoo name, placement)``."""
+        """``transformers`` module -> its zoo parts ``(zoo name, placement)``.
+
+        Returns:
+            The placements grouped by the module they sit in (a fused module has several parts).
+        """
         out: dict[str, list[tuple[str, Placement]]] = {}
         for zoo, placement in self.placements.items():
             out.setdefault(placement.module, []).append((zoo, placement))
@@ -71,6 +78,12 @@ def name_maps(model: nn.Module) -> dict[str | None, NameMap]:
     """Where the model's linear layers are in each ``transformers`` family that represents the model, in the
     order ``to_transformers`` tries them (a BERT-shaped encoder is also a RoBERTa); ``{None: zoo names}`` when
     none does. Cached per class and config.
+
+    Args:
+        model: the zoo model.
+
+    Returns:
+        ``model_type`` (or None) -> its ``NameMap``.
     """
     # The attention backend is a runtime choice that no exporter writes: switching it must not re-probe.
     config = {k: v for k, v in model.config.to_dict().items() if k != "attention_backend"}
@@ -85,6 +98,13 @@ def name_maps(model: nn.Module) -> dict[str | None, NameMap]:
 def name_map(model: nn.Module, model_type: str | None = None) -> NameMap:
     """The ``NameMap`` of family ``model_type`` (default: the first that represents the model, as
     ``to_transformers`` picks; the zoo's own names when none does).
+
+    Args:
+        model: the zoo model.
+        model_type: the ``transformers`` family, or None for the default.
+
+    Returns:
+        The family's map.
 
     Raises:
         ValueError: a ``model_type`` that does not represent this model (those that do are listed).
@@ -202,6 +222,12 @@ class PeftTargets:
     in ``layers_to_transform``.
 
     Build it with ``from_config``, which checks every field's type and each pattern.
+
+    Attributes:
+        target_modules: a regular expression, or module names (exact or suffixes).
+        exclude_modules: the same form, for the modules never adapted; or None.
+        layers_to_transform: the layer indices adapted (suffix matches only), or None for all.
+        layers_pattern: the names before the layer index (``"layers"``, ``"h"``), or empty for any.
     """
 
     target_modules: str | frozenset[str]
@@ -212,6 +238,13 @@ class PeftTargets:
     @classmethod
     def from_config(cls, config: Mapping, where: str) -> PeftTargets:
         """The targets of an ``adapter_config.json`` dict; ``where`` starts each error message (the file).
+
+        Args:
+            config: the parsed ``adapter_config.json``.
+            where: starts each error message (the file).
+
+        Returns:
+            The checked targets.
 
         Raises:
             ValueError: naming the field: ``target_modules`` missing, empty, ``"all-linear"`` (``peft`` expands it
@@ -260,7 +293,14 @@ class PeftTargets:
         return cls(target, exclude, frozenset(layers) if layers else None, tuple(patterns))
 
     def selects(self, module: str) -> bool:
-        """Whether ``peft`` adapts the module named ``module`` (its name in the ``transformers`` model)."""
+        """Whether ``peft`` adapts the module named ``module`` (its name in the ``transformers`` model).
+
+        Args:
+            module: the module's name in the ``transformers`` model.
+
+        Returns:
+            True when these targets select it.
+        """
         if self.exclude_modules and _matches(self.exclude_modules, module):
             return False
         if isinstance(self.target_modules, str):
@@ -302,7 +342,17 @@ def _names_or_regex(value: object, field: str, where: str, *, optional: bool) ->
 
 
 def check_pattern(regex: str, field: str, pattern: str, where: str) -> None:
-    """``re.compile(regex)``, whose error (a ``ValueError``) names ``field`` and the ``pattern`` it was built from."""
+    """``re.compile(regex)``, whose error (a ``ValueError``) names ``field`` and the ``pattern`` it was built from.
+
+    Args:
+        regex: the regular expression to compile.
+        field: the config field it comes from.
+        pattern: the field's value it was built from.
+        where: starts the error message (the file).
+
+    Raises:
+        ValueError: ``regex`` does not compile.
+    """
     try:
         re.compile(regex)
     except re.error as e:

@@ -32,6 +32,13 @@ TASK_TYPES = {"sequence_classification": "SEQ_CLS", "token_classification": "TOK
 def head_names(model: nn.Module, family: str | None) -> dict[str, str]:
     """``transformers`` module -> zoo module of the model's head in ``family`` (the zoo's names for ``None``).
 
+    Args:
+        model: the model with a task head.
+        family: the ``transformers`` family (``model_type``), or None.
+
+    Returns:
+        ``transformers`` module name -> zoo module name (``head...``).
+
     Raises:
         ValueError: the family has no task class for the head.
     """
@@ -41,19 +48,43 @@ def head_names(model: nn.Module, family: str | None) -> dict[str, str]:
 
 
 def head_state(model: nn.Module) -> dict[str, Tensor]:
-    """The head's own tensors under zoo names (``head.classifier.weight``), adapters left out."""
+    """The head's own tensors under zoo names (``head.classifier.weight``), adapters left out.
+
+    Args:
+        model: the model with a task head.
+
+    Returns:
+        Zoo name -> tensor.
+
+    Shapes: each tensor as the head's parameter of that name.
+    """
     return {f"head.{k}": v for k, v in model.head.state_dict().items() if ".adapters." not in f".{k}"}
 
 
 def trains_head(model: nn.Module) -> bool:
-    """Whether the model has a task head with a trainable parameter (saved with the adapter)."""
+    """Whether the model has a task head with a trainable parameter (saved with the adapter).
+
+    Args:
+        model: the model.
+
+    Returns:
+        True when its head is a task head (``TASK_TYPES``) with a parameter that requires grad.
+    """
     head = getattr(model, "head", None)
     return getattr(model.config, "head", None) in TASK_TYPES and isinstance(head, nn.Module) and any(
         p.requires_grad for p in head.parameters())
 
 
 def rename(key: str, modules: Mapping[str, str]) -> str | None:
-    """``key`` with its longest module prefix of ``modules`` replaced by the mapped module; None when none fits."""
+    """``key`` with its longest module prefix of ``modules`` replaced by the mapped module; None when none fits.
+
+    Args:
+        key: a tensor name.
+        modules: module name -> module name to put in its place.
+
+    Returns:
+        The renamed key, or None.
+    """
     module = max((m for m in modules if key.startswith(m + ".")), key=len, default=None)
     return None if module is None else modules[module] + key[len(module):]
 
@@ -63,6 +94,17 @@ def with_saved_head(
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The adapter's ``peft`` config and tensors with the trainable task head added as ``modules_to_save`` (unchanged
     when the head is frozen).
+
+    Args:
+        model: the adapted model.
+        config: the adapter's ``peft`` config.
+        tensors: the adapter's tensors under ``peft`` names.
+        model_type: the ``transformers`` family to name the head's modules in (None: the model's own).
+
+    Returns:
+        ``(config, tensors)``, with ``modules_to_save`` and ``task_type`` set and the head's tensors added.
+
+    Shapes: each tensor as stored; the head's as its parameters.
 
     Raises:
         ValueError: a head parameter the task class has no module for, or a LoRA on the head itself (``peft`` saves
@@ -95,9 +137,21 @@ def split_saved_head(
     The saved tensors are read as the head modules of ``model_type`` or of the first family that represents the
     model and has them all.
 
+    Args:
+        model: the model the adapter loads into.
+        config: the adapter's ``peft`` config.
+        tensors: the adapter file's tensors.
+        source: names the adapter in messages.
+        model_type: the ``transformers`` family the head's modules are named in (None: try each).
+
+    Returns:
+        The three parts; no head tensors when the adapter saves no modules.
+
     Raises:
         ValueError: ``modules_to_save`` that is not a list of names; saved modules on a model without a task head;
             saved tensors that are not the head's (named), of other shapes, or not finite floating point.
+
+    Shapes: each tensor as the head's parameter of that name.
     """
     saved = config.get("modules_to_save")
     lora = {k: v for k, v in tensors.items() if not saved or k.endswith((".lora_A.weight", ".lora_B.weight"))}
@@ -140,7 +194,14 @@ def split_saved_head(
 
 
 def load_saved_head(model: nn.Module, state: Mapping[str, Tensor]) -> None:
-    """Copy the saved head tensors (zoo names) into ``model.head`` and make the head trainable."""
+    """Copy the saved head tensors (zoo names) into ``model.head`` and make the head trainable.
+
+    Args:
+        model: the model.
+        state: the saved head tensors (``split_saved_head``); nothing is done when empty.
+
+    Shapes: each tensor as the head's parameter of that name.
+    """
     if not state:
         return
     params = dict(model.named_parameters())

@@ -39,7 +39,18 @@ LEGACY_POOLING_KEYS = {
 
 def located_json(location: Any, name: str) -> Any:
     """A JSON file of a located folder or Hub commit (``models.checkpoints.locate.Location``), None when absent;
-    the name stays inside the folder and the nesting is bounded as for every checkpoint file."""
+    the name stays inside the folder and the nesting is bounded as for every checkpoint file.
+
+    Args:
+        location: the located folder or Hub commit.
+        name: the file's path inside it.
+
+    Returns:
+        The parsed JSON value, or None when the file is absent.
+
+    Raises:
+        ValueError: the file is not valid JSON or nests deeper than ``MAX_JSON_DEPTH``.
+    """
     name = name.lstrip("/")
     if location.folder is not None:
         path = confined(location.folder, name, f"the sentence-transformers file {name!r}", file_may_link=True)
@@ -180,6 +191,13 @@ def fit_sentence_options(options: dict[str, Any], max_len: int) -> dict[str, Any
 def pooling_mode(config: dict[str, Any], source: str) -> str:
     """The zoo pooling of a ``1_Pooling/config.json`` (current or legacy keys).
 
+    Args:
+        config: the parsed ``1_Pooling/config.json``.
+        source: names the folder in messages.
+
+    Returns:
+        The zoo pooling's name.
+
     Raises:
         ValueError: no mode, several, one the zoo lacks, or ``include_prompt`` False.
     """
@@ -199,6 +217,13 @@ def pooling_mode(config: dict[str, Any], source: str) -> str:
 def save_sentence_transformers(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     """Write ``model`` (a text model; its ``embedding`` head's options, or mean pooling) and its tokenizer as a
     sentence-transformers folder that ``SentenceTransformer(directory)`` loads.
+
+    Args:
+        model: the text model, with its tokenizer attached.
+        directory: the folder to write (created if needed).
+
+    Returns:
+        The folder's path.
 
     Raises:
         ValueError: no tokenizer attached, a base no ``transformers`` family represents, or a tensor holding NaN or
@@ -238,6 +263,12 @@ def save_sentence_transformers(model: nn.Module, directory: str | os.PathLike[st
 
 
 def write(path: Path, data: Any) -> None:
+    """Write ``data`` as indented JSON with a trailing newline.
+
+    Args:
+        path: the file to write.
+        data: the JSON value.
+    """
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 

@@ -58,10 +58,19 @@ LEGACY = {
 def convert_bart(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``BartForConditionalGeneration`` (or ``BartModel``) checkpoint.
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: encoder and decoder stacks of different shapes, legacy options the zoo lacks, an
             activation no zoo FFN computes, position tables without the two offset rows, or weights that
             do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("bart", hf_config, DEFAULTS, ALIASES)
     for key, (value, feature) in LEGACY.items():
@@ -93,9 +102,17 @@ def export_bart(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
 
     The two offset rows BART's position tables start with are never read; they are written as zeros.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: not a ``Seq2SeqTransformer``, or one with parts BART lacks (non-learned positions,
             no embedding norm, pre-norm, GQA, RMSNorm, no biases, a norm eps other than 1e-5).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, Seq2SeqTransformer), f"{type(model).__name__} is not a Seq2SeqTransformer")
     c = model.config
@@ -119,7 +136,16 @@ def export_bart(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
 def seq2seq_task_classes(stem: str, prefix: str, qa_prefix: str) -> tuple[TaskClass, ...]:
     """BART's and T5's task classes: ``classification_head`` (dropout, dense + tanh, dropout, ``out_proj``: the
     ``roberta`` pre-classifier) on the decoder state at the source's last EOS, and ``qa_outputs`` on every decoder
-    state."""
+    state.
+
+    Args:
+        stem: the class names' start (``"Bart"``, ``"T5"``).
+        prefix: where the sequence classifier stores the base model.
+        qa_prefix: where the question-answering class stores it.
+
+    Returns:
+        The two task classes.
+    """
     return (
         TaskClass(f"{stem}ForSequenceClassification", "sequence_classification", prefix,
                   {"classification_head.dense": "dense", "classification_head.out_proj": "classifier"},

@@ -51,10 +51,19 @@ HEAD_NAMES = {
 def convert_bert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``BertForMaskedLM``, ``BertForPreTraining`` or ``BertModel`` checkpoint.
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: ``position_embedding_type`` other than ``"absolute"``, a causal (``is_decoder``) or
             cross-attending BERT, an activation no zoo FFN computes (or, with an MLM head, other than the
             exact GELU of the zoo's head), task heads the zoo lacks, or weights that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("bert", hf_config, DEFAULTS)
     cfg.require("position_embedding_type", ["absolute"], "relative position embeddings in attention")
@@ -121,7 +130,14 @@ def convert_bert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
 
 
 def layer_norm_modern_name(key: str) -> str:
-    """A TF-era BERT tensor name with `LayerNorm.gamma`/`beta` as `transformers` names it (`weight`/`bias`)."""
+    """A TF-era BERT tensor name with `LayerNorm.gamma`/`beta` as `transformers` names it (`weight`/`bias`).
+
+    Args:
+        key: a tensor name.
+
+    Returns:
+        The name, renamed when it ends in ``LayerNorm.gamma`` or ``LayerNorm.beta``.
+    """
     if key.endswith("LayerNorm.gamma"):
         return key[: -len("gamma")] + "weight"
     if key.endswith("LayerNorm.beta"):
@@ -136,10 +152,18 @@ def export_bert(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     A model without segment embeddings (``type_vocab_size=0``) gets one all-zero segment embedding,
     which adds nothing, because ``BertModel`` always has the table.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: not an ``EncoderLM``, or one with parts BERT lacks (non-learned positions, a
             pre-norm stack, an FFN other than exact GELU — BERT's MLM head shares the encoder's activation —
             GQA, RMSNorm, no biases).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, EncoderLM), f"{type(model).__name__} is not an EncoderLM")
     c = model.config

@@ -50,7 +50,14 @@ _BIAS = "e_score_correction_bias"
 
 def deepseek_names(n_experts: int) -> NameMap:
     """Llama's name map with latent attention's linears and norms, the router ``mlp.gate``, routed experts
-    ``mlp.experts.<e>.*`` and the shared experts ``mlp.shared_experts.*`` (a dense layer's MLP is renamed to them)."""
+    ``mlp.experts.<e>.*`` and the shared experts ``mlp.shared_experts.*`` (a dense layer's MLP is renamed to them).
+
+    Args:
+        n_experts: the number of routed experts.
+
+    Returns:
+        The zoo -> ``transformers`` name map.
+    """
     layer = {k: v for k, v in NAMES.layer.items() if not k.startswith(("ffn.", "self_attn."))}
     layer.update({f"self_attn.{name}": f"self_attn.{name}" for name in _ATTENTION})
     layer["ffn.router"] = "mlp.gate"
@@ -62,13 +69,29 @@ def deepseek_names(n_experts: int) -> NameMap:
 
 def rotary_fraction(d_rope: int, d_head: int) -> float:
     """The rotary ``fraction`` whose ``int(d_head · fraction)`` is exactly ``d_rope`` (``d_rope / d_head``, one ulp
-    up where rounding would drop a dimension)."""
+    up where rounding would drop a dimension).
+
+    Args:
+        d_rope: the rotated dimensions of a head.
+        d_head: the head's query/key width.
+
+    Returns:
+        The fraction.
+    """
     fraction = d_rope / d_head
     return fraction if int(d_head * fraction) == d_rope else math.nextafter(fraction, 1.0)
 
 
 def mla_scale(cfg: HFConfig, d_head: int) -> float | None:
-    """The score scale when YaRN's ``mscale_all_dim`` changes it (``d_head^-½ · mscale²``), else None."""
+    """The score scale when YaRN's ``mscale_all_dim`` changes it (``d_head^-½ · mscale²``), else None.
+
+    Args:
+        cfg: the checkpoint's config.
+        d_head: the head's query/key width.
+
+    Returns:
+        The scale, or None for the default ``d_head^-½``.
+    """
     rope = dict(cfg.data.get("rope_scaling") or cfg.data.get("rope_parameters") or {})
     kind, m_all = rope.get("rope_type", rope.get("type", "default")), rope.get("mscale_all_dim") or 0
     if kind == "default" or not m_all:
@@ -79,7 +102,18 @@ def mla_scale(cfg: HFConfig, d_head: int) -> float | None:
 
 
 def dense_layers(cfg: HFConfig, n_layers: int) -> int:
-    """``first_k_dense_replace`` (None: 0), checked to be an integer in ``[0, num_hidden_layers]``."""
+    """``first_k_dense_replace`` (None: 0), checked to be an integer in ``[0, num_hidden_layers]``.
+
+    Args:
+        cfg: the checkpoint's config.
+        n_layers: the number of layers.
+
+    Returns:
+        The number of first layers with a dense MLP.
+
+    Raises:
+        ValueError: another value.
+    """
     dense = cfg["first_k_dense_replace"] or 0
     if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= n_layers:
         raise cfg.unsupported("first_k_dense_replace", "the number of dense first layers",
@@ -89,6 +123,14 @@ def dense_layers(cfg: HFConfig, n_layers: int) -> int:
 
 def deepseek_fields(cfg: HFConfig, router: Mapping[str, Any], interleaved: bool) -> dict[str, Any]:
     """The ``DecoderLMConfig`` fields of a DeepSeek checkpoint; ``router``: the family's router options.
+
+    Args:
+        cfg: the checkpoint's config.
+        router: the family's router options of the ``moe`` block.
+        interleaved: whether the rotary encoding rotates interleaved pairs (``rotary_interleaved``).
+
+    Returns:
+        The fields, as keyword arguments of ``DecoderLMConfig``.
 
     Raises:
         ValueError: an activation without a gated zoo FFN, MLP biases, a kv rank larger than the width, a RoPE type
@@ -138,7 +180,21 @@ def deepseek_fields(cfg: HFConfig, router: Mapping[str, Any], interleaved: bool)
 
 def convert_deepseek_like(model_type: str, hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor],
                           defaults: Mapping[str, Any], fields: Callable[[HFConfig], dict[str, Any]]) -> Converted:
-    """Convert a DeepSeek checkpoint (per-expert or fused expert tensors) with the family's ``fields``."""
+    """Convert a DeepSeek checkpoint (per-expert or fused expert tensors) with the family's ``fields``.
+
+    Args:
+        model_type: the family.
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+        defaults: the family's config defaults.
+        fields: reads the zoo config fields from the config.
+
+    Returns:
+        The zoo ``DecoderLM``, its config and state dict.
+
+    Shapes: fused expert tensors ``(n_experts, ...)`` are split into one tensor per expert; the others keep
+    their shapes.
+    """
     cfg = HFConfig(model_type, hf_config, defaults, aliases={"n_routed_experts": "num_experts"})
     config = zoo_config(model_type, DecoderLMConfig, **fields(cfg))
     dense = dense_layers(cfg, config.n_layers)
@@ -162,6 +218,15 @@ def export_deepseek_like(model: nn.Module, model_type: str, architecture: str,
                          extra: Callable[[DecoderLMConfig, dict[str, Any]], dict[str, Any]]) -> tuple[dict, dict]:
     """A DeepSeek config and per-expert state dict; ``extra(config, ffn options)`` gives the family's router fields
     (and raises ``NotExportable`` for a router it lacks).
+
+    Args:
+        model: the zoo ``DecoderLM``.
+        model_type: the family.
+        architecture: the ``transformers`` class name to record.
+        extra: the family's router fields.
+
+    Returns:
+        ``(config, state_dict)`` under ``transformers`` names, one tensor per expert.
 
     Raises:
         NotExportable: parts DeepSeek lacks (attention other than ``mla``, per-layer options other than the first
@@ -244,9 +309,18 @@ def _v2_fields(cfg: HFConfig) -> dict[str, Any]:
 def convert_deepseek_v2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``DeepseekV2ForCausalLM`` checkpoint (per-expert or fused expert tensors).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: a ``topk_method`` other than ``greedy`` / ``group_limited_greedy``, ``n_group`` not dividing the
             experts, ``topk_group > n_group``, or as ``deepseek_fields`` (the field named).
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_deepseek_like("deepseek_v2", hf_config, state_dict, DEFAULTS, _v2_fields)
 
@@ -255,9 +329,17 @@ def convert_deepseek_v2(hf_config: Mapping[str, Any], state_dict: Mapping[str, T
 def export_deepseek_v2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``DeepseekV2ForCausalLM`` config and per-expert state dict for a DeepSeek-V2-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: a router other than ``softmax`` / ``softmax_group`` without renormalisation, the rotate-half
             rotary layout, or parts DeepSeek lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
 
     def extra(c: DecoderLMConfig, ffn: dict[str, Any]) -> dict[str, Any]:

@@ -42,9 +42,18 @@ def convert_deepseek_v3(hf_config: Mapping[str, Any], state_dict: Mapping[str, T
     """Convert a ``DeepseekV3ForCausalLM`` checkpoint (per-expert or fused expert tensors; the multi-token-prediction
     layers some checkpoints carry past ``num_hidden_layers`` are refused by name, as unused tensors).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: ``n_group`` not dividing the experts, ``topk_group > n_group``, or as
             ``deepseek_v2.deepseek_fields`` (the field named).
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_deepseek_like("deepseek_v3", hf_config, state_dict, DEFAULTS, _v3_fields)
 
@@ -53,8 +62,16 @@ def convert_deepseek_v3(hf_config: Mapping[str, Any], state_dict: Mapping[str, T
 def export_deepseek_v3(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``DeepseekV3ForCausalLM`` config and per-expert state dict for a DeepSeek-V3-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: a router other than ``sigmoid_group``, or parts DeepSeek lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
 
     def extra(c: DecoderLMConfig, ffn: dict[str, Any]) -> dict[str, Any]:

@@ -64,9 +64,18 @@ def convert_distilbert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Te
     """Convert a ``DistilBertForMaskedLM`` or ``DistilBertModel`` checkpoint (a ``DistilBertModel`` gets a freshly
     initialised MLM head, listed in ``allow_missing``).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: an activation no zoo FFN computes (or, with an MLM head, other than the exact GELU of the zoo's
             head), task heads the zoo lacks (classifier, QA), or weights that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("distilbert", hf_config, DEFAULTS, aliases=ALIASES)
     n_layers = cfg.positive_int("n_layers")
@@ -112,10 +121,18 @@ def convert_distilbert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Te
 def export_distilbert(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``DistilBertForMaskedLM`` config and state dict for a DistilBERT-shaped ``EncoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: not an ``EncoderLM``, or one with parts DistilBERT lacks (segment embeddings, norm eps other
             than 1e-12, non-learned positions, a pre-norm stack, an FFN other than exact GELU — the MLM head shares
             the encoder's activation — GQA, RMSNorm, no biases, block options).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, EncoderLM), f"{type(model).__name__} is not an EncoderLM")
     c = model.config

@@ -42,6 +42,12 @@ class NotExportable(ValueError):
 def register_exporter(model_type: str) -> Callable[[Exporter], Exporter]:
     """Decorator registering an exporter to ``transformers``' ``model_type``.
 
+    Args:
+        model_type: the ``transformers`` family the exporter writes.
+
+    Returns:
+        The decorator; it returns the exporter unchanged.
+
     Raises:
         ValueError: if ``model_type`` already has an exporter.
     """
@@ -63,6 +69,8 @@ def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[di
     Raises:
         ValueError: an unknown ``model_type``, or a model no (or not the named) family represents exactly;
             the message gives each family's reason.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     check_exportable(model, "export to transformers", allow_merged=True)
     check_unquantized(model, "export to transformers")
@@ -129,13 +137,30 @@ def families_to_try(model: nn.Module) -> list[str]:
 
 
 def require(condition: bool, reason: str) -> None:
-    """Raise ``NotExportable(reason)`` unless ``condition``."""
+    """Raise ``NotExportable(reason)`` unless ``condition``.
+
+    Args:
+        condition: what the family needs of the model.
+        reason: what the model has instead (the error's message).
+
+    Raises:
+        NotExportable: ``condition`` is false.
+    """
     if not condition:
         raise NotExportable(reason)
 
 
 def require_plain_attention(config: Any) -> None:
-    """Multi-head attention with ``n_heads · d_head = d_model`` and as many key/value heads as query heads."""
+    """Multi-head attention with ``n_heads · d_head = d_model`` and as many key/value heads as query heads.
+
+    Also biases on every projection and LayerNorm.
+
+    Args:
+        config: the zoo model's config.
+
+    Raises:
+        NotExportable: the config has another attention, head layout, norm, or no biases.
+    """
     require(config.attention == "mha", f"attention={config.attention!r} (only 'mha')")
     require(config.n_kv_heads == config.n_heads, f"n_kv_heads={config.n_kv_heads} != n_heads={config.n_heads}")
     require(
@@ -148,13 +173,33 @@ def require_plain_attention(config: Any) -> None:
 
 
 def activation_name(config: Any, allowed: tuple[str, ...] = tuple(ACTIVATION_NAMES)) -> str:
-    """The ``transformers`` activation name of the zoo config's FFN."""
+    """The ``transformers`` activation name of the zoo config's FFN.
+
+    Args:
+        config: the zoo model's config.
+        allowed: the zoo FFNs the family has an activation for.
+
+    Returns:
+        The ``transformers`` activation name.
+
+    Raises:
+        NotExportable: the config's FFN is not one of ``allowed``.
+    """
     require(config.ffn in allowed, f"ffn={config.ffn!r} (one of {list(allowed)})")
     return ACTIVATION_NAMES[config.ffn]
 
 
 def tensors(model: nn.Module) -> dict[str, Tensor]:
-    """The model's state dict, detached, without adapter tensors (a merged adapter is already in the weights)."""
+    """The model's state dict, detached, without adapter tensors (a merged adapter is already in the weights).
+
+    Args:
+        model: the zoo model.
+
+    Returns:
+        Zoo name -> tensor.
+
+    Shapes: each tensor as the model holds it.
+    """
     return {k: v.detach() for k, v in model.state_dict().items() if ".adapters." not in k}
 
 

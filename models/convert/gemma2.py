@@ -64,6 +64,13 @@ def _optional_cap(cfg: HFConfig, key: str) -> float | None:
 def gemma2_layer_types(cfg: HFConfig, n_layers: int) -> list[str]:
     """``layer_types``, or Gemma2Config's default when absent: sliding attention on even layers (0, 2, ...).
 
+    Args:
+        cfg: the checkpoint's config.
+        n_layers: the number of layers.
+
+    Returns:
+        ``"full_attention"`` or ``"sliding_attention"`` per layer.
+
     Raises:
         ValueError: a list of the wrong length or with types other than full and sliding attention.
     """
@@ -78,6 +85,12 @@ def gemma2_layer_types(cfg: HFConfig, n_layers: int) -> list[str]:
 
 def gemma2_fields(cfg: HFConfig) -> dict[str, Any]:
     """The ``DecoderLMConfig`` fields of a Gemma 2 checkpoint.
+
+    Args:
+        cfg: the checkpoint's config.
+
+    Returns:
+        The fields, as keyword arguments of ``DecoderLMConfig``.
 
     Raises:
         ValueError: bidirectional attention, an activation without a gated zoo FFN, partial rotary (Gemma 2's
@@ -132,8 +145,17 @@ def gemma2_fields(cfg: HFConfig) -> dict[str, Any]:
 def convert_gemma2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``Gemma2ForCausalLM`` checkpoint (see the module docstring for the mapping).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: a config value the zoo cannot represent (named), or weights that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_gemma_like("gemma2", hf_config, state_dict, DEFAULTS, gemma2_fields, NAMES)
 
@@ -142,7 +164,21 @@ def convert_gemma_like(
     model_type: str, hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor], defaults: Mapping[str, Any],
     fields: Callable[[HFConfig], dict[str, Any]], names: NameMap,
 ) -> Converted:
-    """Gemma 2's conversion, for Gemma 2 and the families built on it (their own ``fields`` and tensor ``names``)."""
+    """Gemma 2's conversion, for Gemma 2 and the families built on it (their own ``fields`` and tensor ``names``).
+
+    Args:
+        model_type: the family.
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+        defaults: the family's config defaults.
+        fields: reads the zoo config fields from the config.
+        names: the zoo -> ``transformers`` tensor names.
+
+    Returns:
+        The zoo ``DecoderLM``, its config and state dict.
+
+    Shapes: each tensor keeps its shape (the tensors are renamed).
+    """
     cfg = HFConfig(model_type, hf_config, defaults)
     config = zoo_config(model_type, DecoderLMConfig, **fields(cfg))
     ckpt = CheckpointReader(model_type, state_dict, ignore=[r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"])
@@ -169,9 +205,17 @@ def _query_pre_attn_scalar(c: DecoderLMConfig, scale: float | None) -> int:
 def export_gemma2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``Gemma2ForCausalLM`` config and state dict for a Gemma-2-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: a model with parts Gemma 2 lacks (not offset RMSNorm with sandwich sublayers, unscaled
             embeddings, FFN biases, several window sizes, ...), named.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     return export_gemma_like(model)
 
@@ -181,7 +225,22 @@ def export_gemma_like(
     layer_keys: frozenset[str] = frozenset({"attention"}), names: NameMap = NAMES,
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """Gemma 2's export, for Gemma 2 and the families built on it (which allow more ``attention_keys`` options,
-    ``layer_keys`` entries and tensor ``names``, and fix the config up)."""
+    ``layer_keys`` entries and tensor ``names``, and fix the config up).
+
+    Args:
+        model: the zoo ``DecoderLM``.
+        attention_keys: the attention options the family writes.
+        layer_keys: the per-layer option blocks the family writes.
+        names: the zoo -> ``transformers`` tensor names.
+
+    Returns:
+        ``(config, state_dict)`` under ``transformers`` names.
+
+    Raises:
+        NotExportable: a model with parts Gemma 2 lacks, named.
+
+    Shapes: each tensor keeps its shape (the tensors are renamed).
+    """
     require(isinstance(model, DecoderLM), f"{type(model).__name__} is not a DecoderLM")
     c = model.config
     require(c.positional == "rotary", f"positional={c.positional!r} (only 'rotary')")

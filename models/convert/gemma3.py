@@ -67,7 +67,14 @@ def _layer_types(cfg: HFConfig, n_layers: int) -> list[str]:
 
 
 def gemma3_fields(cfg: HFConfig) -> dict[str, Any]:
-    """The ``DecoderLMConfig`` fields of a Gemma 3 text checkpoint (Gemma 2's, then what Gemma 3 changes)."""
+    """The ``DecoderLMConfig`` fields of a Gemma 3 text checkpoint (Gemma 2's, then what Gemma 3 changes).
+
+    Args:
+        cfg: the checkpoint's config.
+
+    Returns:
+        The fields, as keyword arguments of ``DecoderLMConfig``.
+    """
     n_layers = cfg.positive_int("num_hidden_layers")
     types = _layer_types(cfg, n_layers)
     shared = HFConfig("gemma3_text", {**cfg.data, "layer_types": types,
@@ -88,8 +95,17 @@ def gemma3_fields(cfg: HFConfig) -> dict[str, Any]:
 def convert_gemma3(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``Gemma3ForCausalLM`` (text) checkpoint (see the module docstring for the mapping).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: a config value the zoo cannot represent (named), or weights that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_gemma_like("gemma3_text", hf_config, state_dict, DEFAULTS, gemma3_fields, NAMES)
 
@@ -98,9 +114,17 @@ def convert_gemma3(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor
 def export_gemma3(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``Gemma3ForCausalLM`` config and state dict for a Gemma-3-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: what Gemma 3 lacks (no offset q/k norm, global layers with their own rotary, sliding layers
             with rotary scaling, several window sizes, ...), named.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, DecoderLM), f"{type(model).__name__} is not a DecoderLM")
     c = model.config

@@ -42,10 +42,19 @@ def convert_gpt2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
     ``reorder_and_upcast_attn`` changes only the order of fp32 operations and is accepted; the dropout of
     the embeddings is approximated by the residual dropout (training only, with a warning if they differ).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: ``scale_attn_weights=False``, ``scale_attn_by_inverse_layer_idx=True``,
             ``add_cross_attention=True``, an activation no zoo FFN computes, or a checkpoint that does not
             match its config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("gpt2", hf_config, DEFAULTS, ALIASES)
     cfg.require("scale_attn_weights", [True], "attention scores scaled by 1/sqrt(d_head) or not")
@@ -105,9 +114,17 @@ def convert_gpt2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor])
 def export_gpt2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``GPT2LMHeadModel`` config and state dict for a GPT-2-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: not a ``DecoderLM``, or one with parts GPT-2 lacks (non-learned positions, a
             post-norm stack, GQA, RMSNorm, gated FFNs, no biases).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, DecoderLM), f"{type(model).__name__} is not a DecoderLM")
     c = model.config

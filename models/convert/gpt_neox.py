@@ -48,7 +48,14 @@ QKV = ("q_proj", "k_proj", "v_proj")
 def gpt_neox_rope(cfg: HFConfig) -> dict[str, Any]:
     """The zoo rotary options, read as ``GPTNeoXConfig`` does: ``rope_scaling`` (older files) or
     ``rope_parameters``, whose missing ``rope_theta``/``partial_rotary_factor`` come from ``rotary_emb_base`` and
-    ``rotary_pct`` (default 0.25; a top-level ``rope_theta`` is not read by GPT-NeoX)."""
+    ``rotary_pct`` (default 0.25; a top-level ``rope_theta`` is not read by GPT-NeoX).
+
+    Args:
+        cfg: the checkpoint's config.
+
+    Returns:
+        The zoo rotary options (``base``, ``fraction``, ``scaling``).
+    """
     parameters = dict(cfg.data.get("rope_scaling") or cfg.data.get("rope_parameters") or {})
     parameters.setdefault("rope_theta", cfg["rotary_emb_base"])
     parameters.setdefault("partial_rotary_factor", cfg["rotary_pct"])
@@ -78,6 +85,15 @@ def _fields(cfg: HFConfig) -> dict[str, Any]:
 def split_query_key_value(fused: Tensor, n_heads: int, d_head: int, key: str) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v weights (or biases) from GPT-NeoX's fused rows grouped per head.
 
+    Args:
+        fused: the ``query_key_value`` weight or bias.
+        n_heads: the number of heads.
+        d_head: the head width.
+        key: the tensor's name (for the message).
+
+    Returns:
+        ``(q, k, v)``.
+
     Shapes: ``(n_heads · 3 · d_head, ...)`` -> three ``(n_heads · d_head, ...)``.
 
     Raises:
@@ -92,7 +108,20 @@ def split_query_key_value(fused: Tensor, n_heads: int, d_head: int, key: str) ->
 
 
 def fuse_query_key_value(q: Tensor, k: Tensor, v: Tensor, n_heads: int, d_head: int) -> Tensor:
-    """Inverse of ``split_query_key_value``."""
+    """Inverse of ``split_query_key_value``.
+
+    Args:
+        q: the query weight or bias.
+        k: the key weight or bias.
+        v: the value weight or bias.
+        n_heads: the number of heads.
+        d_head: the head width.
+
+    Returns:
+        The fused tensor, rows grouped per head.
+
+    Shapes: three ``(n_heads · d_head, ...)`` -> ``(n_heads · 3 · d_head, ...)``.
+    """
     rest = q.shape[1:]
     parts = [t.reshape(n_heads, 1, d_head, *rest) for t in (q, k, v)]
     return torch.cat(parts, dim=1).reshape(3 * n_heads * d_head, *rest)
@@ -103,9 +132,18 @@ def convert_gpt_neox(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tens
     """Convert a ``GPTNeoXForCausalLM`` (or ``GPTNeoXModel``) checkpoint: parallel or sequential residuals,
     partial rotary, with or without attention biases, the head as ``embed_out`` or ``lm_head``.
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: an activation no zoo FFN computes, a RoPE type other than default/linear/llama3, or weights
             that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("gpt_neox", hf_config, DEFAULTS)
     config = zoo_config("gpt_neox", DecoderLMConfig, **_fields(cfg))
@@ -139,8 +177,16 @@ def export_gpt_neox(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]
     """A ``GPTNeoXForCausalLM`` config and state dict for a GPT-NeoX-shaped ``DecoderLM`` (the head as
     ``embed_out``, as published checkpoints and ``transformers``' ``save_pretrained`` store it).
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: parts GPT-NeoX lacks (RMSNorm, GQA, gated FFNs, no MLP biases, windows, ...), named.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, DecoderLM), f"{type(model).__name__} is not a DecoderLM")
     c = model.config

@@ -49,7 +49,14 @@ _SINKS = re.compile(r"layers\.(\d+)\.self_attn\.sinks")
 
 def gpt_oss_names(n_experts: int) -> NameMap:
     """Llama's name map with the FFN replaced by ``mlp.router`` and per-expert ``mlp.experts.<e>.<linear>`` (the
-    converter's unfused form of the checkpoint's fused tensors)."""
+    converter's unfused form of the checkpoint's fused tensors).
+
+    Args:
+        n_experts: the number of experts.
+
+    Returns:
+        The zoo -> ``transformers`` name map.
+    """
     layer = {k: v for k, v in NAMES.layer.items() if not k.startswith("ffn.")}
     layer["ffn.router"] = "mlp.router"
     for e in range(n_experts):
@@ -58,7 +65,18 @@ def gpt_oss_names(n_experts: int) -> NameMap:
 
 
 def unfuse(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Fused expert tensors -> per-expert ``nn.Linear`` weights and biases (``(out, in)``); other keys unchanged."""
+    """Fused expert tensors -> per-expert ``nn.Linear`` weights and biases (``(out, in)``); other keys unchanged.
+
+    Args:
+        state_dict: the checkpoint's tensors.
+
+    Returns:
+        The state dict with per-expert ``gate_proj``, ``up_proj`` and ``down_proj`` tensors.
+
+    Shapes: ``gate_up_proj`` ``(E, d_model, 2·d_ff)`` (gate and up rows interleaved) and ``down_proj``
+    ``(E, d_ff, d_model)``, stored ``(in, out)``, <-> per expert ``gate_proj``/``up_proj`` ``(d_ff, d_model)`` and
+    ``down_proj`` ``(d_model, d_ff)``; biases ``(E, 2·d_ff)`` / ``(E, d_model)`` likewise.
+    """
     out: dict[str, Tensor] = {}
     for key, tensor in state_dict.items():
         match = _LAYER.fullmatch(key)
@@ -77,7 +95,21 @@ def unfuse(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def fuse(state: Mapping[str, Tensor], n_layers: int, n_experts: int, prefix: str = "model.layers") -> dict[str, Tensor]:
-    """The inverse of ``unfuse`` for an exported state dict (per-expert keys replaced by the fused tensors)."""
+    """The inverse of ``unfuse`` for an exported state dict (per-expert keys replaced by the fused tensors).
+
+    Args:
+        state: the exported state dict with per-expert tensors.
+        n_layers: the number of layers.
+        n_experts: the number of experts per layer.
+        prefix: where the layers are (``model.layers``).
+
+    Returns:
+        A new state dict with the fused tensors.
+
+    Shapes: ``gate_up_proj`` ``(E, d_model, 2·d_ff)`` (gate and up rows interleaved) and ``down_proj``
+    ``(E, d_ff, d_model)``, stored ``(in, out)``, <-> per expert ``gate_proj``/``up_proj`` ``(d_ff, d_model)`` and
+    ``down_proj`` ``(d_model, d_ff)``; biases ``(E, 2·d_ff)`` / ``(E, d_model)`` likewise.
+    """
     out = dict(state)
     for i in range(n_layers):
         base = f"{prefix}.{i}.mlp.experts"
@@ -120,9 +152,18 @@ def _fields(cfg: HFConfig) -> dict[str, Any]:
 def convert_gpt_oss(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``GptOssForCausalLM`` checkpoint (fused expert tensors, dequantized).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: MXFP4-quantized experts, swiglu constants other than 7.0 / 1.702, layer types other than full
             and sliding attention, more experts per token than experts, or tensors that do not fit.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     data = dict(hf_config)
     if not (data.get("rope_parameters") or data.get("rope_scaling")):
@@ -148,9 +189,17 @@ def convert_gpt_oss(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tenso
 def export_gpt_oss(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``GptOssForCausalLM`` config and (fused-expert) state dict for a gpt-oss-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: parts gpt-oss lacks or lacks the other way round (no sinks, another router or expert, layer
             options other than windows, a shared expert, no biases, tied embeddings, ...).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, DecoderLM), f"{type(model).__name__} is not a DecoderLM")
     c = model.config

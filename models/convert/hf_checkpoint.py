@@ -64,14 +64,32 @@ class HFConfig:
         return self.defaults[key] if value is _MISSING else value
 
     def unsupported(self, key: str, feature: str, supported: str) -> ValueError:
-        """The error for a field whose value the zoo cannot represent."""
+        """The error for a field whose value the zoo cannot represent.
+
+        Args:
+            key: the field.
+            feature: what the field controls (for the message).
+            supported: the values the zoo represents (for the message).
+
+        Returns:
+            The error to raise, naming the field, its value and what is supported.
+        """
         return ValueError(
             f"{self.model_type} checkpoint has {key}={self[key]!r} ({feature}); the zoo represents only "
             f"{supported}, so it cannot load this model exactly"
         )
 
     def require(self, key: str, allowed: Iterable[Any], feature: str) -> None:
-        """Raise ``ValueError`` unless the field's value (or its default) is one of ``allowed``."""
+        """Raise ``ValueError`` unless the field's value (or its default) is one of ``allowed``.
+
+        Args:
+            key: the field.
+            allowed: the values the zoo represents (compared with their types: ``True`` is not ``1``).
+            feature: what the field controls (for the message).
+
+        Raises:
+            ValueError: another value (``unsupported``).
+        """
         allowed = tuple(allowed)
         if not any(self[key] == a and type(self[key]) is type(a) for a in allowed):
             raise self.unsupported(key, feature, " or ".join(f"{key}={a!r}" for a in allowed))
@@ -82,7 +100,17 @@ class HFConfig:
             self.require(key, allowed, feature)
 
     def positive_int(self, key: str) -> int:
-        """The field as a positive int, or a ``ValueError`` naming it."""
+        """The field as a positive int, or a ``ValueError`` naming it.
+
+        Args:
+            key: the field.
+
+        Returns:
+            Its value.
+
+        Raises:
+            ValueError: not an integer >= 1 (a bool included).
+        """
         value = self[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{self.model_type} config field {key} must be a positive integer, got {value!r}")
@@ -222,7 +250,13 @@ class HFConfig:
         return scaling
 
     def warn_training_only(self, key: str, zoo_value: float, what: str) -> None:
-        """Warn that a field which only matters in training is approximated (eval-mode outputs are exact)."""
+        """Warn that a field which only matters in training is approximated (eval-mode outputs are exact).
+
+        Args:
+            key: the field.
+            zoo_value: the value the zoo model uses instead.
+            what: what the field controls (for the warning).
+        """
         if self[key] != zoo_value:
             warnings.warn(
                 f"{self.model_type} checkpoint has {key}={self[key]!r} but the zoo model uses {zoo_value!r} for "
@@ -240,6 +274,11 @@ class CheckpointReader:
         prefix: the task model's prefix of the base model (``"transformer."``, ``"bert."``, ``"model."``),
             stripped where present so that base-model checkpoints read the same way.
         ignore: regular expressions of keys that carry nothing the model needs (stale buffers).
+
+    Raises:
+        ValueError: a non-string key, a non-tensor value, or a name held both with and without ``prefix``.
+
+    Shapes: the tensors are handed out as stored.
     """
 
     def __init__(
@@ -265,20 +304,60 @@ class CheckpointReader:
         self.unused = {k for k in self.tensors if not any(p.fullmatch(k) for p in patterns)}
 
     def has(self, key: str) -> bool:
+        """Whether the checkpoint holds ``key``.
+
+        Args:
+            key: the tensor's name (without the prefix).
+
+        Returns:
+            True when it is there (used or not).
+        """
         return key in self.tensors
 
     def has_prefix(self, prefix: str) -> bool:
+        """Whether some tensor's name starts with ``prefix``.
+
+        Args:
+            prefix: the start of a name (``"pooler."``).
+
+        Returns:
+            True when one does.
+        """
         return any(k.startswith(prefix) for k in self.tensors)
 
     def take(self, key: str) -> Tensor:
-        """The tensor stored under ``key``; ``ValueError`` if the checkpoint lacks it."""
+        """The tensor stored under ``key``, marked as used.
+
+        Args:
+            key: the tensor's ``transformers`` name (without the prefix).
+
+        Returns:
+            The tensor.
+
+        Raises:
+            ValueError: the checkpoint lacks it.
+
+        Shapes: as stored.
+        """
         if key not in self.tensors:
             raise ValueError(f"{self.model_type} checkpoint lacks the tensor {key!r}")
         self.unused.discard(key)
         return self.tensors[key]
 
     def take_first(self, *keys: str) -> Tensor:
-        """The first of several names one tensor may be stored under (tied weights); all count as used."""
+        """The first of several names one tensor may be stored under (tied weights); all count as used.
+
+        Args:
+            *keys: the names, in order of preference.
+
+        Returns:
+            The tensor under the first name present.
+
+        Raises:
+            ValueError: the checkpoint holds none of them.
+
+        Shapes: as stored.
+        """
         found = [k for k in keys if k in self.tensors]
         if not found:
             raise ValueError(f"{self.model_type} checkpoint lacks the tensor {keys[0]!r} (also looked for {keys[1:]})")
@@ -286,11 +365,20 @@ class CheckpointReader:
         return self.tensors[found[0]]
 
     def skip(self, *keys: str) -> None:
-        """Mark names as used without reading them (aliases of a tied weight the model reads elsewhere)."""
+        """Mark names as used without reading them (aliases of a tied weight the model reads elsewhere).
+
+        Args:
+            *keys: the names.
+        """
         self.unused.difference_update(keys)
 
     def drop(self, pattern: str, what: str) -> None:
-        """Leave out every key matching ``pattern`` (a head the zoo model does not have), with a warning."""
+        """Leave out every key matching ``pattern`` (a head the zoo model does not have), with a warning.
+
+        Args:
+            pattern: a regular expression matched against the whole key.
+            what: the part left out (for the warning).
+        """
         regex = re.compile(pattern)
         dropped = sorted(k for k in self.unused if regex.fullmatch(k))
         if dropped:
@@ -302,7 +390,11 @@ class CheckpointReader:
             )
 
     def finish(self) -> None:
-        """Raise ``ValueError`` if any tensor was not used: the checkpoint holds parts the zoo cannot place."""
+        """Raise ``ValueError`` if any tensor was not used: the checkpoint holds parts the zoo cannot place.
+
+        Raises:
+            ValueError: naming the unused keys (the first eight).
+        """
         if self.unused:
             left = sorted(self.unused)
             shown = ", ".join(repr(k) for k in left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
@@ -314,7 +406,19 @@ class CheckpointReader:
 
 
 def zoo_config(model_type: str, config_class: type[C], **fields: Any) -> C:
-    """Build the zoo config a checkpoint maps to, naming the checkpoint if the zoo rejects a value."""
+    """Build the zoo config a checkpoint maps to, naming the checkpoint if the zoo rejects a value.
+
+    Args:
+        model_type: the family (for the message).
+        config_class: the zoo config class.
+        **fields: its fields.
+
+    Returns:
+        The config.
+
+    Raises:
+        ValueError: the config class rejects a value.
+    """
     try:
         return config_class(**fields)
     except ValueError as err:
@@ -323,7 +427,14 @@ def zoo_config(model_type: str, config_class: type[C], **fields: Any) -> C:
 
 def rope_parameters(rotary: Mapping[str, Any]) -> dict[str, Any]:
     """``rope_parameters`` of a ``transformers`` config for the zoo rotary options ``rotary`` (``base``,
-    ``fraction``, ``scaling``): the inverse of ``HFConfig.rope_options``."""
+    ``fraction``, ``scaling``): the inverse of ``HFConfig.rope_options``.
+
+    Args:
+        rotary: the zoo rotary options.
+
+    Returns:
+        The ``rope_parameters`` dict (``rope_type``, ``rope_theta`` and the scaling's fields).
+    """
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rotary.get("base", 10000.0)}
     scaling = dict(rotary.get("scaling") or {})
     if scaling:

@@ -53,6 +53,13 @@ FieldsHook = Callable[[HFConfig, dict[str, Any]], dict[str, Any]]
 def llama_fields(cfg: HFConfig, default_theta: float = 10000.0) -> dict[str, Any]:
     """The ``DecoderLMConfig`` fields of a Llama-style checkpoint (every family here starts from them).
 
+    Args:
+        cfg: the checkpoint's config.
+        default_theta: the RoPE base when the config names none.
+
+    Returns:
+        The fields, as keyword arguments of ``DecoderLMConfig``.
+
     Raises:
         ValueError: an activation with no gated zoo FFN, ``pretraining_tp`` other than 1 is fine (it only split
             matmuls), an unsupported RoPE type, or fields of the wrong type.
@@ -82,6 +89,14 @@ def llama_fields(cfg: HFConfig, default_theta: float = 10000.0) -> dict[str, Any
 def sliding_layer_options(cfg: HFConfig, n_layers: int, window: int | None) -> tuple[dict[str, Any], ...]:
     """Per-layer sliding windows from ``layer_types`` (transformers 5): a window on ``"sliding_attention"`` layers.
 
+    Args:
+        cfg: the checkpoint's config.
+        n_layers: the number of layers.
+        window: the sliding window, or None (then no per-layer options).
+
+    Returns:
+        One ``layer_options`` entry per layer, or ``()`` without ``layer_types`` or a window.
+
     Raises:
         ValueError: a layer type other than full and sliding attention, or a list of the wrong length.
     """
@@ -102,7 +117,25 @@ def convert_llama_like(
     default_theta: float = 10000.0,
     names: NameMap = NAMES,
 ) -> Converted:
-    """Convert a checkpoint of a Llama-style family: Llama's fields, then the family's ``fields_hook``."""
+    """Convert a checkpoint of a Llama-style family: Llama's fields, then the family's ``fields_hook``.
+
+    Args:
+        model_type: the family.
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+        defaults: the family's config defaults.
+        fields_hook: changes the fields for the family (None: Llama's as they are).
+        default_theta: the RoPE base when the config names none.
+        names: the zoo -> ``transformers`` tensor names.
+
+    Returns:
+        The zoo ``DecoderLM``, its config and state dict.
+
+    Raises:
+        ValueError: as ``convert_llama``, or what ``fields_hook`` refuses.
+
+    Shapes: each tensor keeps its shape (the tensors are renamed).
+    """
     cfg = HFConfig(model_type, hf_config, defaults)
     fields = llama_fields(cfg, default_theta)
     if fields_hook is not None:
@@ -127,6 +160,22 @@ def export_llama_like(
 
     ``extra(config)`` returns the family's own config fields (and raises ``NotExportable`` for what it lacks).
     ``moe=True``: the FFN must be the ``moe`` block, whose experts' FFN gives ``hidden_act``.
+
+    Args:
+        model: the zoo ``DecoderLM``.
+        model_type: the family.
+        architecture: the ``transformers`` class name to record.
+        extra: the family's own config fields.
+        names: the zoo -> ``transformers`` tensor names.
+        moe: whether the FFN is a mixture of experts.
+
+    Returns:
+        ``(config, state_dict)`` under ``transformers`` names.
+
+    Raises:
+        NotExportable: a model with parts Llama-style families lack, or what ``extra`` refuses.
+
+    Shapes: each tensor keeps its shape (the tensors are renamed).
     """
     require(isinstance(model, DecoderLM), f"{type(model).__name__} is not a DecoderLM")
     c = model.config
@@ -159,7 +208,18 @@ def export_llama_like(
 
 
 def check_attention_options(config: DecoderLMConfig, allowed: set[str]) -> dict[str, Any]:
-    """The attention options shared by every layer; ``NotExportable`` for options outside ``allowed``."""
+    """The attention options shared by every layer; ``NotExportable`` for options outside ``allowed``.
+
+    Args:
+        config: the zoo model's config.
+        allowed: the attention options the family writes.
+
+    Returns:
+        The model's attention options.
+
+    Raises:
+        NotExportable: options outside ``allowed``, or per-layer options other than a window.
+    """
     options = config.block_options("attention")
     require(set(options) <= allowed, f"attention options {sorted(set(options) - allowed)}")
     for i, entry in enumerate(config.layer_options):
@@ -173,9 +233,18 @@ def convert_llama(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
     """Convert a ``LlamaForCausalLM`` (or ``LlamaModel``) checkpoint: Llama 1/2/3, ``rope_scaling`` types
     ``linear`` and ``llama3``, any ``head_dim``, tied or untied embeddings, ``attention_bias``/``mlp_bias``.
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: another RoPE type (``yarn``, ``dynamic``, ...), an activation without a gated zoo FFN, or weights
             that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_llama_like("llama", hf_config, state_dict, DEFAULTS)
 
@@ -184,8 +253,16 @@ def convert_llama(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
 def export_llama(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``LlamaForCausalLM`` config and state dict for a Llama-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: a model with parts Llama lacks (non-rotary positions, LayerNorm, sliding windows, ...).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
 
     def extra(c: DecoderLMConfig) -> dict[str, Any]:

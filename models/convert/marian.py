@@ -59,10 +59,19 @@ def convert_marian(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor
     Position tables are not stored by recent ``transformers`` (they are recomputed); when a checkpoint
     holds them they must equal the ``[sin | cos]`` sinusoids.
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: a decoder vocabulary different from the encoder's, encoder and decoder stacks of
             different shapes, legacy options the zoo lacks, an activation no zoo FFN computes, stored
             position tables that are not the sinusoids, or weights that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("marian", hf_config, DEFAULTS, ALIASES)
     for key, (value, feature) in LEGACY.items():
@@ -105,10 +114,18 @@ def _check_sinusoids(table: Tensor, key: str) -> None:
 def export_marian(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``MarianMTModel`` config and state dict for a Marian-shaped ``Seq2SeqTransformer``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: not a ``Seq2SeqTransformer``, or one with parts Marian lacks (positions other than
             ``sinusoidal_concat``, an embedding norm, pre-norm, GQA, RMSNorm, no biases, a norm eps
             other than 1e-5).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, Seq2SeqTransformer), f"{type(model).__name__} is not a Seq2SeqTransformer")
     c = model.config

@@ -23,6 +23,18 @@ DEFAULTS: dict[str, Any] = {
 
 
 def mistral_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
+    """Mistral's changes to Llama's fields: no biases, and ``sliding_window`` as the attention option ``window``.
+
+    Args:
+        cfg: the checkpoint's config.
+        fields: Llama's zoo config fields.
+
+    Returns:
+        ``fields``, with the window added.
+
+    Raises:
+        ValueError: biases, or a window that is not a positive integer or null.
+    """
     if cfg["attention_bias"] or cfg["mlp_bias"]:
         raise cfg.unsupported("attention_bias", "biases (Mistral has none)", "attention_bias=False")
     window = cfg["sliding_window"]
@@ -37,8 +49,17 @@ def mistral_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
 def convert_mistral(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``MistralForCausalLM`` checkpoint; ``sliding_window`` becomes the attention option ``window``.
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: as for Llama, or a bad ``sliding_window``.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_llama_like("mistral", hf_config, state_dict, DEFAULTS, mistral_fields)
 
@@ -47,8 +68,16 @@ def convert_mistral(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tenso
 def export_mistral(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``MistralForCausalLM`` config and state dict for a Mistral-shaped ``DecoderLM`` (one window for all layers).
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: biases, per-layer windows, or other parts Mistral lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
 
     def extra(c: DecoderLMConfig) -> dict[str, Any]:

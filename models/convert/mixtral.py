@@ -44,7 +44,17 @@ _FUSED = re.compile(r"(?P<layer>.*layers\.\d+)\.mlp\.experts\.(?P<part>gate_up_p
 
 def moe_names(n_experts: int, prefix: str, expert: Mapping[str, str], shared: bool = False) -> NameMap:
     """Llama's name map with the FFN replaced by a router ``{prefix}.gate``, experts ``{prefix}.experts.<e>.<name>``
-    and (``shared``) Qwen2-MoE's ``{prefix}.shared_expert`` (its gate is a row of the router, see ``qwen2_moe``)."""
+    and (``shared``) Qwen2-MoE's ``{prefix}.shared_expert`` (its gate is a row of the router, see ``qwen2_moe``).
+
+    Args:
+        n_experts: the number of experts.
+        prefix: the MoE block's module (``"block_sparse_moe"``, ``"mlp"``).
+        expert: zoo expert linear -> the family's name for it.
+        shared: whether the block has a shared expert.
+
+    Returns:
+        The zoo -> ``transformers`` name map.
+    """
     layer = {k: v for k, v in NAMES.layer.items() if not k.startswith("ffn.")}
     layer["ffn.router"] = f"{prefix}.gate"
     for e in range(n_experts):
@@ -56,7 +66,19 @@ def moe_names(n_experts: int, prefix: str, expert: Mapping[str, str], shared: bo
 
 def unfuse_experts(state_dict: Mapping[str, Tensor], prefix: str, expert: Mapping[str, str]) -> Mapping[str, Tensor]:
     """A live ``transformers`` 5 state dict (fused ``mlp.experts.gate_up_proj`` / ``down_proj``, router ``mlp.gate``)
-    in the per-expert checkpoint form; a per-expert state dict is returned unchanged."""
+    in the per-expert checkpoint form; a per-expert state dict is returned unchanged.
+
+    Args:
+        state_dict: the checkpoint's tensors.
+        prefix: the MoE block's module in the per-expert form.
+        expert: zoo expert linear (``gate_proj``, ``up_proj``, ``down_proj``) -> the family's name for it.
+
+    Returns:
+        The per-expert state dict.
+
+    Shapes: ``gate_up_proj`` ``(E, 2·d_ff, d_model)`` -> gate and up ``(d_ff, d_model)`` per expert;
+    ``down_proj`` ``(E, d_model, d_ff)`` -> ``(d_model, d_ff)`` per expert.
+    """
     if not any(_FUSED.fullmatch(key) for key in state_dict):
         return state_dict
     out: dict[str, Tensor] = {}
@@ -141,6 +163,15 @@ def moe_options(cfg: HFConfig, experts_key: str, width_key: str, renormalize: bo
     and the load-balancing coefficient (``router_aux_loss_coef`` where ``output_router_logits`` adds it to the loss
     in ``transformers``, else 0).
 
+    Args:
+        cfg: the checkpoint's config.
+        experts_key: the field holding the number of experts.
+        width_key: the field holding an expert's FFN width.
+        renormalize: whether the kept top-k weights are renormalised to sum to 1.
+
+    Returns:
+        ``(d_ff, ffn options)``.
+
     Raises:
         ValueError: ``num_experts_per_tok`` larger than the number of experts, or non-positive sizes.
     """
@@ -156,6 +187,14 @@ def moe_options(cfg: HFConfig, experts_key: str, width_key: str, renormalize: bo
 
 def export_moe_fields(c: DecoderLMConfig, experts_key: str, renormalize: bool | None) -> dict[str, Any]:
     """The MoE fields of an export (``renormalize``: the value the family fixes, or None for ``norm_topk_prob``).
+
+    Args:
+        c: the zoo model's config.
+        experts_key: the field to write the number of experts to.
+        renormalize: the value the family fixes, or None to write it as ``norm_topk_prob``.
+
+    Returns:
+        The ``config.json`` fields.
 
     Raises:
         NotExportable: per-layer FFN options, a shared expert, a router or renormalisation the family lacks.
@@ -189,8 +228,17 @@ def _mixtral_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
 def convert_mixtral(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``MixtralForCausalLM`` checkpoint (per-expert or fused expert tensors).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: as for Mistral, or more experts per token than experts.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("mixtral", hf_config, DEFAULTS)
     names = moe_names(cfg.positive_int("num_local_experts"), "block_sparse_moe", MIXTRAL_EXPERT)
@@ -202,8 +250,16 @@ def convert_mixtral(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tenso
 def export_mixtral(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``MixtralForCausalLM`` config and per-expert state dict for a Mixtral-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: biases, per-layer options, a shared expert, no renormalisation, or other parts Mixtral lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     moe = model.config.block_options("ffn") if isinstance(model, DecoderLM) else {}
 

@@ -71,7 +71,17 @@ def modernbert_layer_options(
     layer_types: list[str], window: int, global_base: float, local_base: float
 ) -> tuple[dict[str, Any], ...]:
     """The zoo ``layer_options`` of a ModernBERT stack: no attention norm in layer 0, a window (and, where it differs
-    from the global one, the local rotary base) on ``sliding_attention`` layers."""
+    from the global one, the local rotary base) on ``sliding_attention`` layers.
+
+    Args:
+        layer_types: ``"full_attention"`` or ``"sliding_attention"`` per layer.
+        window: the sliding layers' window.
+        global_base: the rotary base of the full-attention layers.
+        local_base: the rotary base of the sliding layers.
+
+    Returns:
+        One ``layer_options`` entry per layer.
+    """
     out = []
     for i, kind in enumerate(layer_types):
         entry: dict[str, Any] = {"layer": {"attention_norm": "identity"}} if i == 0 else {}
@@ -110,10 +120,19 @@ def convert_modernbert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Te
     """Convert a ``ModernBertForMaskedLM`` or ``ModernBertModel`` checkpoint (a ``ModernBertModel`` gets a freshly
     initialised MLM head, listed in ``allow_missing``).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: an activation with no gated zoo FFN, a head activation other than the exact GELU of the zoo's
             head, unsupported RoPE scaling, rotary settings that differ between layer types in more than the base,
             task heads the zoo lacks, or weights that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("modernbert", hf_config, DEFAULTS)
     n_layers = cfg.positive_int("num_hidden_layers")
@@ -190,10 +209,18 @@ def convert_modernbert(hf_config: Mapping[str, Any], state_dict: Mapping[str, Te
 def export_modernbert(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``ModernBertForMaskedLM`` config and state dict for a ModernBERT-shaped ``EncoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: not an ``EncoderLM``, or one with parts ModernBERT lacks: non-rotary positions, a non-gated
             FFN, segment embeddings, GQA, an attention norm in layer 0 (or none elsewhere), windows or rotary bases
             that differ between local layers, other block options.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, EncoderLM), f"{type(model).__name__} is not an EncoderLM")
     c = model.config

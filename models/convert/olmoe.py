@@ -46,8 +46,17 @@ def _olmoe_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
 def convert_olmoe(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert an ``OlmoeForCausalLM`` checkpoint (per-expert or fused expert tensors).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: as for Llama, ``clip_qkv`` set, or more experts per token than experts.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     n_experts = HFConfig("olmoe", hf_config, DEFAULTS).positive_int("num_experts")
     names = moe_names(n_experts, "mlp", PLAIN_EXPERT)
@@ -59,9 +68,17 @@ def convert_olmoe(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
 def export_olmoe(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """An ``OlmoeForCausalLM`` config and per-expert state dict for an OLMoE-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: no whole-projection RMSNorm q/k norms, windows, per-layer options, a shared expert, biases on
             the experts, or other parts OLMoE lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     moe = model.config.block_options("ffn") if isinstance(model, DecoderLM) else {}
 

@@ -69,9 +69,18 @@ def _split_rows(fused: Tensor, sizes: list[int], key: str) -> tuple[Tensor, ...]
 def convert_phi3(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``Phi3ForCausalLM`` checkpoint (Phi-3 and Phi-3.5 mini/medium with the default RoPE).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: RoPE scaling other than ``longrope`` (named), an activation without a gated zoo FFN, a bad
             ``sliding_window``, or weights that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("phi3", hf_config, DEFAULTS)
     config = zoo_config("phi3", DecoderLMConfig, **_phi3_fields(cfg))
@@ -100,9 +109,17 @@ def export_phi3(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``Phi3ForCausalLM`` config and state dict for a Phi-3-shaped ``DecoderLM`` (fused ``qkv_proj`` and
     ``gate_up_proj``).
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: biases, RoPE scaling other than longrope, per-layer windows, or other parts Phi-3 lacks,
             named.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
 
     def extra(c: DecoderLMConfig) -> dict[str, Any]:

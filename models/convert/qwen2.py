@@ -25,7 +25,15 @@ DEFAULTS: dict[str, Any] = {
 
 
 def window_layers(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
-    """Sliding windows of Qwen-style configs: ``layer_types`` if given, else layers ``>= max_window_layers``."""
+    """Sliding windows of Qwen-style configs: ``layer_types`` if given, else layers ``>= max_window_layers``.
+
+    Args:
+        cfg: the checkpoint's config.
+        fields: the zoo config fields so far.
+
+    Returns:
+        ``fields`` with ``layer_options`` set when ``use_sliding_window``.
+    """
     if not cfg["use_sliding_window"]:
         return fields
     window, n_layers = cfg.positive_int("sliding_window"), fields["n_layers"]
@@ -46,7 +54,17 @@ def _qwen2_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def qwen_window_fields(c: DecoderLMConfig) -> dict[str, Any]:
-    """``use_sliding_window``, ``sliding_window`` and ``layer_types`` of a Qwen-style export."""
+    """``use_sliding_window``, ``sliding_window`` and ``layer_types`` of a Qwen-style export.
+
+    Args:
+        c: the zoo model's config.
+
+    Returns:
+        The ``config.json`` fields (``max_window_layers`` too when some layer has a window).
+
+    Raises:
+        NotExportable: layers with different window sizes.
+    """
     windows = {entry.get("attention", {}).get("window") for entry in c.layer_options} - {None}
     require(len(windows) <= 1, f"several window sizes {sorted(windows)}")
     if not windows:
@@ -60,8 +78,17 @@ def qwen_window_fields(c: DecoderLMConfig) -> dict[str, Any]:
 def convert_qwen2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``Qwen2ForCausalLM`` checkpoint.
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: as for Llama, or a bad window setting.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_llama_like("qwen2", hf_config, state_dict, DEFAULTS, _qwen2_fields)
 
@@ -70,8 +97,16 @@ def convert_qwen2(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
 def export_qwen2(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``Qwen2ForCausalLM`` config and state dict for a Qwen2-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: no q/k/v biases, FFN biases, q/k norms, or other parts Qwen2 lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
 
     def extra(c: DecoderLMConfig) -> dict[str, Any]:

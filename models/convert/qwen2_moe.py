@@ -65,9 +65,18 @@ def _qwen2_moe_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
 def convert_qwen2_moe(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``Qwen2MoeForCausalLM`` checkpoint (per-expert or fused expert tensors).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: as for Qwen2, ``mlp_only_layers`` that are not layer indices, or more experts per token than
             experts (dense layers load as in Qwen3-MoE).
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     hf_config = with_num_experts(hf_config)
     n_experts = HFConfig("qwen2_moe", hf_config, DEFAULTS).positive_int("num_experts")
@@ -82,8 +91,16 @@ def convert_qwen2_moe(hf_config: Mapping[str, Any], state_dict: Mapping[str, Ten
 def export_qwen2_moe(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``Qwen2MoeForCausalLM`` config and per-expert state dict for a Qwen2-MoE-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: no gated shared expert, biases other than on q/k/v, or other parts Qwen2-MoE lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     moe = model.config.block_options("ffn") if isinstance(model, DecoderLM) else {}
 

@@ -34,8 +34,17 @@ def _qwen3_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
 def convert_qwen3(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``Qwen3ForCausalLM`` checkpoint (``q_norm``/``k_norm`` become the attention option ``qk_norm``).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: as for Llama.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     return convert_llama_like("qwen3", hf_config, state_dict, DEFAULTS, _qwen3_fields)
 
@@ -44,8 +53,16 @@ def convert_qwen3(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]
 def export_qwen3(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``Qwen3ForCausalLM`` config and state dict for a Qwen3-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: no RMSNorm q/k norms (with the model's eps), or other parts Qwen3 lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
 
     def extra(c: DecoderLMConfig) -> dict[str, Any]:

@@ -77,7 +77,14 @@ def dense_of(hf_config: Mapping[str, Any], defaults: Mapping[str, Any], model_ty
 
 
 def with_num_experts(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config with ``num_experts`` set (transformers 5 writes ``num_local_experts`` for some Qwen-MoE)."""
+    """The config with ``num_experts`` set (transformers 5 writes ``num_local_experts`` for some Qwen-MoE).
+
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+
+    Returns:
+        A copy, with ``num_experts`` from ``num_local_experts`` when only that is given.
+    """
     data = dict(hf_config)
     if "num_experts" not in data and "num_local_experts" in data:
         data["num_experts"] = data["num_local_experts"]
@@ -98,10 +105,19 @@ def _qwen3_moe_fields(cfg: HFConfig, fields: dict[str, Any]) -> dict[str, Any]:
 def convert_qwen3_moe(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted:
     """Convert a ``Qwen3MoeForCausalLM`` checkpoint (per-expert or fused expert tensors).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: as for Llama, ``mlp_only_layers`` that are not layer indices, or more experts per token than
             experts. Dense layers (``mlp_only_layers``, ``decoder_sparse_step``) are ``moe`` blocks without routed
             experts whose shared expert is the MLP (``dense_layer_options``), as DeepSeek's first layers are.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     hf_config = with_num_experts(hf_config)
     dense = dense_of(hf_config, DEFAULTS, "qwen3_moe")
@@ -115,8 +131,16 @@ def convert_qwen3_moe(hf_config: Mapping[str, Any], state_dict: Mapping[str, Ten
 def export_qwen3_moe(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``Qwen3MoeForCausalLM`` config and per-expert state dict for a Qwen3-MoE-shaped ``DecoderLM``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: no RMSNorm q/k norms, per-layer options, a shared expert, or other parts Qwen3-MoE lacks.
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     moe = model.config.block_options("ffn") if isinstance(model, DecoderLM) else {}
 

@@ -48,11 +48,20 @@ def convert_roberta(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tenso
     """Convert a ``RobertaForMaskedLM`` or ``RobertaModel`` checkpoint (a ``RobertaModel`` gets a freshly initialised
     MLM head, listed in ``allow_missing``; its pooler is left out with a warning).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: relative position embeddings (older configs' ``position_embedding_type``), a causal or
             cross-attending RoBERTa (``RobertaForCausalLM``), no ``pad_token_id`` (RoBERTa's positions are counted
             from it) or one leaving no position rows, an activation no zoo FFN computes, task heads the zoo lacks,
             or weights that do not fit the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("roberta", hf_config, DEFAULTS)
     cfg.require_legacy("position_embedding_type", ["absolute"], "relative position embeddings in attention")
@@ -130,10 +139,18 @@ def export_roberta(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]
     The position table gets ``pad_token_id + 1`` leading zero rows (RoBERTa's positions start after the padding
     row); a model without segment embeddings gets one all-zero segment embedding, which adds nothing.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: not an ``EncoderLM``, no ``pad_token_id`` (RoBERTa counts positions from it), or parts
             RoBERTa lacks (non-learned positions, a pre-norm stack, GQA, RMSNorm, no biases, an FFN activation
             other than GELU/ReLU/SiLU, block options).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, EncoderLM), f"{type(model).__name__} is not an EncoderLM")
     c = model.config

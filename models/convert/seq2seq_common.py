@@ -49,6 +49,13 @@ NORM_EPS = 1e-5
 def common_fields(cfg: HFConfig, share_embeddings: bool) -> dict[str, object]:
     """The ``Seq2SeqConfig`` fields both families fill the same way.
 
+    Args:
+        cfg: the checkpoint's config.
+        share_embeddings: whether the family shares one matrix for source and target (when tied).
+
+    Returns:
+        The fields, as keyword arguments of ``Seq2SeqConfig``.
+
     Raises:
         ValueError: a decoder-only config, or encoder and decoder that differ in heads or FFN width.
     """
@@ -81,7 +88,18 @@ def common_fields(cfg: HFConfig, share_embeddings: bool) -> dict[str, object]:
 
 
 def convert_layers(ckpt: CheckpointReader, n_encoder_layers: int, n_decoder_layers: int) -> dict[str, Tensor]:
-    """Every encoder and decoder layer's weights under their zoo names."""
+    """Every encoder and decoder layer's weights under their zoo names.
+
+    Args:
+        ckpt: the checkpoint's reader.
+        n_encoder_layers: the number of encoder layers.
+        n_decoder_layers: the number of decoder layers.
+
+    Returns:
+        Zoo name -> tensor.
+
+    Shapes: each tensor keeps its shape (the tensors are renamed).
+    """
     out: dict[str, Tensor] = {}
     for stack, n_layers, names in (("encoder", n_encoder_layers, ENCODER_LAYER),
                                    ("decoder", n_decoder_layers, DECODER_LAYER)):
@@ -98,12 +116,15 @@ def convert_embeddings(
     """Source/target embeddings and the output projection (weight and ``final_logits_bias``).
 
     Args:
+        ckpt: the checkpoint's reader.
         share_embeddings: the zoo config's value (one matrix for source and target).
         tie_embeddings: the zoo config's value (the output projection is the target embedding).
 
     Returns:
         ``(zoo tensors, keys the checkpoint may lack)``; the untied output projection of a base-model
         checkpoint is the only such key.
+
+    Shapes: embeddings ``(V, d_model)``; ``final_logits_bias`` ``(1, V)`` -> ``lm_head.bias`` ``(V,)``.
     """
     out: dict[str, Tensor] = {}
     allow_missing: frozenset[str] = frozenset()
@@ -137,6 +158,12 @@ def export_fields(config: Seq2SeqConfig) -> dict[str, Any]:
     ``forced_eos_token_id`` is written as null: the zoo's generation does not force a final EOS, and the
     families' defaults would.
 
+    Args:
+        config: the zoo model's config.
+
+    Returns:
+        The ``config.json`` fields.
+
     Raises:
         NotExportable: a pre-norm stack, a norm eps other than ``nn.LayerNorm``'s default, attention or
             FFN shapes the families lack.
@@ -158,7 +185,18 @@ def export_fields(config: Seq2SeqConfig) -> dict[str, Any]:
 
 
 def export_layers(zoo: Mapping[str, Tensor], config: Seq2SeqConfig) -> dict[str, Tensor]:
-    """Every layer's weights and the logits bias under ``transformers`` names (``model.`` prefix)."""
+    """Every layer's weights and the logits bias under ``transformers`` names (``model.`` prefix).
+
+    Args:
+        zoo: the zoo model's tensors.
+        config: its config.
+
+    Returns:
+        ``transformers`` name -> tensor.
+
+    Shapes: layer tensors keep their shapes; ``lm_head.bias`` ``(V,)`` -> ``final_logits_bias`` ``(1, V)``
+    (zeros without one).
+    """
     out: dict[str, Tensor] = {}
     for stack, n_layers, names in (("encoder", config.n_encoder_layers, ENCODER_LAYER),
                                    ("decoder", config.n_decoder_layers, DECODER_LAYER)):
@@ -182,6 +220,16 @@ def export_embeddings(
     anything else is written untied, every matrix under its own name (``transformers`` 5 ties nothing
     then), with ``model.shared`` — unused by the forward — filled with the source matrix when
     ``has_shared_matrix``.
+
+    Args:
+        zoo: the zoo model's tensors.
+        config: its config.
+        has_shared_matrix: whether the family has ``model.shared``.
+
+    Returns:
+        ``(tie_word_embeddings, transformers name -> tensor)``.
+
+    Shapes: each ``(V, d_model)``.
     """
     if config.share_embeddings and config.tie_embeddings:
         return True, {"model.shared.weight": zoo["src_embed.weight"]}

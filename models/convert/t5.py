@@ -101,6 +101,13 @@ def _stack_maps(gated: bool) -> tuple[NameMap, NameMap]:
 def t5_name(zoo_key: str, gated: bool) -> str:
     """The ``transformers`` name of a zoo ``Seq2SeqTransformer`` tensor of a T5 model.
 
+    Args:
+        zoo_key: the zoo tensor's name.
+        gated: whether the FFN is gated (T5 1.1: ``wi_0``/``wi_1``).
+
+    Returns:
+        Its ``transformers`` name.
+
     Raises:
         ValueError: a zoo tensor T5 has no place for.
     """
@@ -158,6 +165,8 @@ def convert_t5(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -
     Raises:
         ValueError: ``is_encoder_decoder`` false, a ``feed_forward_proj`` without a zoo FFN (e.g. ``gated-relu``),
             encoder/decoder embeddings that differ from ``shared``, or tensors missing or left over.
+
+    Shapes: each tensor keeps its shape (the tensors are renamed).
     """
     cfg = HFConfig("t5", hf_config, DEFAULTS, ALIASES)
     cfg.require("is_encoder_decoder", [True], "an encoder-decoder model")
@@ -218,10 +227,18 @@ def export_t5(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     A tied head without the ``d_model^-0.5`` scaling is written as an untied head holding a copy of the embedding
     (``transformers`` ties equal copies again).
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: not a ``Seq2SeqTransformer``, or one with parts T5 lacks (other positions, norms or
             sublayers, biases, scaled attention, GQA, separate source/target embeddings, an untied head with the
             output scaling, ...).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, Seq2SeqTransformer), f"{type(model).__name__} is not a Seq2SeqTransformer")
     c: Seq2SeqConfig = model.config

@@ -57,25 +57,54 @@ class TaskClass:
 
 @dataclasses.dataclass(frozen=True)
 class TaskLayout:
-    """A family's task classes. ``base_prefix`` is the prefix its own converter and exporter use for the base model
-    (``"bert."`` of ``BertForMaskedLM``, ``"model."`` of ``LlamaForCausalLM``)."""
+    """A family's task classes.
+
+    Attributes:
+        model_type: the family's ``transformers`` ``model_type``.
+        base_prefix: the prefix its own converter and exporter use for the base model (``"bert."`` of
+            ``BertForMaskedLM``, ``"model."`` of ``LlamaForCausalLM``).
+        classes: its task classes.
+    """
 
     model_type: str
     base_prefix: str
     classes: tuple[TaskClass, ...]
 
     def find(self, architecture: str | None) -> TaskClass | None:
+        """The task class named ``architecture``.
+
+        Args:
+            architecture: a class name from ``config.json``'s ``architectures``, or None.
+
+        Returns:
+            The task class, or None when the family has none of that name.
+        """
         return next((t for t in self.classes if t.architecture == architecture), None)
 
 
 def register_tasks(layout: TaskLayout) -> TaskLayout:
-    """Register a family's task classes for conversion both ways (by its ``model_type``)."""
+    """Register a family's task classes for conversion both ways (by its ``model_type``).
+
+    Args:
+        layout: the family's task classes.
+
+    Returns:
+        ``layout`` itself.
+    """
     blocks.register(TASK_KIND, layout.model_type)(layout)
     return layout
 
 
 def label_options(cfg: Fields, head: str) -> dict[str, Any]:
-    """``num_labels``, ``id2label``, ``label2id`` and ``problem_type`` of a ``transformers`` config (QA: none)."""
+    """``num_labels``, ``id2label``, ``label2id`` and ``problem_type`` of a ``transformers`` config (QA: none).
+
+    Args:
+        cfg: the ``config.json`` dict.
+        head: the zoo head.
+
+    Returns:
+        The head's label options (empty for question answering and embedding heads).
+    """
     if head in ("question_answering", "embedding"):
         return {}
     id2label = cfg.get("id2label")
@@ -91,7 +120,15 @@ def label_options(cfg: Fields, head: str) -> dict[str, Any]:
 
 
 def label_fields(options: Fields, head: str) -> dict[str, Any]:
-    """The inverse of ``label_options``: ``id2label``/``label2id`` (default names), ``problem_type``."""
+    """The inverse of ``label_options``: ``id2label``/``label2id`` (default names), ``problem_type``.
+
+    Args:
+        options: the head's options.
+        head: the zoo head.
+
+    Returns:
+        The ``config.json`` fields.
+    """
     n = 2 if head == "question_answering" else options.get("num_labels", 2)
     id2label = options.get("id2label") or {str(i): f"LABEL_{i}" for i in range(n)}
     label2id = options.get("label2id") or {v: int(k) for k, v in id2label.items()}
@@ -103,7 +140,18 @@ def label_fields(options: Fields, head: str) -> dict[str, Any]:
 
 @blocks.register(TASK_CONVERT_KIND, "convert")
 def convert_task(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) -> Converted | None:
-    """Convert a task-class checkpoint of a registered family, or None when it is no registered task class."""
+    """Convert a task-class checkpoint of a registered family, or None when it is no registered task class.
+
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``), or None for a checkpoint of no registered task
+        class.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
+    """
     model_type = hf_config.get("model_type")
     if TASK_KIND not in blocks.kinds() or model_type not in blocks.names(TASK_KIND):
         return None
@@ -160,8 +208,17 @@ def export_task(model: nn.Module, model_type: str | None = None) -> tuple[dict[s
     The model's base goes through the family's exporter (a copy with the family's LM head on the meta device);
     the head is written under the task class's names.
 
+    Args:
+        model: the zoo model with a task head.
+        model_type: the family to write (None: each in ``families_to_try`` order).
+
+    Returns:
+        ``(config, state_dict)`` of the task class.
+
     Raises:
         ValueError: no registered family has a task class for this head and its options (each family's reason).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     c = model.config
     lm, own = lm_view(model)
@@ -180,7 +237,16 @@ def export_task(model: nn.Module, model_type: str | None = None) -> tuple[dict[s
 
 def lm_view(model: nn.Module) -> tuple[nn.Module, dict[str, Tensor]]:
     """``(the model's base under its class's LM head, built on the meta device, its tensors)``: what the family
-    exporters take. The LM head's tensors stay on the meta device."""
+    exporters take. The LM head's tensors stay on the meta device.
+
+    Args:
+        model: the zoo model with a task head.
+
+    Returns:
+        The LM-headed view and the model's own tensors (``tensors(model)``).
+
+    Shapes: each tensor as the model holds it.
+    """
     c = model.config
     lm_head = next(h for h in type(c).heads if h in LM_HEADS)
     options = {k: v for k, v in c.options.items() if k != "head"}
@@ -195,8 +261,17 @@ def export_base(model: nn.Module, model_type: str | None = None) -> tuple[dict[s
     """A ``transformers`` base-model config and state dict (``BertModel``, ``LlamaModel`` ...) of any text model,
     whatever its head: what ``AutoModel`` loads (a sentence-transformers folder's transformer).
 
+    Args:
+        model: the zoo text model.
+        model_type: the family to write (None: each in ``families_to_try`` order).
+
+    Returns:
+        ``(config, state_dict)`` of the base model, without the base prefix.
+
     Raises:
         ValueError: no registered family represents the model's base (each family's reason).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     lm, _ = lm_view(model)
     reasons = []
@@ -217,6 +292,13 @@ def export_base(model: nn.Module, model_type: str | None = None) -> tuple[dict[s
 def task_class(name: str, model: nn.Module) -> tuple[TaskLayout, TaskClass]:
     """The layout of family ``name`` and its task class that represents ``model``'s head and options.
 
+    Args:
+        name: the family's ``model_type``.
+        model: the zoo model with a task head.
+
+    Returns:
+        ``(layout, task class)``.
+
     Raises:
         NotExportable: the family has no task classes, or none for this head and its options.
     """
@@ -236,6 +318,13 @@ def task_class(name: str, model: nn.Module) -> tuple[TaskLayout, TaskClass]:
 def head_modules(model: nn.Module, model_type: str) -> dict[str, str]:
     """``transformers`` module -> zoo module of ``model.head`` (``{"bert.pooler.dense": "dense", "classifier":
     "classifier"}``) in the task class that family ``model_type`` writes the model as.
+
+    Args:
+        model: the zoo model with a task head.
+        model_type: the family.
+
+    Returns:
+        ``transformers`` module name -> zoo head module name.
 
     Raises:
         NotExportable: the family has no task class for this head and its options.
@@ -265,12 +354,28 @@ def _export_as(name: str, model: nn.Module, lm: nn.Module, own: Mapping[str, Ten
 
 
 def fits(value: Any, required: Any) -> bool:
-    """``value`` equals ``required``, or is one of them when ``required`` is a tuple."""
+    """``value`` equals ``required``, or is one of them when ``required`` is a tuple.
+
+    Args:
+        value: a head option's value.
+        required: the value a task class needs, or a tuple of accepted values.
+
+    Returns:
+        Whether it fits.
+    """
     return value in required if isinstance(required, tuple) else value == required
 
 
 def default_option(head: str, option: str) -> Any:
-    """A head option's default (the registered head's signature)."""
+    """A head option's default (the registered head's signature).
+
+    Args:
+        head: the registered head.
+        option: the option's name.
+
+    Returns:
+        Its default, or None when the head takes no such option.
+    """
     parameter = inspect.signature(blocks.get("head", head)).parameters.get(option)
     return None if parameter is None else parameter.default
 
@@ -278,7 +383,14 @@ def default_option(head: str, option: str) -> Any:
 # ------------------------------------------------------------------ the families' common layouts
 def dropout_field(name: str) -> Callable[[Fields, Any], dict[str, Any]]:
     """``fields`` writing the head's ``classifier_dropout`` (default: the model's dropout) as ``config.json``'s
-    ``name``."""
+    ``name``.
+
+    Args:
+        name: the ``config.json`` field.
+
+    Returns:
+        A ``TaskClass.fields`` function.
+    """
     def fields(options: Fields, config: Any) -> dict[str, Any]:
         value = options.get("classifier_dropout")
         return {name: config.dropout if value is None else value}
@@ -289,7 +401,18 @@ def decoder_classes(
     prefix: str, qa_prefix: str | None, score: str = "score", token_names: str = "score", stem: str = "",
 ) -> tuple[TaskClass, ...]:
     """The task classes of a decoder family (``stem`` + ``ForSequenceClassification`` ...): ``score`` on the last
-    real token (no bias), a token classifier, and (``qa_prefix`` not None) ``qa_outputs``."""
+    real token (no bias), a token classifier, and (``qa_prefix`` not None) ``qa_outputs``.
+
+    Args:
+        prefix: where the classification classes store the base model.
+        qa_prefix: where the question-answering class stores it (None: the family has none).
+        score: the sequence classifier's module name.
+        token_names: the token classifier's module name.
+        stem: the class names' start (``"Llama"``).
+
+    Returns:
+        The task classes.
+    """
     def token_dropout(cfg: Fields) -> dict[str, Any]:
         for key in ("classifier_dropout", "hidden_dropout"):
             if cfg.get(key) is not None:

@@ -67,10 +67,19 @@ def convert_vit(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) 
 
     ``num_labels`` is the number of entries of ``id2label`` (``transformers``' rule; 2 without one).
 
+    Args:
+        hf_config: the checkpoint's ``config.json``.
+        state_dict: its tensors under ``transformers`` names.
+
+    Returns:
+        The zoo architecture, config and state dict (``Converted``).
+
     Raises:
         ValueError: non-square images or patches, ``qkv_bias=False``, an activation no zoo FFN computes,
             parts of other ViT task models (a mask token, an image decoder), or weights that do not fit
             the config.
+
+    Shapes: each tensor keeps its elements; fused or transposed ones are split or transposed to the zoo's layout.
     """
     cfg = HFConfig("vit", hf_config, DEFAULTS)
     cfg.require("qkv_bias", [True], "query/key/value projections without biases")
@@ -115,10 +124,18 @@ def convert_vit(hf_config: Mapping[str, Any], state_dict: Mapping[str, Tensor]) 
 def export_vit(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A ``ViTForImageClassification`` config and state dict for a ViT-shaped ``VisionTransformer``.
 
+    Args:
+        model: the zoo model to export.
+
+    Returns:
+        ``(config, state_dict)``: the ``transformers`` ``config.json`` dict and the tensors under its names.
+
     Raises:
         NotExportable: not a ``VisionTransformer``, or one with parts ViT lacks (mean pooling, no or other
             position embeddings, post-norm layers, another patch embedding, GQA, RMSNorm, no biases, an FFN
             other than GELU/ReLU/SiLU).
+
+    Shapes: each tensor in the ``transformers`` layout of its module.
     """
     require(isinstance(model, VisionTransformer), f"{type(model).__name__} is not a VisionTransformer")
     c = model.config

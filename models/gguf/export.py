@@ -242,6 +242,9 @@ def export_view(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
     stand-in weight (told apart by its storage offset, which survives the exporters' renaming, ``detach`` and
     ``contiguous``) and each other quantized layer its unpacked float weight.
 
+    Args:
+        model: the zoo model to export, quantized or not.
+
     Returns:
         ``(the model to export, storage offset -> the packed layer)``.
     """
