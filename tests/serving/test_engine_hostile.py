@@ -1,7 +1,7 @@
 """One request can never fail another: in one continuous batch, a request with extreme but valid sampling settings
 (the issue's ``top_p=1e-300``) or one whose own sampling step fails ends on its own — the others finish with the
-tokens they get alone; seeds at the ends of int64 and configs whose context is absurd (1e12 positions) are served or
-refused by name; the model's own tokenizer is the engine's default."""
+tokens they get alone; seeds at the ends of int64 and configs whose context is absurd (2**24 positions, the most a
+config may claim) are served or refused by name; the model's own tokenizer is the engine's default."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from models import DecoderLM
+from models.core.config import MAX_POSITIONS
 from models.generation.sampling import SamplingParams
 from serving import Engine
 from serving.cache_size import CPU_SHARE, host_memory
@@ -89,12 +90,15 @@ def test_seeds_beyond_int64_are_refused_by_name(model: DecoderLM, seed: int) -> 
 
 
 def test_an_absurd_context_gets_a_cache_the_machine_holds_and_bad_sizes_are_refused(model: DecoderLM) -> None:
-    huge = DecoderLM(dataclasses.replace(model.config, max_len=10**12)).eval()  # max_position_embeddings = 1e12
+    # A config may claim at most MAX_POSITIONS (2**24, models.core.config: 1e12 is refused when the config is read);
+    # 16 full contexts of that would take 128 GiB of this model's KV cache.
+    huge = DecoderLM(dataclasses.replace(model.config, max_len=MAX_POSITIONS)).eval()
     huge.load_state_dict(model.state_dict())
     engine = Engine(huge, block_size=16)
     available, _ = host_memory()
     assert engine.allocator.n_blocks * kv_block_nbytes(huge, 16) <= CPU_SHARE * available * 1.01
-    assert engine.context == engine.allocator.n_blocks * 16 < 10**12  # the default context is what the cache holds
+    assert engine.allocator.n_blocks * 16 < engine.scheduler.max_num_seqs * MAX_POSITIONS  # not max_num_seqs contexts
+    assert engine.context == min(MAX_POSITIONS, engine.allocator.n_blocks * 16)  # at most what the cache holds
     assert engine.generate(prompts(3)[0], max_tokens=5)[0].token_ids == alone(model, prompts(3)[0], 5)
     with pytest.raises(ValueError, match=r"num_blocks=1000000000000000 of 16 positions would take \d+ bytes"):
         Engine(huge, num_blocks=10**15)

@@ -94,14 +94,12 @@ def test_prefix_cache_hit_on_a_quantized_model_gives_the_tokens_of_a_miss(model:
 def test_compiled_engine_steps_of_a_quantized_model_give_generate_alone(
     monkeypatch: pytest.MonkeyPatch, model: DecoderLM
 ) -> None:
-    """``compile=True`` allocates the pools whole: in the model's float dtype, not its packed embedding's int8. Two
+    """``compile=True`` grows the pools in the model's float dtype, not its packed embedding's int8. Two
     prompts of other lengths (so other block counts) decode together through the compiled step (one graph: the
     continuous batch of the eager engine is tested above; each further graph costs seconds)."""
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")  # the graph dynamo captures, without inductor's C++ build
     torch._dynamo.reset()
     engine = Engine(model, block_size=4, max_num_seqs=2, num_blocks=64, compile=True)
-    pool = engine.runner.caches[0].self_attn
-    assert pool.k.dtype == pool.v.dtype == torch.float32
     calls = []
     step = engine.runner.step
     engine.runner.step = lambda *args: calls.append(1) or step(*args)
@@ -111,6 +109,8 @@ def test_compiled_engine_steps_of_a_quantized_model_give_generate_alone(
         assert out.token_ids == alone(model, prompt, 12)
     assert len(calls) >= 10  # the decode-only steps ran the compiled graph
     assert engine.allocator.num_free == engine.allocator.n_blocks
+    pool = engine.runner.caches[0].self_attn
+    assert pool.k.dtype == pool.v.dtype == torch.float32
 
 
 def test_compiled_generate_gives_the_eager_step_logits(monkeypatch: pytest.MonkeyPatch, model: DecoderLM) -> None:
