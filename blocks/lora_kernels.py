@@ -57,6 +57,8 @@ class Workspace:
 
         Returns:
             One view per shape, valid until the next ``take``.
+
+        Shapes: ``shapes[i]`` -> the ``i``-th view.
         """
         sizes = [int(torch.Size(shape).numel()) for shape in shapes]
         key = (like.device, like.dtype)
