@@ -24,17 +24,20 @@ adapter: ``S`` times the work; ``python -m benchmarks.multi_lora --kernels`` tim
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
 
 # The two ways' costs per call, in multiply-adds of a batched product, fitted to the CPU time of both ways on every
 # layer call of `benchmarks/multi_lora.py`'s demo and GPT-2 runs (2-core x86 CPU, one thread): a segment of the loop
-# costs a fixed price (Python, dispatch, a small GEMM's setup) and its multiply-adds run slower than a batched
-# product's; both pay for the slot weights they read (cold in cache: a step runs every layer in turn), the batched
-# products for every slot's padded weights.
-GROUP_MACS = 800_000
-LOOP_SLOWDOWN = 1.5
-WEIGHT_MACS = 20
+# costs a fixed price (Python, dispatch, a small GEMM's setup: ~5 µs); both pay for the slot weights they read (cold
+# in cache: a step runs every layer in turn), the batched products for every slot's, padded to the largest rank.
+GROUP_MACS = 400_000
+WEIGHT_MACS = 10
 KERNELS = ("auto", "grouped", "padded")
 
 
@@ -47,6 +50,7 @@ class Workspace:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self.carved: dict[tuple[Any, ...], list[Tensor]] = {}  # the views of recent requests (a step repeats them)
 
     def take(self, shapes: list[tuple[int, ...]], like: Tensor) -> list[Tensor]:
         """Non-overlapping contiguous views of the buffer for ``like``'s device and dtype.
@@ -60,20 +64,28 @@ class Workspace:
 
         Shapes: ``shapes[i]`` -> the ``i``-th view.
         """
-        sizes = [int(torch.Size(shape).numel()) for shape in shapes]
-        key = (like.device, like.dtype)
-        buffer = self.buffers.get(key)
+        key = (like.device, like.dtype, *shapes)
+        views = self.carved.get(key)
+        if views is not None:
+            return views
+        sizes = [math.prod(shape) for shape in shapes]
+        buffer = self.buffers.get(key[:2])
         if buffer is None or buffer.numel() < sum(sizes):
-            buffer = self.buffers[key] = like.new_empty(sum(sizes))
+            buffer = self.buffers[key[:2]] = like.new_empty(sum(sizes))
+            self.carved.clear()  # views of the old buffer
+        if len(self.carved) > 512:
+            self.carved.clear()
         views, start = [], 0
         for shape, size in zip(shapes, sizes, strict=True):
             views.append(buffer[start:start + size].view(shape))
             start += size
+        self.carved[key] = views
         return views
 
 
 def grouped_products(x: Tensor, a: Tensor, b: Tensor, rank: list[int], bounds: list[int], order: Tensor,
-                     workspace: Workspace | None = None) -> Tensor:
+                     workspace: Workspace | None = None,
+                     views: Sequence[tuple[Tensor, Tensor] | None] | None = None) -> Tensor:
     """The per-slot products of the sorted tokens, one pair per slot with tokens and a rank on this layer.
 
     Args:
@@ -84,6 +96,7 @@ def grouped_products(x: Tensor, a: Tensor, b: Tensor, rank: list[int], bounds: l
         bounds: slot ``s``'s tokens are ``order[bounds[s]:bounds[s + 1]]``.
         order: token indices sorted by slot.
         workspace: scratch memory for the result (None: a new tensor).
+        views: per slot ``(a[s, :, :r], b[s, :r])`` made once (None: made here).
 
     Returns:
         ``delta`` with ``delta[k]`` the update of token ``order[k]`` (zero for a slot of rank 0 here).
@@ -96,12 +109,14 @@ def grouped_products(x: Tensor, a: Tensor, b: Tensor, rank: list[int], bounds: l
         torch.index_select(x, 0, order[:n], out=xs)  # every adapted token, grouped by slot: one gather
     else:
         xs, delta = x.index_select(0, order[:n]).to(a.dtype), a.new_empty(n, b.shape[2])
-    for slot, r in enumerate(rank):
-        lo, hi = bounds[slot], bounds[slot + 1]
-        if hi > lo and r > 0:  # the segment's pair of products, at the adapter's own rank
-            torch.mm(torch.mm(xs[lo:hi], a[slot, :, :r]), b[slot, :r], out=delta[lo:hi])
-        elif hi > lo:
-            delta[lo:hi].zero_()
+    counts = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+    for slot, (x_slot, delta_slot) in enumerate(zip(xs.split(counts), delta.split(counts), strict=True)):
+        r = rank[slot]
+        if counts[slot] and r:  # the segment's pair of products, at the adapter's own rank
+            a_slot, b_slot = views[slot] if views is not None else (a[slot, :, :r], b[slot, :r])
+            torch.mm(torch.mm(x_slot, a_slot), b_slot, out=delta_slot)
+        elif counts[slot]:
+            delta_slot.zero_()
     return delta
 
 
@@ -154,7 +169,7 @@ def choose_kernel(rank: list[int], bounds: list[int], longest: int, width: int) 
     if not active:
         return "none"
     top = max(r for _, r in active)
-    grouped = (LOOP_SLOWDOWN * sum(n * r for n, r in active) + WEIGHT_MACS * sum(r for _, r in active)) * width \
+    grouped = (sum(n * r for n, r in active) + WEIGHT_MACS * sum(r for _, r in active)) * width \
         + GROUP_MACS * len(active)
     padded = (len(rank) * longest * top + WEIGHT_MACS * len(rank) * top) * width
     return "grouped" if grouped < padded else "padded"
@@ -162,7 +177,8 @@ def choose_kernel(rank: list[int], bounds: list[int], longest: int, width: int) 
 
 def add_slot_lora_(y: Tensor, x: Tensor, a: Tensor, b: Tensor, ranks: Tensor, order: Tensor, offsets: Tensor,
                    cells: Tensor, padded: Tensor, longest: Tensor, kernel: str = "auto",
-                   workspace: Workspace | None = None) -> Tensor:
+                   workspace: Workspace | None = None,
+                   views: Sequence[tuple[Tensor, Tensor] | None] | None = None) -> Tensor:
     """Add each token's LoRA update to ``y`` in place, by the segmented or the batched products.
 
     Args:
@@ -178,6 +194,7 @@ def add_slot_lora_(y: Tensor, x: Tensor, a: Tensor, b: Tensor, ranks: Tensor, or
         longest: the largest token count of a slot (CPU, one int64).
         kernel: ``"auto"`` (the cheaper by ``choose_kernel``), ``"grouped"`` or ``"padded"``.
         workspace: scratch memory reused across calls (None: new tensors).
+        views: per slot ``(a[s, :, :r], b[s, :r])`` made when it was loaded (None: made here).
 
     Returns:
         ``y``, with ``(x[t] Aₛᵀ) (B·scaling)ₛᵀ`` added to every token ``t`` of slot ``s``.
@@ -198,7 +215,7 @@ def add_slot_lora_(y: Tensor, x: Tensor, a: Tensor, b: Tensor, ranks: Tensor, or
     if kernel != "auto":
         chosen = kernel
     if chosen == "grouped":
-        delta = grouped_products(x, a, b, rank, bounds, order, workspace)
+        delta = grouped_products(x, a, b, rank, bounds, order, workspace, views)
     else:
         used = max(r for s, r in enumerate(rank) if bounds[s + 1] > bounds[s])
         delta = padded_products(x, a, b, used, width, padded, cells, n, workspace)

@@ -111,6 +111,7 @@ class LoRASlots:
         self.b_t = torch.zeros(n_slots, max_rank, out_features, device=device, dtype=dtype)
         self.a, self.b = self.a_t.transpose(1, 2), self.b_t.transpose(1, 2)
         self.ranks = torch.zeros(n_slots, dtype=torch.long)
+        self.views: list[tuple[Tensor, Tensor] | None] = [None] * n_slots  # each slot's weights at its rank
         self.routing = routing
         self.kernel = "auto"
 
@@ -131,6 +132,7 @@ class LoRASlots:
         self.a_t[slot].zero_()
         self.b_t[slot].zero_()
         self.ranks[slot] = 0
+        self.views[slot] = None
         if a is None or b is None:
             return
         r = a.shape[0]
@@ -142,6 +144,7 @@ class LoRASlots:
         self.a_t[slot, :, :r] = a.T.to(self.a_t)
         self.b_t[slot, :r] = b.T.to(self.b_t)
         self.ranks[slot] = r
+        self.views[slot] = (self.a_t[slot, :, :r], self.b_t[slot, :r])
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
         if self.kernel not in KERNELS:
@@ -156,7 +159,7 @@ class LoRASlots:
         elif torch.is_grad_enabled() and output.requires_grad:
             y = add_slot_lora_(flat_y.clone(), *inputs)
         else:  # eager inference: into the layer's fresh output, no custom-op dispatch, no new big tensors
-            y = add_slot_lora_(flat_y, *inputs, workspace=r.workspace)
+            y = add_slot_lora_(flat_y, *inputs, workspace=r.workspace, views=self.views)
         return y.reshape(output.shape)
 
 
