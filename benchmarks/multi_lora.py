@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         models, args.requests, args.adapters, args.ranks, args.output_len = ["quick"], 8, 2, [2, 8], 4
         args.prompt_len, args.kernel_repeats = [4, 12], 2
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {args.clock} clock; {args.requests} requests over {args.adapters} "
+          f"{torch.get_num_threads()} threads, {'cpu' if args.kernels else args.clock} clock; {args.requests} "
+          f"requests over {args.adapters} "
           f"adapters (rank {args.ranks[0]}-{args.ranks[1]}), prompts {args.prompt_len[0]}-{args.prompt_len[1]} "
           f"tokens, {args.output_len} new tokens each")
     if args.kernels:

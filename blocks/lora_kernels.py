@@ -208,8 +208,8 @@ def add_slot_lora_(y: Tensor, x: Tensor, a: Tensor, b: Tensor, ranks: Tensor, or
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     rank, bounds = ranks.tolist(), offsets.tolist()
-    n, width = bounds[-1], int(longest)
-    chosen = choose_kernel(rank, bounds, width, a.shape[1] + b.shape[2])
+    n, count = bounds[-1], int(longest)
+    chosen = choose_kernel(rank, bounds, count, a.shape[1] + b.shape[2])
     if chosen == "none":
         return y
     if kernel != "auto":
@@ -218,7 +218,7 @@ def add_slot_lora_(y: Tensor, x: Tensor, a: Tensor, b: Tensor, ranks: Tensor, or
         delta = grouped_products(x, a, b, rank, bounds, order, workspace, views)
     else:
         used = max(r for s, r in enumerate(rank) if bounds[s + 1] > bounds[s])
-        delta = padded_products(x, a, b, used, width, padded, cells, n, workspace)
+        delta = padded_products(x, a, b, used, count, padded, cells, n, workspace)
     # each token appears once in order[:n]: the sums are y + delta, as a merged model's (W + BA) x up to rounding
     return y.index_add_(0, order[:n], delta.to(y.dtype))
 
