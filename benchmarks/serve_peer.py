@@ -228,7 +228,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                                                             args.singles)}}
                 for mode in args.modes:
                     with zoo_server(folder, threads, args.concurrency, MODES[mode]) as (url, pid):
-                        rows[f"zoo serve ({mode})"] = measure_server(url, pid, prompts, args.gen_len, args.singles)
+                        rows[f"zoo serve ({mode})"] = row = measure_server(url, pid, prompts, args.gen_len,
+                                                                           args.singles)
+                    print(f"zoo serve ({mode}): {row['single']:.2f} tok/s alone, {row['concurrent']:.2f} tok/s with "
+                          f"{args.concurrency} in flight, PSS {row['pss'] / 2**20:.0f} MiB", flush=True)
                 if gguf is not None:
                     with llama_server(args.llama_server, gguf, threads, args.concurrency,
                                       args.prompt_len + args.gen_len) as (url, pid):
