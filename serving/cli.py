@@ -46,8 +46,9 @@ from .cli_stream import cut_note, stream_reply
 from .startup import startup_line
 
 #: ``zoo serve``'s ``Engine(compile=...)`` without a flag: the mode measured fastest on CPU with one request and with
-#: 16 in flight (``python -m benchmarks.serve_peer``; docs/engine-performance.md).
-SERVE_COMPILE: bool | str = False
+#: 16 in flight (``python -m benchmarks.serve_peer``; docs/engine-performance.md): a lone request decodes through the
+#: compiled single-row graph (as fast as the fully compiled engine), batches run eagerly (as fast as the eager one).
+SERVE_COMPILE: bool | str = "single"
 
 
 def _load(path: str, quantize: str | None = None, dequantize: bool = False, *, prepare: bool = True,

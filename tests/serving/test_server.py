@@ -322,7 +322,7 @@ def test_zoo_serve_runs_as_a_console_command(folder: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "serving.cli", "serve", str(folder), "--port", str(port),
-               "--served-model-name", "mine", "--max-batch", "2"]
+               "--served-model-name", "mine", "--max-batch", "2", "--eager"]  # no compile in this test's time
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
