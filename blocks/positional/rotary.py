@@ -280,15 +280,10 @@ class RotaryPositionalEncoding(PositionalEncoding):
                 f"rotary encoding needs an even number >= 2 of rotated dimensions, got {self.dim} "
                 f"(d_head={d_head}, fraction={fraction})"
             )
-        # A few numbers, computed on the CPU and then moved where the module is built: built on the meta device
-        # (a checkpoint's bounds check), torch runs these ops through its Python references, whose first use
-        # imports torch._dynamo (~70 MiB resident in a process that never compiles).
-        with torch.device("cpu"):
-            frequencies = rotary_scaling(self.dim, float(base), scaling, max_len)
-        device = torch.empty(0).device
-        self.register_fp32_buffer("inv_freq", frequencies.inv_freq.to(device))
+        frequencies = rotary_scaling(self.dim, float(base), scaling, max_len)
+        self.register_fp32_buffer("inv_freq", frequencies.inv_freq)
         if frequencies.long_inv_freq is not None:
-            self.register_fp32_buffer("long_inv_freq", frequencies.long_inv_freq.to(device))
+            self.register_fp32_buffer("long_inv_freq", frequencies.long_inv_freq)
         else:
             self.long_inv_freq = None
         self.switch_after = frequencies.switch_after
