@@ -16,8 +16,10 @@ Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread c
 
 Reported: single-request tokens/s and its ratio to ``generate(compile=True)`` (goal >= 0.95), concurrent tokens/s
 and its ratio to llama-server's (goal >= 1.0) or, without the peer, to the server's own single-request tokens/s
-(goal >= 5), the first use's seconds (the compiles), and the resident memory of the server's processes against the
-weights plus the KV cache the concurrent requests hold (goal <= 1.3). Whether every mode produced the same tokens.
+(goal >= 5), the first use's seconds (the compiles), and the memory of the server's processes (their PSS summed,
+``serving.memory``: shared library pages counted once; the RSS sum beside it) against the weights plus the KV cache
+the concurrent requests hold (goal <= 1.3), also less the runtime two idle processes with the server's and the
+engine's imports hold (``runtime_baseline``: the floor before any model). Whether every mode produced the same tokens.
 The machine is shared and noisy: compare figures of one run only.
 """
 
@@ -27,9 +29,11 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import platform
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -44,8 +48,11 @@ from benchmarks.quantized import FAMILY, SHAPES, filler_tokenizer
 from models import DecoderLM, DecoderLMConfig
 from serving.engine import kv_block_nbytes
 from serving.engine_process import ModelSource
+from serving.memory import process_memory, tree_memory
 
-MODES = {"eager": False, "attention": "attention", "compile": True}
+MODES = {"eager": False, "attention": "attention", "compile": True, "single": "single"}
+#: The modules each of ``zoo serve``'s processes imports: the runtime every server holds whatever its model.
+RUNTIME = ("import torch, uvicorn, models, serving.openai_api", "import torch, models, serving.engine_worker")
 
 
 def shaped_model(shape: str) -> DecoderLM:
@@ -65,16 +72,21 @@ def shaped_model(shape: str) -> DecoderLM:
     return model
 
 
-def resident(pid: int) -> int:
-    """Resident bytes of a process and all its descendants (``/proc``)."""
-    total = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            total += int(line.split()[1]) * 1024
-    for tid in Path(f"/proc/{pid}/task").iterdir():
-        for child in (tid / "children").read_text().split():
-            total += resident(int(child))
-    return total
+def runtime_baseline() -> int:
+    """The proportional set (PSS) of two idle interpreters that imported what the server's and the engine's
+    processes import, alive together (their shared libraries counted once): the memory floor of ``zoo serve``
+    before any model."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    children = [subprocess.Popen([sys.executable, "-c", f"{code}; import sys; print(flush=True); sys.stdin.read()"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env) for code in RUNTIME]
+    try:
+        for child in children:
+            child.stdout.readline()
+        return sum(process_memory(child.pid)["pss"] for child in children)
+    finally:
+        for child in children:
+            child.stdin.close()
+            child.wait(60)
 
 
 def _serve(folder: str, port: int, threads: int, concurrency: int, compile_mode: Any) -> None:
@@ -165,8 +177,10 @@ def measure_server(url: str, pid: int, prompts: list[list[int]], gen_len: int, s
     wall, outs = asyncio.run(drive(url, prompts[:singles], gen_len, False))
     single = sum(map(len, outs)) / wall
     wall, outs = asyncio.run(drive(url, prompts, gen_len, True))
-    return dict(single=single, concurrent=sum(map(len, outs)) / wall, first_use=first_use, rss=resident(pid),
-                tokens=outs)
+    time.sleep(1)  # the engine process hands back its burst's freed heap once idle
+    memory = tree_memory(pid)
+    return dict(single=single, concurrent=sum(map(len, outs)) / wall, first_use=first_use, rss=memory["rss"],
+                pss=memory["pss"], tokens=outs)
 
 
 def generate_speed(model: DecoderLM, prompts: list[list[int]], gen_len: int, singles: int) -> float:
@@ -181,7 +195,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2"], choices=sorted(SHAPES))
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
-    parser.add_argument("--modes", nargs="+", default=["eager", "compile"], choices=sorted(MODES))
+    parser.add_argument("--modes", nargs="+", default=["eager", "compile", "single"], choices=sorted(MODES))
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
@@ -193,6 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         args.shapes, args.concurrency, args.prompt_len, args.gen_len, args.singles = ["tiny"], 4, 8, 8, 1
     print(f"machine: {platform.machine()}, torch {torch.__version__}, fp32, a shared machine: one run")
     report = []
+    baseline = runtime_baseline()
     for shape in args.shapes:
         model = shaped_model(shape)
         vocab = model.config.vocab_size
@@ -213,12 +228,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                                                             args.singles)}}
                 for mode in args.modes:
                     with zoo_server(folder, threads, args.concurrency, MODES[mode]) as (url, pid):
-                        rows[f"zoo serve ({mode})"] = measure_server(url, pid, prompts, args.gen_len, args.singles)
+                        rows[f"zoo serve ({mode})"] = row = measure_server(url, pid, prompts, args.gen_len,
+                                                                           args.singles)
+                    print(f"zoo serve ({mode}): {row['single']:.2f} tok/s alone, {row['concurrent']:.2f} tok/s with "
+                          f"{args.concurrency} in flight, PSS {row['pss'] / 2**20:.0f} MiB", flush=True)
                 if gguf is not None:
                     with llama_server(args.llama_server, gguf, threads, args.concurrency,
                                       args.prompt_len + args.gen_len) as (url, pid):
                         rows["llama-server"] = measure_server(url, pid, prompts, args.gen_len, args.singles)
-                report.append(dict(shape=shape, threads=threads, rows=rows, weights=weights, kv=kv))
+                report.append(dict(shape=shape, threads=threads, rows=rows, weights=weights, kv=kv, runtime=baseline))
                 print_table(report[-1])
     return report
 
@@ -228,19 +246,22 @@ def print_table(entry: dict[str, Any]) -> None:
     reference = rows["generate(compile=True)"]["single"]
     peer = rows.get("llama-server")
     budget = entry["weights"] + entry["kv"]
+    runtime = entry["runtime"]
     print(f"\n#### {entry['shape']}, {entry['threads']} thread(s): weights {entry['weights'] / 2**20:.0f} MiB, "
-          f"KV of the concurrent requests {entry['kv'] / 2**20:.0f} MiB\n")
+          f"KV of the concurrent requests {entry['kv'] / 2**20:.0f} MiB, runtime of two idle processes "
+          f"{runtime / 2**20:.0f} MiB (PSS)\n")
     print("| system | 1 request tok/s | vs generate(compile) | concurrent tok/s | vs peer | vs own single | "
-          "first use s | resident MiB | vs weights+KV |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "first use s | PSS MiB | RSS sum MiB | PSS vs weights+KV | (PSS - runtime) vs weights+KV |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         if "concurrent" not in r:
-            print(f"| {name} | {r['single']:.2f} | 1.00x | | | | | | |")
+            print(f"| {name} | {r['single']:.2f} | 1.00x | | | | | | | | |")
             continue
         versus_peer = f"{r['concurrent'] / peer['concurrent']:.2f}x" if peer else "n/a"
+        beyond = f"{(r['pss'] - runtime) / budget:.2f}x" if name.startswith("zoo") else ""
         print(f"| {name} | {r['single']:.2f} | {r['single'] / reference:.2f}x | {r['concurrent']:.2f} | "
               f"{versus_peer} | {r['concurrent'] / r['single']:.2f}x | {r['first_use']:.0f} | "
-              f"{r['rss'] / 2**20:.0f} | {r['rss'] / budget:.2f}x |")
+              f"{r['pss'] / 2**20:.0f} | {r['rss'] / 2**20:.0f} | {r['pss'] / budget:.2f}x | {beyond} |")
     zoo = [r["tokens"] for name, r in rows.items() if name.startswith("zoo")]
     print(f"\nsame tokens in every zoo mode: {all(t == zoo[0] for t in zoo)}")
 

@@ -17,8 +17,12 @@ class BlockAllocator:
 
     A full block can be *committed* under the hash of its tokens chained with the hash of the blocks before it
     (``block_hash``): a later request with the same prefix acquires it instead of recomputing it. A block whose
-    count drops to 0 is free; if it is committed it keeps its contents and stays findable until it is reused —
-    uncommitted free blocks are handed out first, then committed ones least recently freed first (LRU eviction).
+    count drops to 0 is free; if it is committed it keeps its contents and stays findable until it is reused.
+
+    Memory by use: the pools hold the blocks up to the highest id handed out, grown by doubling (``capacity``
+    mirrors them). So an allocation takes, in order, the lowest uncommitted free block within ``capacity``, then the
+    least recently freed committed block (LRU eviction), and only then a block past ``capacity`` (the pools grow):
+    the prefix cache keeps what fits in the memory the blocks in use needed, it never grows the pools itself.
 
     Args:
         n_blocks: blocks in the cache (>= 1).
@@ -35,6 +39,8 @@ class BlockAllocator:
         self.n_blocks, self.block_size = n_blocks, block_size
         self.refs = [0] * n_blocks
         self._plain: list[int] = list(range(n_blocks))  # a heap: the lowest free id first keeps the pool small
+        #: blocks the pools hold once grown to every id handed out so far (doubling, at most ``n_blocks``)
+        self.capacity = 0
         self._lru: OrderedDict[int, None] = OrderedDict()  # free committed blocks, least recently freed first
         self._hash_of: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
@@ -81,13 +87,15 @@ class BlockAllocator:
         Raises:
             RuntimeError: no block is free (callers check ``num_free`` first).
         """
-        if self._plain:
+        if self._plain and (self._plain[0] < self.capacity or not self._lru):
             block = heapq.heappop(self._plain)
-        elif self._lru:
+        elif self._lru:  # before growing the pools: the prefix cache lives within them
             block, _ = self._lru.popitem(last=False)
             del self._by_hash[self._hash_of.pop(block)]
         else:
             raise RuntimeError(f"the paged cache has no free block (all {self.n_blocks} are in use)")
+        if block >= self.capacity:
+            self.capacity = min(self.n_blocks, max(block + 1, 2 * self.capacity))
         self.refs[block] = 1
         return block
 

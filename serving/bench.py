@@ -176,8 +176,9 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     p.add_argument("--concurrency", type=_positive, default=16, help="requests in flight in the concurrent test")
     p.add_argument("--repetitions", type=_positive, default=3, help="lone requests timed (median reported)")
     p.add_argument("--threads", type=_positive, default=None, help="intra-op threads (default: torch's)")
-    p.add_argument("--compile", choices=["none", "attention", "full"], default="none",
-                   help="Engine(compile=...): none (False), attention (\"attention\"), full (True)")
+    p.add_argument("--compile", choices=["none", "attention", "single", "full"], default="none",
+                   help="Engine(compile=...): none (False), attention (\"attention\"), single (\"single\": the "
+                        "single-row graph for a lone request), full (True)")
     p.add_argument("--block-size", type=_positive, default=16)
     return {"bench": bench}
 
@@ -196,7 +197,7 @@ def bench(args: argparse.Namespace) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model = load_model(args.model).eval()
-    compile_mode = {"none": False, "attention": "attention", "full": True}[args.compile]
+    compile_mode = {"none": False, "attention": "attention", "single": "single", "full": True}[args.compile]
     context = min(model.config.max_len, args.prompt_len + args.gen_len)
     engine = Engine(model, block_size=args.block_size, max_num_seqs=max(args.concurrency, 3),
                     max_model_len=max(context, 2), compile=compile_mode)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .runner import block_nbytes
+
 #: The share of the available memory a default cache may take (CPU, CUDA).
 CPU_SHARE, CUDA_SHARE = 0.5, 0.9
 #: Host bytes the block allocator keeps per block (reference count, free-list entry and its int).
@@ -130,3 +132,43 @@ def memory_device(model: Any) -> torch.device:
     """
     param = next(iter(model.parameters()), None)
     return torch.device("cpu") if param is None else param.device
+
+
+def kv_block_nbytes(model: Any, block_size: int) -> int:
+    """Bytes of one paged-cache block of ``model``: what ``block_size`` positions hold in every layer (keys and
+    values, or latent attention's latents and rotary keys).
+
+    Args:
+        model: the ``DecoderLM``.
+        block_size: positions per block.
+
+    Returns:
+        The block's bytes, in the model's float dtype.
+    """
+    return block_nbytes(model, block_size)
+
+
+def blocks_in_memory(model: Any, nbytes: Any, block_size: int, num_blocks: int | None) -> int:
+    """How many blocks ``nbytes`` of KV cache hold (``Engine``'s ``kv_cache_bytes``).
+
+    Args:
+        model: the ``DecoderLM``.
+        nbytes: the cache's bytes.
+        block_size: positions per block.
+        num_blocks: the blocks asked for besides (must be None).
+
+    Returns:
+        The number of whole blocks that fit.
+
+    Raises:
+        ValueError: ``nbytes`` not a positive integer, given with ``num_blocks``, or less than one block.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+        raise ValueError(f"kv_cache_bytes must be a positive integer, got {nbytes!r}")
+    if num_blocks is not None:
+        raise ValueError(f"give num_blocks={num_blocks} or kv_cache_bytes={nbytes}, not both")
+    per_block = kv_block_nbytes(model, block_size)
+    if nbytes < per_block:
+        raise ValueError(f"kv_cache_bytes={nbytes} holds no block: one block of {block_size} positions takes "
+                         f"{per_block} bytes")
+    return nbytes // per_block

@@ -45,6 +45,11 @@ from .cli_options import (
 from .cli_stream import cut_note, stream_reply
 from .startup import startup_line
 
+#: ``zoo serve``'s ``Engine(compile=...)`` without a flag: the mode measured fastest on CPU with one request and with
+#: 16 in flight (``python -m benchmarks.serve_peer``; docs/engine-performance.md): a lone request decodes through the
+#: compiled single-row graph (as fast as the fully compiled engine), batches run eagerly (as fast as the eager one).
+SERVE_COMPILE: bool | str = "single"
+
 
 def _load(path: str, quantize: str | None = None, dequantize: bool = False, *, prepare: bool = True,
           **options: Any) -> Any:
@@ -150,6 +155,12 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     compiled.add_argument("--compile-attention", action="store_true",
                           help="attend the decoding rows through one compiled graph (Engine(compile=\"attention\"): "
                                "a few seconds to compile at the first step)")
+    compiled.add_argument("--compile-single", action="store_true",
+                          help="a lone decoding request through the single-row graph, as generate(compile=True), and "
+                               "the other steps eager with a compiled attention (Engine(compile=\"single\"))")
+    compiled.add_argument("--eager", action="store_true",
+                          help="compile nothing (Engine(compile=False)); the default is the mode measured fastest on "
+                               f"CPU: {SERVE_COMPILE!r} (docs/engine-performance.md)")
     serve_parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                               help="run the engine in its own process, which loads the model, so that HTTP never "
                                    "competes with it for the GIL; --no-engine-process steps it in a thread")
@@ -257,7 +268,7 @@ def serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or served_name(args.model)
     limits = dict(max_num_seqs=args.max_batch, num_blocks=args.kv_blocks, block_size=args.block_size,
                   kv_cache_bytes=args.kv_cache_memory, max_model_len=args.ctx_size,
-                  compile="attention" if args.compile_attention else args.compile)
+                  compile=serve_compile(args))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     logging.getLogger("zoo").info(startup_line(name, model, args, limits))
     app = create_app(model, model.tokenizer, model_name=name, api_key=args.api_key, engine_process=source, **limits,
@@ -265,6 +276,19 @@ def serve(args: argparse.Namespace) -> None:
                      max_loras=args.max_loras or (max(4, len(args.lora)) if args.lora else 0),
                      max_lora_rank=args.max_lora_rank)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+def serve_compile(args: argparse.Namespace) -> bool | str:
+    """``Engine(compile=...)`` for ``zoo serve``'s flags: the one given, else ``SERVE_COMPILE``.
+
+    Args:
+        args: the parsed ``zoo serve`` options.
+
+    Returns:
+        ``True``, ``"attention"``, ``"single"`` or ``False``.
+    """
+    flags = {"compile": True, "compile_attention": "attention", "compile_single": "single", "eager": False}
+    return next((mode for flag, mode in flags.items() if getattr(args, flag, False)), SERVE_COMPILE)
 
 
 def _lora(text: str) -> tuple[str, str]:

@@ -20,9 +20,10 @@ from models.generation.requests import check_token_head
 from models.generation.sampling import has_nan, nan_rows
 from models.generation.steps import refuse_longrope_switch
 
-from .cache_size import check_num_blocks, default_num_blocks, memory_device
+from .cache_size import blocks_in_memory, check_num_blocks, default_num_blocks, kv_block_nbytes, memory_device
 from .guided import guided_logits, guided_spec
 from .lora_registry import LoRAEngineMixin
+from .offline import OfflineGenerateMixin
 from .requests import (
     IncrementalText,
     RequestDelta,
@@ -31,41 +32,18 @@ from .requests import (
     Sequence,
     TokenLogprob,
     check_request,
-    per_prompt,
-    stop_is_per_prompt,
 )
-from .runner import PagedRunner, block_nbytes, check_compile
+from .runner import PagedRunner, check_compile
 from .scheduler import Scheduler
+
+__all__ = ["Engine", "QueueFullError", "blocks_in_memory", "kv_block_nbytes"]
 
 
 class QueueFullError(RuntimeError):
     """``add_request`` found the waiting queue at its bound (``max_waiting``); retry later."""
 
 
-def kv_block_nbytes(model: Any, block_size: int) -> int:
-    """Bytes of one paged-cache block of ``model``: what ``block_size`` positions hold in every layer (keys and
-    values, or latent attention's latents and rotary keys)."""
-    return block_nbytes(model, block_size)
-
-
-def blocks_in_memory(model: Any, nbytes: Any, block_size: int, num_blocks: int | None) -> int:
-    """How many blocks ``nbytes`` of KV cache hold (``Engine``'s ``kv_cache_bytes``).
-
-    Raises:
-        ValueError: ``nbytes`` not a positive integer, given with ``num_blocks``, or less than one block.
-    """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
-        raise ValueError(f"kv_cache_bytes must be a positive integer, got {nbytes!r}")
-    if num_blocks is not None:
-        raise ValueError(f"give num_blocks={num_blocks} or kv_cache_bytes={nbytes}, not both")
-    per_block = kv_block_nbytes(model, block_size)
-    if nbytes < per_block:
-        raise ValueError(f"kv_cache_bytes={nbytes} holds no block: one block of {block_size} positions takes "
-                         f"{per_block} bytes")
-    return nbytes // per_block
-
-
-class Engine(LoRAEngineMixin):
+class Engine(LoRAEngineMixin, OfflineGenerateMixin):
     """Continuous batching over a paged KV cache, with per-request LoRA adapters (``serving.lora_registry``).
 
     Args:
@@ -89,7 +67,8 @@ class Engine(LoRAEngineMixin):
             dynamic row and block counts (``serving.runner``; the first such steps compile: one graph for one row,
             ``serving.single_row``, as ``generate(compile=True)``'s, one for several), and the one-token rows'
             attention in the other steps through one compiled graph; ``"attention"``: only that attention graph
-            (compiled at the first step with a decoding row); ``False``: nothing compiled.
+            (compiled at the first step with a decoding row); ``"single"``: the single-row graph for a lone
+            decoding row, the other steps as with ``"attention"``; ``False``: nothing compiled.
         max_loras: adapters resident at once (0: no adapters, unless ``loras`` are given: then one slot each);
             each request may name one (``adapter=``), rows of different adapters share a step (docs/multi-lora.md).
         max_lora_rank: the largest adapter rank (default: that of ``loras``, at least 16).
@@ -152,7 +131,26 @@ class Engine(LoRAEngineMixin):
     def make_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,
                      n: Any = 1, seed: Any = None, logprobs: Any = None, constraint: Any = None,
                      logit_bias: Any = None, adapter: Any = None) -> RequestSpec:
-        """Check one request's arguments (as ``generate`` takes them for one prompt) without queueing it."""
+        """Check one request's arguments (as ``generate`` takes them for one prompt) without queueing it.
+
+        Args:
+            prompt: a string (needs the tokenizer) or a list of token ids.
+            sampling: ``SamplingParams`` (default greedy).
+            max_tokens: new tokens per sample at most.
+            stop: stop strings and/or stop token ids.
+            n: samples of the prompt.
+            seed: the first sample's generator seed (None: drawn).
+            logprobs: report log-probabilities (and this many most likely ones).
+            constraint: a ``Constraint`` the output must match, or None.
+            logit_bias: ``{token_id: bias}`` added to the logits.
+            adapter: the name of a loaded LoRA adapter, or None.
+
+        Returns:
+            The checked request (``enqueue`` queues it).
+
+        Raises:
+            ValueError: bad arguments (see ``generate``).
+        """
         config = self.model.config
         spec = check_request(
             prompt, sampling, max_tokens, stop, n, seed, logprobs, tokenizer=self.tokenizer,
@@ -169,6 +167,22 @@ class Engine(LoRAEngineMixin):
                     logit_bias: Any = None, adapter: Any = None) -> str:
         """Queue one request; return its id. Its tokens come from ``step`` as ``RequestDelta`` objects.
 
+        Args:
+            prompt: a string (needs the tokenizer) or a list of token ids.
+            sampling: ``SamplingParams`` (default greedy).
+            max_tokens: new tokens per sample at most.
+            stop: stop strings and/or stop token ids.
+            n: samples of the prompt.
+            seed: the first sample's generator seed (None: drawn).
+            logprobs: report log-probabilities (and this many most likely ones).
+            constraint: a ``Constraint`` the output must match, or None.
+            logit_bias: ``{token_id: bias}`` added to the logits.
+            adapter: the name of a loaded LoRA adapter, or None.
+            request_id: the id to use (default: a fresh ``req-N``).
+
+        Returns:
+            The request's id.
+
         Raises:
             ValueError: bad arguments (see ``generate``) or a request id in use.
             QueueFullError: ``max_waiting`` requests are waiting already.
@@ -180,7 +194,18 @@ class Engine(LoRAEngineMixin):
         return self.enqueue(spec, request_id)
 
     def enqueue(self, spec: RequestSpec, request_id: str | None = None) -> str:
-        """Queue a checked request (no queue bound); return its id."""
+        """Queue a checked request (no queue bound); return its id.
+
+        Args:
+            spec: what ``make_request`` returned.
+            request_id: the id to use (default: a fresh ``req-N``).
+
+        Returns:
+            The request's id.
+
+        Raises:
+            ValueError: ``request_id`` is in use.
+        """
         request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is in use")
@@ -221,7 +246,18 @@ class Engine(LoRAEngineMixin):
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def pop_output(self, request_id: str) -> RequestOutput:
-        """The output of a finished request; the engine forgets it."""
+        """The output of a finished request; the engine forgets it.
+
+        Args:
+            request_id: the request's id.
+
+        Returns:
+            Its ``RequestOutput`` (lists per sample when ``n > 1``).
+
+        Raises:
+            ValueError: the request is not finished.
+            KeyError: no such request.
+        """
         seqs = self.requests[request_id]
         if any(s.finish_reason is None for s in seqs):
             raise ValueError(f"request {request_id!r} is not finished")
@@ -373,64 +409,3 @@ class Engine(LoRAEngineMixin):
         )
         seq.sent_tokens, seq.sent_text = len(output), shown
         return delta
-
-    # -------------------------------------------------------------------------------------------- offline API
-    def generate(self, prompts: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None, n: Any = 1,
-                 seed: Any = None, logprobs: Any = None, constraint: Any = None,
-                 logit_bias: Any = None, adapter: Any = None) -> list[RequestOutput]:
-        """Continue every prompt, all of them batched continuously; one ``RequestOutput`` per prompt, in order.
-
-        Each of ``sampling`` … ``adapter`` is one value for all prompts or a list with one per prompt.
-
-        Args:
-            prompts: a list of prompts, each a string (needs the tokenizer) or a list of token ids; one string or
-                one list of ids is a single prompt.
-            sampling: ``SamplingParams`` (default greedy).
-            max_tokens: new tokens per sample at most (>= 1); the context may end a sample earlier.
-            stop: stop strings and/or stop token ids (the model's EOS always stops).
-            n: samples per prompt (>= 1; > 1 needs sampling); they share the prompt's cache blocks.
-            seed: sample ``j`` draws from a generator seeded ``seed + j`` (None: drawn from torch's generator).
-            logprobs: report the log-probability of each new token and of the ``logprobs`` most likely ones.
-            constraint: a ``models.generation.constraints.Constraint`` the output must match (compiled once per
-                distinct constraint; each sample keeps its own state), or None.
-            logit_bias: ``{token_id: bias}`` added to the logits before choosing (OpenAI's; -100 bans a token).
-            adapter: the name of a loaded LoRA adapter to run with (None: the base model).
-
-        Returns:
-            One ``RequestOutput`` per prompt.
-
-        Raises:
-            ValueError: naming the bad value: an empty prompt, ids outside the vocabulary, a prompt as long as the
-                context, ``max_tokens <= 0``, ``n < 1``, a request the whole cache cannot hold, … — all checked
-                before anything runs.
-        """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list of prompts, got {prompts!r:.60}")
-        count = len(prompts)
-        columns = [per_prompt(sampling, count, "sampling"), per_prompt(max_tokens, count, "max_tokens"),
-                   per_prompt(stop, count, "stop", stop_is_per_prompt), per_prompt(n, count, "n"),
-                   per_prompt(seed, count, "seed"), per_prompt(logprobs, count, "logprobs"),
-                   per_prompt(constraint, count, "constraint"), per_prompt(logit_bias, count, "logit_bias"),
-                   per_prompt(adapter, count, "adapter")]
-        specs = []
-        for i, (prompt, *args) in enumerate(zip(prompts, *columns, strict=True)):
-            try:
-                specs.append(self.make_request(prompt, args[0], max_tokens=args[1], stop=args[2], n=args[3],
-                                               seed=args[4], logprobs=args[5], constraint=args[6],
-                                               logit_bias=args[7], adapter=args[8]))
-            except ValueError as error:
-                raise ValueError(f"prompt {i}: {error}") from None
-        ids = [self.enqueue(spec) for spec in specs]
-        pending = set(ids)
-        while pending:
-            self.step()
-            pending = {r for r in pending if any(s.finish_reason is None for s in self.requests[r])}
-        failed = {i: next(s.error for s in self.requests[r] if s.finish_reason == "error") for i, r in enumerate(ids)
-                  if any(s.finish_reason == "error" for s in self.requests[r])}
-        outputs = [self.pop_output(r) for r in ids]
-        if failed:
-            reasons = "; ".join(sorted({f"{reason}" for reason in failed.values()}))
-            raise ValueError(f"no next token could be chosen for prompt(s) {sorted(failed)}: {reasons}")
-        return outputs

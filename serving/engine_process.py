@@ -29,132 +29,18 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
-import functools
-import io
 import itertools
 import multiprocessing
-import signal
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from blocks.quantized import quantization_options, quantized_modules, quantized_skeleton
+from .async_engine import DeltaStreams, EngineDeadError, EngineStepError
+from .engine import QueueFullError
+from .engine_worker import pack_delta, run_engine_process, unpack_delta
+from .model_source import ModelSource, rebuild_model
 
-from .async_engine import (
-    DeltaStreams,
-    EngineDeadError,
-    EngineStepError,
-    abort_all,
-    abort_deltas,
-    engine_stats,
-    forget_finished,
-    lora_action,
-)
-from .engine import Engine, QueueFullError
-from .loading import apply_quantization, check_quantization, check_request, load_model
-from .requests import RequestDelta, TokenLogprob
-
-
-def rebuild_model(cls: type, config: dict[str, Any], weights: bytes, quantized: dict[str, str] | None = None,
-                  quantization: dict[str, dict[str, Any]] | None = None) -> Any:
-    """A model of class ``cls`` from its config's ``to_dict()`` and its state dict saved by ``torch.save``; the layers
-    named in ``quantized`` (name -> scheme, ``blocks.quantized.quantized_modules``) quantized first, with the schemes'
-    ``quantization`` options (``quantization_options``), so that the packed tensors load into them."""
-    model = cls(cls.config_class.from_dict(config))
-    if quantized:
-        quantized_skeleton(model, quantized, quantization)
-    model.load_state_dict(torch.load(io.BytesIO(weights), weights_only=True))
-    return model.eval()
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSource:
-    """How the engine process gets its model: exactly one of ``path`` and ``factory``.
-
-    Attributes:
-        path: a checkpoint folder, Hub repo id or ``.gguf`` file for ``models.from_pretrained(path, **options)``.
-        options: ``models.from_pretrained`` options (``dtype``, ``revision``, ``gguf_file`` …).
-        factory: a picklable callable without arguments returning the model (a module-level function, or a
-            ``functools.partial`` of one).
-        quantize: quantize the loaded float model's weights with this scheme (``blocks.names("quantization")``).
-        dequantize: unpack a quantized model's weights to float32 (see ``serving.loading``).
-
-    Raises:
-        ValueError: neither or both of ``path`` and ``factory``, a factory that is not callable, an unknown
-            ``quantize`` scheme, or ``quantize`` with ``dequantize``.
-    """
-
-    path: str | None = None
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    factory: Callable[[], Any] | None = None
-    quantize: str | None = None
-    dequantize: bool = False
-
-    def __post_init__(self) -> None:
-        check_request(self.quantize, self.dequantize)
-        if (self.path is None) == (self.factory is None):
-            raise ValueError(f"ModelSource takes a path or a factory, exactly one; got path={self.path!r}, "
-                             f"factory={self.factory!r}")
-        if self.factory is not None and not callable(self.factory):
-            raise ValueError(f"ModelSource's factory must be callable, got {type(self.factory).__name__}")
-
-    @classmethod
-    def from_model(cls, model: Any) -> ModelSource:
-        """A source that rebuilds ``model`` (its class, config, quantized layers and a copy of its weights, packed as
-        they are) in the engine process; for models made in memory (tests, examples). Adapted models: merge or save
-        them and give the path.
-
-        Args:
-            model: the model to copy.
-
-        Returns:
-            A source whose factory is ``rebuild_model`` on that copy.
-        """
-        buffer = io.BytesIO()
-        torch.save(model.state_dict(), buffer)
-        return cls(factory=functools.partial(rebuild_model, type(model), model.config.to_dict(), buffer.getvalue(),
-                                             quantized_modules(model), quantization_options(model)))
-
-    def build(self) -> Any:
-        """Load or make the model (in the engine process), quantized or dequantized as asked.
-
-        Returns:
-            The model.
-        """
-        if self.path is not None:
-            return load_model(self.path, quantize=self.quantize, dequantize=self.dequantize, **self.options)
-        model = self.factory()
-        check_quantization(model, "the factory's model", self.quantize, self.dequantize)
-        return apply_quantization(model, self.quantize, self.dequantize)
-
-
-def pack_delta(delta: RequestDelta) -> tuple:
-    """A delta as plain tuples for the pipe (half the pickled bytes of the dataclasses).
-
-    Args:
-        delta: the delta.
-
-    Returns:
-        Its fields, its log-probabilities as ``(token_id, logprob, top)`` tuples.
-    """
-    logprobs = None if delta.logprobs is None else [(e.token_id, e.logprob, e.top) for e in delta.logprobs]
-    return delta.request_id, delta.index, delta.token_ids, delta.text, delta.finish_reason, logprobs
-
-
-def unpack_delta(item: tuple) -> RequestDelta:
-    """The delta ``pack_delta`` packed.
-
-    Args:
-        item: what ``pack_delta`` returned.
-
-    Returns:
-        The delta.
-    """
-    request_id, index, token_ids, text, finish_reason, logprobs = item
-    return RequestDelta(request_id, index, token_ids, text, finish_reason,
-                        None if logprobs is None else [TokenLogprob(*e) for e in logprobs])
+__all__ = ["ModelSource", "ProcessEngine", "pack_delta", "rebuild_model", "unpack_delta"]
 
 
 class ProcessEngine(DeltaStreams):
@@ -225,6 +111,22 @@ class ProcessEngine(DeltaStreams):
                           constraint: Any = None, logit_bias: Any = None, adapter: str | None = None) -> str:
         """Queue a request (arguments as ``Engine.generate`` takes them for one prompt); return its id once the
         engine process has accepted it.
+
+        Args:
+            prompt: a string (needs the tokenizer) or a list of token ids.
+            sampling: ``SamplingParams`` (default greedy).
+            max_tokens: new tokens per sample at most.
+            stop: stop strings and/or stop token ids.
+            n: samples of the prompt.
+            seed: the first sample's generator seed (None: drawn).
+            logprobs: report log-probabilities of the new tokens and of this many most likely ones.
+            request_id: the id to use (default: a fresh ``proc-N``).
+            constraint: a ``Constraint`` the output must match, or None.
+            logit_bias: ``{token_id: bias}`` added to the logits.
+            adapter: the name of a loaded LoRA adapter, or None.
+
+        Returns:
+            The request's id; its deltas come from ``stream``.
 
         Raises:
             ValueError: bad arguments or an id in use.
@@ -374,70 +276,3 @@ class ProcessEngine(DeltaStreams):
             self._process.join(timeout=10)
         atexit.unregister(self._stop_now)
 
-
-# ------------------------------------------------------------------------------------- the engine process
-def run_engine_process(conn: Any, source: ModelSource, tokenizer: Any, limits: dict[str, Any], threads: int) -> None:
-    """The engine process: build the model and the engine, then serve operations until told to stop or until the
-    pipe closes (the server process has gone).
-
-    Args:
-        conn: the engine process's end of the pipe.
-        source: how to build the model.
-        tokenizer: the engine's tokenizer (None: the model's own).
-        limits: the ``Engine`` arguments.
-        threads: torch's thread count in this process.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process drains and then stops this one
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(threads)
-    try:
-        model = source.build().eval()
-        engine = Engine(model, tokenizer if tokenizer is not None else getattr(model, "tokenizer", None), **limits)
-    except Exception as err:  # noqa: BLE001 - reported to the server, which fails with it
-        conn.send(("load_failed", f"{type(err).__name__}: {err}"))
-        return
-    conn.send(("ready", engine.context, engine_stats(engine)))
-    try:
-        _serve(conn, engine)
-    except (EOFError, OSError):  # the server process has gone
-        pass
-
-
-def _serve(conn: Any, engine: Engine) -> None:
-    while True:
-        ops: list[tuple] = [] if engine.has_unfinished() else conn.recv()  # idle: wait for work
-        while conn.poll():
-            ops += conn.recv()
-        acks, deltas, failed = [], [], None
-        for op in ops:
-            if op[0] == "stop":
-                return
-            if op[0] == "add":
-                acks.append((op[1], _add(engine, *op[1:])))
-            elif op[0] == "lora":
-                error = lora_action(engine, *op[2:])
-                acks.append((op[1], None if error is None else ("value", f"{error}")))
-            else:
-                deltas += abort_deltas(engine, op[1])
-        if engine.has_unfinished():
-            try:
-                deltas += engine.step()
-            except Exception as err:  # noqa: BLE001 - a failed step fails the requests it held, not the engine
-                failed = (abort_all(engine), f"the engine step failed: {type(err).__name__}: {err}")
-        forget_finished(engine, deltas)
-        conn.send(("step", acks, [pack_delta(d) for d in deltas], failed, engine_stats(engine)))
-
-
-def _add(engine: Engine, request_id: str, prompt: Any, sampling: Any, kwargs: dict[str, Any]) -> Any:
-    """Queue a request; None when accepted, else why not (``("value" | "queue_full" | "error", message)``)."""
-    try:
-        spec = engine.make_request(prompt, sampling, **kwargs)
-        if len(engine.scheduler.waiting) >= engine.max_waiting:
-            return "queue_full", f"{len(engine.scheduler.waiting)} requests are waiting (max_waiting=" \
-                                 f"{engine.max_waiting})"
-        engine.enqueue(spec, request_id)
-    except ValueError as err:
-        return "value", str(err)
-    except Exception as err:  # noqa: BLE001 - this request fails (500), the engine goes on
-        return "error", f"{type(err).__name__}: {err}"
-    return None

@@ -33,7 +33,7 @@ from models.generation.steps import eval_mode
 from .single_row import SingleRowStep, mark_pools
 
 #: The values of ``compile`` (``PagedRunner``, ``serving.Engine``).
-COMPILE_MODES = (False, True, "attention")
+COMPILE_MODES = (False, True, "attention", "single")
 
 
 def check_compile(compile: Any) -> None:  # noqa: A002
@@ -43,9 +43,9 @@ def check_compile(compile: Any) -> None:  # noqa: A002
         compile: the ``compile`` argument to check.
 
     Raises:
-        ValueError: ``compile`` is neither a bool nor ``"attention"``.
+        ValueError: ``compile`` is neither a bool nor ``"attention"`` or ``"single"``.
     """
-    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile == "attention")):
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile in ("attention", "single"))):
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
 
 
@@ -224,7 +224,8 @@ class PagedRunner:
         compile: ``True``: run decode-only steps through one compiled graph with dynamic shapes
             (``DynamicStep``), and the attention of one-token rows in the other steps through ``RaggedAttention``;
             ``"attention"``: only the latter (every step stays eager around one compiled attention graph);
-            ``False``: nothing compiled.
+            ``"single"``: the single-row graph for a step of one decoding row, the other steps as ``"attention"``
+            runs them; ``False``: nothing compiled.
 
     Raises:
         NotImplementedError: a positional encoding with an attention bias (ALiBi, T5's relative bias).
@@ -257,8 +258,11 @@ class PagedRunner:
             attention = RaggedAttention()
             for cache in self.caches:
                 cache.self_attn.ragged_attention = attention
-        if compile is True:  # the pools grow between steps (``grow_pools``): a graph takes them as inputs
-            self.step, self.single = DynamicStep(regions=plain), SingleRowStep(regions=plain)
+        # The pools grow between steps (``grow_pools``): a graph takes them as inputs.
+        if compile is True:
+            self.step = DynamicStep(regions=plain)
+        if compile in (True, "single"):
+            self.single = SingleRowStep(regions=plain)
 
     @torch.inference_mode()
     def scrub(self, blocks: Sequence[int]) -> None:
@@ -311,8 +315,9 @@ class PagedRunner:
         """
         device = self.device
         step, decode = packed_logits, self.decode
-        if self.step is not None and all(n_query == 1 for n_query, _, _ in rows):
-            step, decode = self.step if len(rows) > 1 else self.single, self.compiled_decode
+        graph = self.step if len(rows) > 1 else self.single
+        if graph is not None and all(n_query == 1 for n_query, _, _ in rows):
+            step, decode = graph, self.compiled_decode
         batch = PagedBatch(rows, self.block_size, device, decode=decode)
         if step is not packed_logits:
             self.grow_pools(batch.max_block)

@@ -155,8 +155,9 @@ def load_pretrained(
     if opts.head is not None or opts.head_options:
         config, state, allow_missing = with_head(cls, config, state, allow_missing, opts.head, opts.head_options,
                                                  source)
-    # All weights given (and assigned, not copied): an uninitialised model's memory is never resident, peak ~1 model.
-    with _skipped_init() if single is not None and not allow_missing else contextlib.nullcontext():
+    # All weights given (and assigned, not copied): an uninitialised model's memory is never resident, peak ~1 model
+    # (a random init would touch a whole model's pages that the allocator then keeps after the weights replace it).
+    with _skipped_init() if not allow_missing else contextlib.nullcontext():
         model = cls(config)
     state = packed_into_skeleton(model, state)
     if quantization is not None:

@@ -65,9 +65,24 @@ def test_prefix_cache_hits_chained_hashes_and_evicts_least_recently_freed() -> N
     assert alloc.num_free == 3 and alloc.num_cached == 2 and alloc.cached_free_blocks() == [y, x]
     assert alloc.lookup(second) == y and alloc.num_free == 2  # a free cached block is revived
     alloc.release([y])  # y is now the most recently freed
-    assert alloc.allocate() == 2  # the plain free block goes first
-    assert alloc.allocate() == x and alloc.num_cached == 1  # then the least recently freed cached block
+    # Block 2 lies past the pools' capacity (2 blocks): the least recently freed cached block goes first.
+    assert alloc.capacity == 2 and alloc.allocate() == x and alloc.num_cached == 1
     assert alloc.lookup(first) is None and alloc.lookup(second) == y
+    assert alloc.allocate() == 2 and alloc.capacity == 3  # nothing else free: the pools grow
+
+
+def test_the_prefix_cache_never_grows_the_pools() -> None:
+    """A plain free block within the pools' capacity goes before a cached one; a cached one before growing."""
+    alloc = BlockAllocator(16, 2)
+    blocks = [alloc.allocate() for _ in range(3)]
+    assert blocks == [0, 1, 2] and alloc.capacity == 4  # doubling, as the pools grow
+    for i, block in enumerate(blocks[:2]):
+        alloc.commit(block, BlockAllocator.block_hash(None, [i, i]))
+    alloc.release(blocks)  # 0 and 1 cached, 2 plain
+    assert alloc.allocate() == 2 and alloc.allocate() == 3  # plain blocks within the capacity
+    assert alloc.allocate() == 1 and alloc.allocate() == 0  # then the cache, least recently freed first
+    assert alloc.capacity == 4 and alloc.num_cached == 0
+    assert alloc.allocate() == 4 and alloc.capacity == 8  # only now past the capacity
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])

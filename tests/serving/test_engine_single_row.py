@@ -86,3 +86,20 @@ def test_compiled_pools_grow_with_the_blocks_in_use(run: dict[str, Any]) -> None
     assert engine.peak_blocks <= held < engine.allocator.n_blocks  # grown to the peak (doubling), not whole
     assert held <= 2 * engine.peak_blocks
     assert engine.allocator.num_free == engine.allocator.n_blocks
+
+
+def test_the_single_mode_runs_lone_rows_compiled_and_batches_eagerly(run: dict[str, Any]) -> None:
+    """``compile="single"`` (the hybrid): the single-row graph for a lone decoding row, every other step eager with
+    the compiled ragged attention; the tokens and step logits are the eager engine's."""
+    engine = Engine(run["model"], block_size=4, max_num_batched_tokens=16, max_num_seqs=4, num_blocks=64,
+                    compile="single")
+    arrivals = {step: [(run["prompts"][i], dict(max_tokens=LENGTHS[i][1], logprobs=5)) for i in items]
+                for step, items in ARRIVALS.items()}
+    outputs = run_staggered(engine, arrivals)
+    assert engine.runner.step is None and engine.runner.single.calls >= LENGTHS[0][1] - 1
+    for got, want in zip(outputs, run["outputs"][False], strict=True):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.token_id == b.token_id and list(a.top) == list(b.top)
+            torch.testing.assert_close(torch.tensor([a.logprob, *a.top.values()]),
+                                       torch.tensor([b.logprob, *b.top.values()]), rtol=0, atol=1e-4)

@@ -322,7 +322,7 @@ def test_zoo_serve_runs_as_a_console_command(folder: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "serving.cli", "serve", str(folder), "--port", str(port),
-               "--served-model-name", "mine", "--max-batch", "2"]
+               "--served-model-name", "mine", "--max-batch", "2", "--eager"]  # no compile in this test's time
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
@@ -650,10 +650,16 @@ def test_zoo_serve_hands_its_engine_options_to_the_engine(monkeypatch: pytest.Mo
     assert seen["host"] == "127.0.0.1" and seen["port"] == 8123
     cli.main(["serve", str(folder), "--compile"])
     assert seen["compile"] is True
-    cli.main(["serve", str(folder)])
+    cli.main(["serve", str(folder), "--compile-single"])
+    assert seen["compile"] == "single"
+    cli.main(["serve", str(folder), "--eager"])
     assert seen["compile"] is False
+    cli.main(["serve", str(folder)])
+    assert seen["compile"] == cli.SERVE_COMPILE  # the mode measured fastest (docs/engine-performance.md)
     with pytest.raises(SystemExit):  # one or the other
         cli.main(["serve", str(folder), "--compile", "--compile-attention"])
+    with pytest.raises(SystemExit):
+        cli.main(["serve", str(folder), "--compile-single", "--eager"])
 
 
 def test_the_engine_process_loads_and_unloads_lora_adapters(setup, client, tmp_path: Path) -> None:
