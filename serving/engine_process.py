@@ -48,13 +48,14 @@ from .async_engine import (
     EngineStepError,
     abort_all,
     abort_deltas,
+    call_on,
     engine_stats,
     forget_finished,
     lora_action,
 )
 from .engine import Engine, QueueFullError
 from .loading import apply_quantization, check_quantization, check_request, load_model
-from .requests import RequestDelta, TokenLogprob
+from .requests import pack_delta, unpack_delta
 
 
 def rebuild_model(cls: type, config: dict[str, Any], weights: bytes, quantized: dict[str, str] | None = None,
@@ -128,33 +129,6 @@ class ModelSource:
         model = self.factory()
         check_quantization(model, "the factory's model", self.quantize, self.dequantize)
         return apply_quantization(model, self.quantize, self.dequantize)
-
-
-def pack_delta(delta: RequestDelta) -> tuple:
-    """A delta as plain tuples for the pipe (half the pickled bytes of the dataclasses).
-
-    Args:
-        delta: the delta.
-
-    Returns:
-        Its fields, its log-probabilities as ``(token_id, logprob, top)`` tuples.
-    """
-    logprobs = None if delta.logprobs is None else [(e.token_id, e.logprob, e.top) for e in delta.logprobs]
-    return delta.request_id, delta.index, delta.token_ids, delta.text, delta.finish_reason, logprobs
-
-
-def unpack_delta(item: tuple) -> RequestDelta:
-    """The delta ``pack_delta`` packed.
-
-    Args:
-        item: what ``pack_delta`` returned.
-
-    Returns:
-        The delta.
-    """
-    request_id, index, token_ids, text, finish_reason, logprobs = item
-    return RequestDelta(request_id, index, token_ids, text, finish_reason,
-                        None if logprobs is None else [TokenLogprob(*e) for e in logprobs])
 
 
 class ProcessEngine(DeltaStreams):
@@ -287,6 +261,29 @@ class ProcessEngine(DeltaStreams):
         if refused is not None:
             raise ValueError(refused[1])
 
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(engine, *args)`` in the engine process, between two steps (``serving.async_engine.call_on``).
+
+        Args:
+            fn: a function picklable by reference (defined at a module's top level).
+            *args: its other arguments (picklable).
+
+        Returns:
+            What it returned (picklable).
+
+        Raises:
+            ValueError: it raised a ``ValueError``; RuntimeError: another exception; EngineDeadError: no engine.
+        """
+        await self.start()
+        self._check_alive()
+        key = f"call-{next(self._ids)}"
+        answer = self._acks[key] = self._loop.create_future()
+        self._send(("call", key, fn, args))
+        kind, value = await answer
+        if kind != "ok":
+            raise (ValueError if kind == "value" else RuntimeError)(value)
+        return value
+
     async def close(self) -> None:
         """Stop the engine process (requests still in it are dropped; drain them first) and wait for it."""
         if self._conn.closed:
@@ -417,6 +414,8 @@ def _serve(conn: Any, engine: Engine) -> None:
             elif op[0] == "lora":
                 error = lora_action(engine, *op[2:])
                 acks.append((op[1], None if error is None else ("value", f"{error}")))
+            elif op[0] == "call":
+                acks.append((op[1], call_on(engine, op[2], *op[3])))
             else:
                 deltas += abort_deltas(engine, op[1])
         if engine.has_unfinished():
