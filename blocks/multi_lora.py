@@ -1,16 +1,17 @@
 """Many LoRA adapters in one batch: each token adds the low-rank update of its own adapter (Punica, S-LoRA).
 
 A layer that may be adapted gets a ``LoRASlots`` bank: ``n_slots`` fixed places, each holding one adapter's
-``A (max_rank, in)`` and ``B · scaling (out, max_rank)`` — zero-padded to the bank's ``max_rank``, with the real rank
-kept beside them (``ranks``, 0 where the slot's adapter leaves this layer alone). Loading an adapter copies into
+``Aᵀ (in, max_rank)`` and ``(B · scaling)ᵀ (max_rank, out)`` — zero-padded to the bank's ``max_rank``, with the real
+rank kept beside them (``ranks``, 0 where the slot's adapter leaves this layer alone). Loading an adapter copies into
 its slot in place, so the tensors a compiled graph reads stay the same objects: nothing recompiles.
 
-The batch's tokens are routed by a ``LoRARouting`` (one per model, shared by its banks): the tokens sorted by slot
-(``order``) and where each slot's segment starts (``offsets``). ``grouped_lora`` — Punica's segmented
-gather-matmul — then runs one pair of small products per slot present in the batch, not one per row: gather the
-segment's inputs, ``x Aᵀ`` (rank-wide), ``· Bᵀ``, scatter-add into the base layer's output. It is a custom op
-(``torch.library``), so a compiled step sees one opaque call per layer whatever the routing: the routing and the
-adapters are its inputs, never a reason to recompile.
+The batch's tokens are routed once per step by a ``LoRARouting`` (one per model, shared by its banks): the tokens
+sorted by slot (``order``, ``offsets``), the same tokens laid out in a ``(slots, longest)`` block (``padded``), and
+the way back to batch order from either (``inverse``, ``padded_inverse``). Each bank's hook then runs
+``blocks.lora_kernels.slot_lora`` on its layer: Punica's segmented products (one pair per slot present) or two
+batched products over all slots, whichever costs less for that layer and step. It is a custom op, so a compiled step
+sees one opaque call per layer whatever the routing: the routing and the adapters are its inputs, never a reason to
+recompile.
 """
 
 from __future__ import annotations
@@ -22,72 +23,39 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import ADAPTED_LAYERS, adapter_placement
+from .lora_kernels import KERNELS, Workspace, add_slot_lora_, grouped_lora, slot_lora
 from .quantized import QuantizedLinear
 
-
-@torch.library.custom_op("zoo::grouped_lora", mutates_args=())
-def grouped_lora(y: Tensor, x: Tensor, a: Tensor, b: Tensor, ranks: Tensor, order: Tensor,
-                 offsets: Tensor) -> Tensor:
-    """``y`` plus each token's LoRA update, grouped by slot (Punica's SGMV).
-
-    Args:
-        y: the base layer's output.
-        x: the layer's input.
-        a: the slots' ``A`` matrices, zero-padded to the bank's rank.
-        b: the slots' ``B`` matrices times their scaling, zero-padded likewise.
-        ranks: each slot's rank on this layer (CPU, int64; 0: no update).
-        order: the adapted tokens' indices sorted by slot, then anything (a fixed-size buffer).
-        offsets: where slot ``s``'s tokens are in ``order``: ``order[offsets[s]:offsets[s + 1]]`` (CPU, int64).
-
-    Returns:
-        ``y`` with ``(x[t] Aₛᵀ) Bₛᵀ`` added to every token ``t`` of slot ``s``.
-
-    Shapes: y ``(T, out)``, x ``(T, in)``, a ``(S, R, in)``, b ``(S, out, R)``, ranks ``(S,)``, order ``(C,)``,
-    offsets ``(S + 1,)`` -> ``(T, out)``.
-    """
-    out = y.clone()
-    bounds, rank = offsets.tolist(), ranks.tolist()
-    n = bounds[-1]
-    if n == 0 or not any(rank):
-        return out
-    rows = order[:n]
-    xs = x.index_select(0, rows).to(a.dtype)  # every adapted token, grouped by slot: one gather for the layer
-    delta = xs.new_zeros(n, b.shape[1])
-    for slot in range(len(rank)):
-        lo, hi, r = bounds[slot], bounds[slot + 1], rank[slot]
-        if hi > lo and r > 0:  # the segment's pair of products, at the adapter's own rank
-            torch.mm(xs[lo:hi] @ a[slot, :r].T, b[slot, :, :r].T, out=delta[lo:hi])
-    # index_put_ rather than index_add_: the latter takes ~0.2 s per call on some CPU builds (torch 2.13)
-    out.index_put_((rows,), delta.to(out.dtype), accumulate=True)
-    return out
-
-
-@grouped_lora.register_fake
-def _grouped_lora_fake(y: Tensor, x: Tensor, a: Tensor, b: Tensor, ranks: Tensor, order: Tensor,
-                       offsets: Tensor) -> Tensor:
-    return torch.empty_like(y)
+__all__ = ["LoRARouting", "LoRASlots", "attach_slots", "grouped_lora", "lora_layers", "slot_lora"]
 
 
 class LoRARouting:
     """Which tokens of the current batch belong to which slot, shared by every ``LoRASlots`` of one model.
 
-    Both tensors keep their size and are written in place (a compiled graph reads them as the same inputs, with
-    static shapes: module attributes are not made dynamic): ``order[:n]`` holds the ``n`` adapted tokens sorted by
-    slot, ``offsets`` the slots' segments in it.
+    Every tensor keeps its size and is written in place (a compiled graph reads them as the same inputs, with
+    static shapes: module attributes are not made dynamic). Of a batch of ``T`` tokens, ``n`` of them adapted:
+    ``order[:n]`` holds the adapted tokens sorted by slot and ``offsets`` the slots' segments in it; for the batched
+    products, ``padded[s * L + j]`` is slot ``s``'s ``j``-th token (``L = longest``, the largest count; token 0 past a
+    slot's count) and ``cells[k]`` the block row of ``order[k]``. ``workspace`` is the layers' shared scratch memory.
 
     Args:
         n_slots: the banks' slot count.
         capacity: tokens in one batch at most.
-        device: where the tokens are (``order`` lives there; ``offsets`` stays on the CPU, read by the op).
+        device: where the tokens are (the index buffers live there; ``offsets`` and ``longest`` stay on the CPU,
+            read by the op).
     """
 
     def __init__(self, n_slots: int, capacity: int, device: torch.device) -> None:
         self.n_slots, self.capacity, self.device = n_slots, capacity, device
         self.order = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.cells = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.padded = torch.zeros(n_slots * capacity, dtype=torch.long, device=device)
         self.offsets = torch.zeros(n_slots + 1, dtype=torch.long)
+        self.longest = torch.zeros((), dtype=torch.long)
+        self.workspace = Workspace()
 
     def route(self, token_slots: Sequence[int]) -> None:
-        """Route a batch.
+        """Route a batch: one sort and a few index tensors for the whole step, read by every layer.
 
         Args:
             token_slots: ``token_slots[t]`` is token ``t``'s slot, or -1 for the base model alone.
@@ -101,14 +69,23 @@ class LoRARouting:
         if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= self.n_slots):
             raise ValueError(f"token slots must be in [-1, {self.n_slots}), got {sorted(set(slots.tolist()))}")
         adapted = (slots >= 0).nonzero().flatten()
-        order = adapted[torch.sort(slots[adapted], stable=True).indices]
-        counts = torch.bincount(slots[adapted], minlength=self.n_slots)
+        by_slot, sort = torch.sort(slots[adapted], stable=True)
+        order = adapted[sort]
+        n = order.numel()
+        counts = torch.bincount(by_slot, minlength=self.n_slots)
         self.offsets[1:] = counts.cumsum(0)
-        self.order[:order.numel()] = order.to(self.device, non_blocking=True)
+        longest = int(counts.max()) if n else 0
+        self.longest.fill_(longest)
+        cells = by_slot * longest + torch.arange(n) - self.offsets[by_slot]  # slot row, then place in its segment
+        padded = torch.zeros(self.n_slots * longest, dtype=torch.long)
+        padded[cells] = order
+        self.order[:n] = order.to(self.device, non_blocking=True)
+        self.cells[:n] = cells.to(self.device, non_blocking=True)
+        self.padded[:padded.numel()] = padded.to(self.device, non_blocking=True)
 
 
 class LoRASlots:
-    """A layer's adapter slots, run as a forward hook after the layer (``y = layer(x) + grouped_lora(...)``).
+    """A layer's adapter slots, run as a forward hook after the layer (``y = layer(x) + slot_lora(...)``).
 
     Args:
         in_features: the layer's input width.
@@ -119,16 +96,24 @@ class LoRASlots:
         device: where the slots live.
         dtype: the slots' dtype.
 
-    Shapes: a ``(n_slots, max_rank, in)``, b ``(n_slots, out, max_rank)``, ranks ``(n_slots,)``.
+    Attributes:
+        kernel: ``"auto"`` (the cheaper of the two per call), ``"grouped"`` or ``"padded"`` (``blocks.lora_kernels``).
+
+    Shapes: a_t ``(n_slots, in, max_rank)``, b_t ``(n_slots, max_rank, out)``, ranks ``(n_slots,)``; ``a`` and ``b``
+    are the same storage seen as ``(n_slots, max_rank, in)`` and ``(n_slots, out, max_rank)`` (``A``, ``B · scaling``).
     """
 
     def __init__(self, in_features: int, out_features: int, n_slots: int, max_rank: int, routing: LoRARouting,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.in_features, self.out_features, self.max_rank = in_features, out_features, max_rank
-        self.a = torch.zeros(n_slots, max_rank, in_features, device=device, dtype=dtype)
-        self.b = torch.zeros(n_slots, out_features, max_rank, device=device, dtype=dtype)
+        # stored transposed: each slot's products are then plain row-major GEMMs (batched ones read them in place)
+        self.a_t = torch.zeros(n_slots, in_features, max_rank, device=device, dtype=dtype)
+        self.b_t = torch.zeros(n_slots, max_rank, out_features, device=device, dtype=dtype)
+        self.a, self.b = self.a_t.transpose(1, 2), self.b_t.transpose(1, 2)
         self.ranks = torch.zeros(n_slots, dtype=torch.long)
+        self.views: list[tuple[Tensor, Tensor] | None] = [None] * n_slots  # each slot's weights at its rank
         self.routing = routing
+        self.kernel = "auto"
 
     @torch.no_grad()
     def load(self, slot: int, a: Tensor | None, b: Tensor | None) -> None:
@@ -144,9 +129,10 @@ class LoRASlots:
 
         Shapes: a ``(r, in_features)``, b ``(out_features, r)`` with ``r <= max_rank``.
         """
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.a_t[slot].zero_()
+        self.b_t[slot].zero_()
         self.ranks[slot] = 0
+        self.views[slot] = None
         if a is None or b is None:
             return
         r = a.shape[0]
@@ -155,15 +141,25 @@ class LoRASlots:
                              f"{self.in_features} inputs and {self.out_features} outputs")
         if r > self.max_rank:
             raise ValueError(f"a LoRA of rank {r} does not fit slots of max_rank={self.max_rank}")
-        self.a[slot, :r] = a.to(self.a)
-        self.b[slot, :, :r] = b.to(self.b)
+        self.a_t[slot, :, :r] = a.T.to(self.a_t)
+        self.b_t[slot, :r] = b.T.to(self.b_t)
         self.ranks[slot] = r
+        self.views[slot] = (self.a_t[slot, :, :r], self.b_t[slot, :r])
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"LoRASlots.kernel must be one of {KERNELS}, got {self.kernel!r}")
         x = args[0]
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), output.reshape(-1, output.shape[-1])
-        routing = self.routing
-        y = grouped_lora(flat_y, flat_x, self.a, self.b, self.ranks, routing.order, routing.offsets)
+        r = self.routing
+        inputs = (flat_x, self.a_t, self.b_t, self.ranks, r.order, r.offsets, r.cells, r.padded, r.longest,
+                  self.kernel)
+        if torch.compiler.is_compiling():
+            y = slot_lora(flat_y, *inputs)
+        elif torch.is_grad_enabled() and output.requires_grad:
+            y = add_slot_lora_(flat_y.clone(), *inputs)
+        else:  # eager inference: into the layer's fresh output, no custom-op dispatch, no new big tensors
+            y = add_slot_lora_(flat_y, *inputs, workspace=r.workspace, views=self.views)
         return y.reshape(output.shape)
 
 

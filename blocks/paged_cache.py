@@ -1,5 +1,6 @@
 """A paged key/value cache (Kwon et al. 2023, "PagedAttention", §4.1–4.3): fixed-size blocks, per-request block
-tables, a block allocator with reference counts, a free list and a prefix cache with LRU eviction.
+tables, a block allocator with reference counts, a free list and a prefix cache with LRU eviction
+(``blocks.block_allocator``, re-exported here).
 
 Keys and values live in one pool per layer of ``block_size``-position blocks; a request owns the blocks its tokens
 fill (its *block table*), so the memory in use follows the tokens in use, not batch × maximum length. The pool
@@ -18,177 +19,19 @@ place (``blocks.paged_attention``, a batch built with ``decode="ragged"``).
 
 from __future__ import annotations
 
-import hashlib
-import heapq
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .block_allocator import BlockAllocator
 from .paged_attention import RaggedRows, ragged_decode_attention
 from .paged_batch import GROUP_COST, AttentionGroup, PagedBatch, split_by_length
 from .registry import get, register
 
 __all__ = ["GROUP_COST", "BlockAllocator", "PagedBatch", "PagedKVCache", "PagedLayerCache", "RaggedRows",
            "ragged_decode_attention", "split_by_length"]
-
-
-class BlockAllocator:
-    """Block ids of a paged cache: reference counts, a free list and a prefix cache of full blocks.
-
-    A full block can be *committed* under the hash of its tokens chained with the hash of the blocks before it
-    (``block_hash``): a later request with the same prefix acquires it instead of recomputing it. A block whose
-    count drops to 0 is free; if it is committed it keeps its contents and stays findable until it is reused —
-    uncommitted free blocks are handed out first, then committed ones least recently freed first (LRU eviction).
-
-    Args:
-        n_blocks: blocks in the cache (>= 1).
-        block_size: positions per block (>= 1).
-
-    Raises:
-        ValueError: ``n_blocks`` or ``block_size`` is not a positive integer.
-    """
-
-    def __init__(self, n_blocks: int, block_size: int) -> None:
-        for name, value in (("n_blocks", n_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.n_blocks, self.block_size = n_blocks, block_size
-        self.refs = [0] * n_blocks
-        self._plain: list[int] = list(range(n_blocks))  # a heap: the lowest free id first keeps the pool small
-        self._lru: OrderedDict[int, None] = OrderedDict()  # free committed blocks, least recently freed first
-        self._hash_of: dict[int, bytes] = {}
-        self._by_hash: dict[bytes, int] = {}
-
-    @staticmethod
-    def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-        """The prefix-cache key of a full block: SHA-256 of the previous block's key and this block's tokens.
-
-        Args:
-            parent: the previous block's key, or None for the first block.
-            tokens: the block's token ids.
-
-        Returns:
-            The 32-byte digest.
-        """
-        digest = hashlib.sha256(parent or b"")
-        digest.update(b",".join(str(int(t)).encode() for t in tokens))
-        return digest.digest()
-
-    @property
-    def num_free(self) -> int:
-        """Blocks that can be allocated now (free uncommitted ones and evictable cached ones)."""
-        return len(self._plain) + len(self._lru)
-
-    @property
-    def num_cached(self) -> int:
-        """Committed blocks (in use or free) that a prefix can hit."""
-        return len(self._by_hash)
-
-    def cached_free_blocks(self) -> list[int]:
-        """Committed blocks with no reference, least recently freed first.
-
-        Returns:
-            Their ids.
-        """
-        return list(self._lru)
-
-    def allocate(self) -> int:
-        """A free block with one reference; evicts the least recently freed cached block if no plain one is free.
-
-        Returns:
-            The block id.
-
-        Raises:
-            RuntimeError: no block is free (callers check ``num_free`` first).
-        """
-        if self._plain:
-            block = heapq.heappop(self._plain)
-        elif self._lru:
-            block, _ = self._lru.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]
-        else:
-            raise RuntimeError(f"the paged cache has no free block (all {self.n_blocks} are in use)")
-        self.refs[block] = 1
-        return block
-
-    def share(self, block: int) -> None:
-        """One more reference to a block in use (a sample forked from a request shares its full blocks).
-
-        Args:
-            block: the block id.
-
-        Raises:
-            ValueError: the block is free.
-        """
-        if self.refs[block] < 1:
-            raise ValueError(f"block {block} is free; only a block in use can be shared")
-        self.refs[block] += 1
-
-    def release(self, blocks: Sequence[int]) -> None:
-        """Drop one reference to each block; blocks reaching 0 are free. The last block of a table is released
-        first, so the blocks at the start of a prefix — the ones most often shared — are evicted last.
-
-        Args:
-            blocks: the block ids (a block table).
-
-        Raises:
-            ValueError: a block is already free.
-        """
-        for block in reversed(blocks):
-            if self.refs[block] < 1:
-                raise ValueError(f"block {block} is already free")
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                if block in self._hash_of:
-                    self._lru[block] = None
-                else:
-                    heapq.heappush(self._plain, block)
-
-    def forget(self, block: int) -> None:
-        """Drop a free block from the prefix cache (its contents must not be found again: a request whose logits
-        were NaN wrote it).
-
-        Args:
-            block: the block id.
-
-        Raises:
-            ValueError: the block is in use.
-        """
-        if self.refs[block] != 0:
-            raise ValueError(f"block {block} is in use; only a free block can be forgotten")
-        key = self._hash_of.pop(block, None)
-        if key is not None:
-            del self._by_hash[key]
-            del self._lru[block]
-            heapq.heappush(self._plain, block)
-
-    def lookup(self, key: bytes) -> int | None:
-        """Take a reference to the committed block of ``key``, or return None on a miss.
-
-        Args:
-            key: the prefix-cache key (``block_hash``).
-
-        Returns:
-            The block id, or None.
-        """
-        block = self._by_hash.get(key)
-        if block is None:
-            return None
-        if self.refs[block] == 0:
-            del self._lru[block]
-        self.refs[block] += 1
-        return block
-
-    def commit(self, block: int, key: bytes) -> None:
-        """Make a full block in use findable under ``key`` (a no-op if that key or this block is taken)."""
-        if self.refs[block] < 1:
-            raise ValueError(f"block {block} is free; only a block in use can be committed")
-        if key not in self._by_hash and block not in self._hash_of:
-            self._by_hash[key] = block
-            self._hash_of[block] = key
 
 
 @register("kv_cache", "paged")
@@ -245,7 +88,15 @@ class PagedKVCache:
 
     def reserve(self, attention: Any, like: Tensor, blocks: int | None = None) -> None:
         """Allocate the pools of ``blocks`` blocks (default: all ``n_blocks``) now, zeroed, in ``like``'s dtype and
-        device (what they held is dropped: ``grow`` keeps it)."""
+        device (what they held is dropped: ``grow`` keeps it).
+
+        Args:
+            attention: the layer's attention module (its ``n_kv_heads``, ``d_head`` and ``d_value``).
+            like: a tensor of the pools' dtype and device.
+            blocks: the blocks to allocate, or None for ``n_blocks``.
+
+        Shapes: pools ``(Hkv, blocks, block_size, D)`` (values ``D = d_value``).
+        """
         n = self.n_blocks if blocks is None else blocks
         self.k = like.new_zeros((attention.n_kv_heads, n, self.block_size, attention.d_head))
         self.v = like.new_zeros((attention.n_kv_heads, n, self.block_size, attention.d_value))
@@ -312,7 +163,22 @@ class PagedKVCache:
         self.k, self.v = grown_k, grown_v
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write the packed new keys/values ``(1, Hkv, T, D)`` at the batch's slots; return them unchanged."""
+        """Write the packed new keys/values at the batch's slots (growing the pools first when a slot lies beyond
+        them, outside a compiled graph); return them unchanged.
+
+        Args:
+            k: the new keys of every row of the batch, packed along the token axis.
+            v: the new values, packed the same way.
+
+        Returns:
+            ``(k, v)`` as given: attention reads the cache through ``attend``, not through these.
+
+        Raises:
+            ValueError: no ``PagedBatch`` is set, or ``k`` is not packed as ``(1, Hkv, T, D)`` with the batch's
+                ``T`` (checked outside a compiled graph).
+
+        Shapes: k ``(1, Hkv, T, D)``, v ``(1, Hkv, T, Dv)`` -> the same.
+        """
         batch = self._current()
         # (skipped while compiling: reading the int would specialise a graph with dynamic shapes to one size)
         if not torch.compiler.is_compiling() and (k.shape[0] != 1 or k.shape[2] != batch.n_tokens):
@@ -338,7 +204,23 @@ class PagedKVCache:
         each query row's sink. A row of several new tokens (a prefill chunk) attends alone, ``(1, H, Lq, D)``, over
         its own keys with the bottom-right causal mask (``is_causal``: no mask to build and check per layer).
         A batch's ``RaggedRows`` (one-token rows, ``decode="ragged"``) attend through ``ragged_decode_attention``
-        (``ragged_attention`` when set, outside a compiled graph). Returns ``(1, H, T, Dv)``.
+        (``ragged_attention`` when set, outside a compiled graph).
+
+        Args:
+            q: the packed queries of every row of the batch.
+            backend: the attention backend (the DESIGN signature), called per group.
+            scale: the score scale, or None for ``1 / sqrt(D)``.
+            softcap: the logit soft cap (Gemma 2), or None.
+            window: the sliding window in positions, or None for full causal attention.
+            sinks: one sink logit per query head (gpt-oss), or None.
+
+        Returns:
+            The attention output of every packed query.
+
+        Raises:
+            ValueError: no ``PagedBatch`` is set (``cache.batch``).
+
+        Shapes: q ``(1, H, T, D)``, sinks ``(H,)`` -> ``(1, H, T, Dv)``.
         """
         batch = self._current()
         n_heads, n_kv = q.shape[1], self.k.shape[0]
@@ -443,4 +325,14 @@ class PagedLayerCache:
         self.self_attn = get("kv_cache", kind)(n_blocks, block_size)
 
     def reorder(self, index: Tensor) -> None:
+        """Refused: beam search reorders contiguous caches; a paged cache shares blocks through its allocator.
+
+        Args:
+            index: the beams' new order (unused).
+
+        Raises:
+            NotImplementedError: always.
+
+        Shapes: index ``(B,)`` long.
+        """
         raise NotImplementedError("a paged cache is not reordered: requests share blocks through the allocator")

@@ -1,9 +1,13 @@
 """Docs that cannot rot: every Python block of the README and the guides runs, and the site builds in strict mode.
 
 A fence written `` ```python `` is executed here, each block on its own (a fresh namespace, the working directory a
-temporary folder), so a block must be complete: imports, tiny models, no network. A fence written
-`` ```python notest `` (it needs a server, a GPU, the network, files the block does not create, or a long run) is
-compiled but not executed, so its syntax is still checked. Other fences (``bash``, ``text``...) are not read.
+temporary folder), so a block must be complete: imports, tiny models, no network. What a block names but does not
+create — a checkpoint folder, a GGUF file, a Hub repo, the server it talks to on ``127.0.0.1:8000`` — comes from the
+hidden setup of ``tests/docs_setup.py``, offline (a tiny local stand-in, an in-process Hub, a server on a free port).
+A fence written `` ```python slow `` (a server, a Hub round trip, a long run) runs the same way, but only in
+``make test-all`` (it is marked ``slow``). A fence written `` ```python notest `` (it needs what no test machine has:
+a GPU, the real Hub) is compiled but not executed, so its syntax is still checked; its first line is a comment
+saying why. Other fences (``bash``, ``text``...) are not read.
 
 ``mkdocs build --strict`` fails on a broken link, a nav entry without its page, a reference that does not resolve
 and a docstring mkdocstrings cannot parse.
@@ -21,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import blocks
+from tests import docs_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<info>[^`\n]*)$")
@@ -35,7 +40,7 @@ def markdown_files() -> list[Path]:
 class CodeBlock:
     path: Path
     line: int  # 1-based line of the opening fence
-    info: str  # the words after the backticks: "python", "python notest", "bash", ...
+    info: str  # the words after the backticks: "python", "python slow", "python notest", "bash", ...
     source: str
 
     @property
@@ -45,6 +50,10 @@ class CodeBlock:
     @property
     def runs(self) -> bool:
         return self.language == "python" and "notest" not in self.info.split()[1:]
+
+    @property
+    def slow(self) -> bool:
+        return self.runs and "slow" in self.info.split()[1:]
 
     @property
     def label(self) -> str:
@@ -81,26 +90,47 @@ def python_blocks() -> list[CodeBlock]:
 def test_the_docs_have_runnable_blocks() -> None:
     """The collection below finds what it should (a parser that found nothing would pass every test vacuously)."""
     blocks = python_blocks()
-    assert sum(b.runs for b in blocks) >= 10
+    assert sum(b.runs and not b.slow for b in blocks) >= 10
     assert any(b.path.name == "README.md" and b.runs for b in blocks)
-    assert any(not b.runs for b in blocks), "no notest block found: is the notest convention still parsed?"
+    assert any(b.slow for b in blocks), "no slow block found: is the slow convention still parsed?"
+    for block in blocks:
+        assert block.language == "python" and set(block.info.split()[1:]) <= {"slow", "notest"}, block.label
+        if not block.runs:
+            assert block.source.startswith("#"), f"{block.label}: a notest block starts with a comment saying why"
 
 
 def test_the_parser_reads_fences_inside_list_items(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text("- item\n\n  ```python\n  x = 1\n  ```\n\n```python notest\nserver()\n```\n\n```bash\nls\n```\n")
+    page.write_text("- item\n\n  ```python\n  x = 1\n  ```\n\n```python notest\n# GPU\n```\n\n"
+                    "```python slow\nserve()\n```\n\n```bash\nls\n```\n")
     blocks = code_blocks(page)
-    assert [(b.info, b.source, b.runs) for b in blocks] == [
-        ("python", "x = 1\n", True), ("python notest", "server()\n", False), ("bash", "ls\n", False)]
+    assert [(b.info, b.source, b.runs, b.slow) for b in blocks] == [
+        ("python", "x = 1\n", True, False), ("python notest", "# GPU\n", False, False),
+        ("python slow", "serve()\n", True, True), ("bash", "ls\n", False, False)]
 
 
-@pytest.mark.parametrize("block", python_blocks(), ids=lambda b: b.label)
-def test_python_block(block: CodeBlock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    code = compile(block.source, block.label, "exec")  # notest blocks too: their syntax is checked
+def test_the_hidden_setup_reads_what_a_block_names() -> None:
+    source = 'm = from_pretrained("ckpt")\nclient = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="k")\n'
+    assert {"ckpt", "k"} <= docs_setup.names(source)
+    assert set(docs_setup.LOCAL_FILES) | set(docs_setup.HUB_REPOS) <= {
+        n for b in python_blocks() for n in docs_setup.names(b.source)}, "a stand-in no block uses: remove it"
+
+
+@pytest.fixture(scope="session")
+def docs_assets(tmp_path_factory: pytest.TempPathFactory) -> docs_setup.Assets:
+    return docs_setup.Assets(tmp_path_factory.mktemp("docs-assets"))
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, marks=pytest.mark.slow) if b.slow else b for b in python_blocks()],
+                         ids=lambda b: b.label)
+def test_python_block(block: CodeBlock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      docs_assets: docs_setup.Assets) -> None:
+    compile(block.source, block.label, "exec")  # notest blocks too: their syntax is checked
     if not block.runs:
         return
     monkeypatch.chdir(tmp_path)
-    exec(code, {"__name__": "__docs__"})
+    with docs_setup.prepared(block.source, tmp_path, monkeypatch, docs_assets) as source:
+        exec(compile(source, block.label, "exec"), {"__name__": "__docs__"})
 
 
 def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:

@@ -7,9 +7,8 @@ token), and ``tokenizer.json`` files that any Hugging Face tokenizer file can re
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import tokenizers
 import torch
 from torch import Tensor
 
+from .batch_encoding import as_text_batch, backend_settings, check_batch_options
 from .chat import read_template, render_chat, write_template
 from .special_tokens import (
     CONVENTIONAL_NAMES,
@@ -27,8 +27,6 @@ from .special_tokens import (
     write_config,
 )
 from .templates import template_processor
-
-_PADDING_CHOICES = (True, False, "longest", "max_length")
 
 
 class Tokenizer:
@@ -237,9 +235,25 @@ class Tokenizer:
         return self.vocab_size
 
     def token_to_id(self, token: str) -> int | None:
+        """The id of a token string.
+
+        Args:
+            token: the token as the vocabulary writes it (``"Ġthe"``, ``"[CLS]"``), not text to encode.
+
+        Returns:
+            Its id, or None when the vocabulary has no such token.
+        """
         return self.backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
+        """The token string of an id (the inverse of ``token_to_id``).
+
+        Args:
+            token_id: an id.
+
+        Returns:
+            The token as the vocabulary writes it, or None for an id outside the vocabulary.
+        """
         return self.backend.id_to_token(token_id)
 
     def set_template(self, family: str) -> None:
@@ -309,27 +323,17 @@ class Tokenizer:
 
         Shapes: ``B = len(texts)``; ``L`` the longest row, or ``max_length`` with "max_length" padding.
         """
-        batch, pairs = _as_batch(texts, "texts"), None
+        batch, pairs = as_text_batch(texts, "texts"), None
         if text_pairs is not None:
-            pairs = _as_batch(text_pairs, "text_pairs")
+            pairs = as_text_batch(text_pairs, "text_pairs")
             if len(pairs) != len(batch):
                 raise ValueError(f"got {len(batch)} texts but {len(pairs)} text_pairs; they must match")
-        if padding not in _PADDING_CHOICES:
-            raise ValueError(f"padding must be one of {list(_PADDING_CHOICES)}, got {padding!r}")
-        if return_tensors not in ("pt", None):
-            raise ValueError(f"return_tensors must be 'pt' or None, got {return_tensors!r}")
-        if padding_side not in ("right", "left"):
-            raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
-        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
-                                       or max_length < 1):
-            raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
-        if (truncation or padding == "max_length") and max_length is None:
-            raise ValueError("truncation=True and padding='max_length' need max_length")
-        if padding and self.pad_token_id is None:
-            raise ValueError("this tokenizer has no pad token; pass padding=False or give special_tokens={'pad': ...}")
+        check_batch_options(padding=padding, truncation=truncation, max_length=max_length,
+                            return_tensors=return_tensors, padding_side=padding_side, pad_token_id=self.pad_token_id)
 
         inputs = batch if pairs is None else list(zip(batch, pairs, strict=True))
-        with self._batch_settings(padding, truncation, max_length, padding_side):
+        with backend_settings(self.backend, padding=padding, truncation=truncation, max_length=max_length,
+                              side=padding_side, pad_id=self.pad_token_id, pad_token=self._roles["pad"]):
             encodings = self.backend.encode_batch(inputs, add_special_tokens=add_special_tokens)
 
         out: dict[str, Any] = {
@@ -353,36 +357,6 @@ class Tokenizer:
             key: torch.tensor(value, dtype=torch.bool if key == "attention_mask" else torch.long).reshape(-1, width)
             for key, value in out.items()
         }
-
-    @contextlib.contextmanager
-    def _batch_settings(
-        self, padding: bool | str, truncation: bool, max_length: int | None, side: str
-    ) -> Iterator[None]:
-        """Set the backend's padding and truncation for one call, then restore what it had (a loaded
-        Hugging Face file may carry its own settings, and they must survive a save)."""
-        old_padding, old_truncation = self.backend.padding, self.backend.truncation
-        try:
-            if padding:
-                self.backend.enable_padding(
-                    direction=side, pad_id=self.pad_token_id, pad_token=self._roles["pad"],
-                    length=max_length if padding == "max_length" else None,
-                )
-            else:
-                self.backend.no_padding()
-            if truncation:
-                self.backend.enable_truncation(max_length)
-            else:
-                self.backend.no_truncation()
-            yield
-        finally:
-            if old_padding is None:
-                self.backend.no_padding()
-            else:
-                self.backend.enable_padding(**old_padding)
-            if old_truncation is None:
-                self.backend.no_truncation()
-            else:
-                self.backend.enable_truncation(**old_truncation)
 
     # ------------------------------------------------------------------ decoding
     def decode(self, ids: Sequence[int] | Tensor, skip_special_tokens: bool = True) -> str:
@@ -436,13 +410,3 @@ class Tokenizer:
     def __repr__(self) -> str:
         model = type(self.backend.model).__name__
         return f"Tokenizer({model}, vocab_size={self.vocab_size}, special_tokens={self._roles})"
-
-
-def _as_batch(texts: str | Sequence[str], name: str) -> list[str]:
-    if isinstance(texts, str):
-        return [texts]
-    texts = list(texts)
-    bad = next((t for t in texts if not isinstance(t, str)), None)
-    if bad is not None:
-        raise ValueError(f"{name} must be a string or a list of strings, found {type(bad).__name__} {bad!r}")
-    return texts

@@ -35,6 +35,14 @@ from .collators import input_tokens
 from .distributed import barrier, default_device, get_rank, get_world_size, is_distributed, rng_state, unwrap_model
 from .interrupt import TrainingInterrupted, step_boundary_interrupt
 from .losses import TokenLoss, default_loss
+from .optimizer_setup import (
+    OptimizerFactory,
+    SchedulerFactory,
+    built_optimizer,
+    built_scheduler,
+    check_optimizer,
+    check_optimizer_arguments,
+)
 from .parallel import (
     apply_parallelism,
     clip_grad_norm,
@@ -53,8 +61,6 @@ __all__ = ["CHECKPOINT_PREFIX", "Trainer", "TrainerConfig", "consolidated_state_
            "list_checkpoints"]
 
 LossFunction = Callable[[nn.Module, Mapping[str, Any]], Tensor]
-OptimizerFactory = Callable[[list[nn.Parameter]], Optimizer]
-SchedulerFactory = Callable[[Optimizer], LRScheduler]
 
 
 class Trainer:
@@ -101,14 +107,7 @@ class Trainer:
             raise ValueError(f"config must be a TrainerConfig, got {type(config).__name__}")
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, Optimizer) and not callable(optimizer):
-            raise ValueError(f"optimizer must be a factory (trainable parameters -> Optimizer) or an Optimizer, "
-                             f"got {type(optimizer).__name__}")
-        if isinstance(optimizer, Optimizer) and scheduler is not None and not isinstance(scheduler, LRScheduler):
-            raise ValueError("with a built optimizer, pass a built scheduler (or pass factories for both)")
-        if not isinstance(optimizer, Optimizer) and isinstance(scheduler, LRScheduler):
-            raise ValueError("scheduler was built over another optimizer: pass a factory (optimizer -> scheduler) "
-                             "so it wraps the optimizer the Trainer builds")
+        check_optimizer_arguments(optimizer, scheduler)
         self.config = config
         self.rank, self.world_size = get_rank(), get_world_size()
         dp_size, _ = parallel_layout(config.parallel, self.world_size, config.tp_size)
@@ -123,7 +122,7 @@ class Trainer:
                     f"the shards: pass a factory such as functools.partial(torch.optim.AdamW, lr=...) instead of an "
                     f"Optimizer"
                 )
-            _check_optimizer(optimizer, model)
+            check_optimizer(optimizer, model)
         self.device = torch.device(config.device) if config.device else default_device()
         self.model = model.to(self.device)
         self.wrapped, self.layout = apply_parallelism(
@@ -133,20 +132,8 @@ class Trainer:
         self.sampler.rank = self.layout.dp_rank
         if self.layout.tp_size > 1:
             share_rng_in_tensor_parallel_group(self.layout)
-        if isinstance(optimizer, Optimizer):
-            self.optimizer = optimizer
-        else:
-            self.optimizer = optimizer([p for p in self.model.parameters() if p.requires_grad])
-            if not isinstance(self.optimizer, Optimizer):
-                raise ValueError(f"the optimizer factory returned a {type(self.optimizer).__name__}, not an Optimizer")
-            _check_optimizer(self.optimizer, self.model)
-        if scheduler is not None and not isinstance(scheduler, LRScheduler):
-            scheduler = scheduler(self.optimizer)
-            if not isinstance(scheduler, LRScheduler):
-                raise ValueError(f"the scheduler factory returned a {type(scheduler).__name__}, not an LRScheduler")
-        if scheduler is not None and scheduler.optimizer is not self.optimizer:
-            raise ValueError("scheduler steps another optimizer than the one the Trainer uses")
-        self.scheduler = scheduler
+        self.optimizer = built_optimizer(optimizer, self.model)
+        self.scheduler = built_scheduler(scheduler, self.optimizer)
         self.train_data, self.collate_fn = train_data, collate_fn
         self.eval_data, self.eval_collate_fn = eval_data, eval_collate_fn or collate_fn
         self.loss_fn = loss_fn if loss_fn is not None else default_loss(model)
@@ -166,6 +153,10 @@ class Trainer:
     # ------------------------------------------------------------------ training
     def train(self, until: int | None = None) -> list[dict[str, float]]:
         """Train from the current step to ``until`` (default ``config.max_steps``).
+
+        Args:
+            until: the optimiser step to stop after (``0 <= until <= max_steps``); a later call goes on from there,
+                so ``train(until=k)`` then ``train()`` is the same run as ``train()``. None: ``max_steps``.
 
         Returns:
             The history: one ``{"step", "loss", "lr", "tokens"}`` per optimiser step since step 1
@@ -347,6 +338,10 @@ class Trainer:
         and with ``keep_checkpoints`` older folders are removed. A kill at any moment leaves the previous
         checkpoints (and this one, once renamed) loadable.
 
+        Args:
+            directory: the checkpoint directory (created if needed); None: ``config.checkpoint_dir``. Every process
+                must pass the same one (it is a collective).
+
         Returns:
             The checkpoint folder ``<directory>/step-NNNNNNNN``.
 
@@ -435,16 +430,3 @@ class Trainer:
         if not path.is_dir():
             raise FileNotFoundError(f"no checkpoint folder at {str(path)!r}")
         return path
-
-
-def _check_optimizer(optimizer: Optimizer, model: nn.Module) -> None:
-    """The optimiser must step trainable parameters of ``model`` only."""
-    own = {id(p): p for p in model.parameters()}
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    foreign = sum(id(p) not in own for p in params)
-    frozen = sum(id(p) in own and not p.requires_grad for p in params)
-    if foreign or frozen:
-        raise ValueError(
-            f"the optimizer holds {foreign} parameter(s) that are not the model's and {frozen} frozen one(s) "
-            f"(requires_grad=False); build it over the model's trainable parameters (or pass a factory)"
-        )

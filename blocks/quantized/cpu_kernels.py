@@ -52,7 +52,7 @@ _SOURCE = r"""
 #endif
 
 #ifndef PREFETCH
-#define PREFETCH 2048
+#define PREFETCH 4096
 #endif
 
 enum Format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4 };
@@ -133,6 +133,68 @@ static inline void block_vectors(const Packed& p, int64_t n, int64_t g, __m512& 
 }
 #endif
 
+#if defined(__AVX512F__)
+// One row of x, for the formats whose weights are d · (q - offset): the block's products with the unscaled codes are
+// summed first and scaled by d once (d · q is exact in float32 — an 11-bit scale times a code of at most 6 bits —
+// so only the order of the float32 sums differs from multiplying the unpacked weights). Per block this saves a
+// multiply per 16 weights and the scale's broadcast before the FMAs; with many rows the weights are unpacked once
+// instead (rows<F, R>).
+template <int F>
+static inline void block_codes(const Packed& p, int64_t n, int64_t g, __m512& c0, __m512& c1) {
+  if (F == Q8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(p.qs) + (n * p.nb + g) * 32;
+    c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+    c1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
+    return;
+  }
+  const __m128i b = _mm_loadu_si128((const __m128i*)(p.qs + (n * p.nb + g) * 16));
+  const __m512i bytes = _mm512_cvtepu8_epi32(b);
+  if (F == Q4_0) {  // the code minus 8, looked up by nibble (vpermps reads the low 4 bits of each index)
+    const __m512 table = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+    c0 = _mm512_permutexvar_ps(bytes, table);
+    c1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    return;
+  }
+  const __m512i low = _mm512_set1_epi32(0x0F), sixteen = _mm512_set1_epi32(16);
+  __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_srli_epi32(bytes, 4);
+  const uint32_t h = static_cast<uint32_t>(p.qh[n * p.nb + g]);
+  lo = _mm512_mask_add_epi32(lo, static_cast<__mmask16>(h & 0xFFFFu), lo, sixteen);
+  hi = _mm512_mask_add_epi32(hi, static_cast<__mmask16>(h >> 16), hi, sixteen);
+  c0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, sixteen));
+  c1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, sixteen));
+}
+
+template <int F>
+static void one_row(const float* x, const Packed& p, float* y, int64_t n0, int64_t n1) {
+  const int64_t bytes = (F == Q8_0) ? 32 : 16;
+  for (int64_t n = n0; n < n1; ++n) {
+    const at::Half* d = p.d + n * p.nb;
+    const char* stream = reinterpret_cast<const char*>(p.qs) + n * p.nb * bytes;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 1 < p.nb; g += 2) {
+      _mm_prefetch(stream + g * bytes + PREFETCH, _MM_HINT_T0);
+      __m512 c0, c1, c2, c3;
+      block_codes<F>(p, n, g, c0, c1);
+      block_codes<F>(p, n, g + 1, c2, c3);
+      const float* xr = x + 32 * g;
+      const __m512 t0 = _mm512_fmadd_ps(c1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(c0, _mm512_loadu_ps(xr)));
+      const __m512 t1 = _mm512_fmadd_ps(c3, _mm512_loadu_ps(xr + 48), _mm512_mul_ps(c2, _mm512_loadu_ps(xr + 32)));
+      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(d[g])), t0, acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(d[g + 1])), t1, acc1);
+    }
+    if (g < p.nb) {
+      __m512 c0, c1;
+      block_codes<F>(p, n, g, c0, c1);
+      const float* xr = x + 32 * g;
+      const __m512 t0 = _mm512_fmadd_ps(c1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(c0, _mm512_loadu_ps(xr)));
+      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(d[g])), t0, acc0);
+    }
+    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  }
+}
+#endif
+
 // y[r, n] = sum_k x[r, k] * w[n, k] for the R rows of x, output rows n0 <= n < n1.
 template <int F, int R>
 static void rows(const float* x, int64_t K, const Packed& p, float* y, int64_t N, int64_t n0, int64_t n1) {
@@ -194,6 +256,9 @@ static void rows(const float* x, int64_t K, const Packed& p, float* y, int64_t N
 
 template <int F>
 static void pass(const float* x, int64_t R, int64_t K, const Packed& p, float* y, int64_t N, int64_t n0, int64_t n1) {
+#if defined(__AVX512F__)
+  if (R == 1 && (F == Q8_0 || F == Q4_0 || F == Q5_0)) { one_row<F>(x, p, y, n0, n1); return; }
+#endif
   switch (R) {
     case 1: rows<F, 1>(x, K, p, y, N, n0, n1); break;
     case 2: rows<F, 2>(x, K, p, y, N, n0, n1); break;

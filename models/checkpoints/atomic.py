@@ -10,24 +10,19 @@ a lock (``reading``), so a reader sees one complete checkpoint. The scheme is de
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import re
 import shutil
-import stat
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from .files import CONFIG_NAME
+from .folder_locks import flock, folder_lock, fsync, new_locked_folder
 
-try:
-    import fcntl
-except ImportError:  # Windows: saves stay atomic, but leftovers of killed saves are never judged abandoned
-    fcntl = None  # type: ignore[assignment]
-
-logger = logging.getLogger(__name__)
+__all__ = ["SHARED_ID", "fsync", "publish", "reading", "recover", "recover_all", "remove_folder", "replace_folder",
+           "shared_staging_folder", "staging_folder", "write_folder"]
 
 # How a save survives being killed at any instant (SIGKILL included):
 #
@@ -121,7 +116,7 @@ def staging_folder(target: Path) -> Iterator[Path]:
     target = Path(target).expanduser().resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     recover(target)
-    staging, fd = _new_locked_folder(target.parent, f".{target.name}.", ".saving")
+    staging, fd = new_locked_folder(target.parent, f".{target.name}.", ".saving")
     try:
         yield staging
     finally:
@@ -160,7 +155,7 @@ def publish(staging: Path, target: Path) -> None:
     if _first_save(staging, target):
         return
     commit = staging.with_name(staging.name.removesuffix(".saving") + ".commit")
-    with _folder_lock(target, exclusive=True):
+    with folder_lock(target, exclusive=True):
         for dead in _leftovers(target, ("commit",)):
             _switch(dead, target)  # finish a dead writer's save before committing over it
         os.rename(staging, commit)
@@ -196,7 +191,7 @@ def recover(target: Path) -> None:
             if not target.exists():  # the target was deleted by hand after the commit: the commit is the checkpoint
                 for commit in _leftovers(target, ("commit",))[-1:]:
                     os.rename(commit, target)
-            with _folder_lock(target, exclusive=True):
+            with folder_lock(target, exclusive=True):
                 for commit in _leftovers(target, ("commit",)):  # listed again: a live writer may have finished
                     _switch(commit, target)
         except OSError as e:
@@ -212,7 +207,13 @@ def recover(target: Path) -> None:
 
 def recover_all(parent: Path, prefix: str = "") -> None:
     """``recover`` every folder of ``parent`` whose name starts with ``prefix`` and that interrupted saves or
-    removals left something beside (whether or not the folder itself still exists)."""
+    removals left something beside (whether or not the folder itself still exists).
+
+    Args:
+        parent: the folder holding checkpoint folders (a trainer's ``checkpoint_dir``); nothing is done when it
+            cannot be listed.
+        prefix: the start of the names to recover (``"step-"``); empty for every one.
+    """
     try:
         names = {m["name"] for e in os.scandir(parent) if (m := _LEFTOVER.fullmatch(e.name))}
     except OSError:
@@ -227,6 +228,12 @@ def reading(folder: Path | None) -> Iterator[None]:
     committed save, so the reader sees one complete checkpoint. Nothing to do for ``None`` (a Hub checkpoint: the
     cache keeps each commit apart).
 
+    Args:
+        folder: the local checkpoint folder, or None.
+
+    Yields:
+        Nothing: the folder is complete and held still while the block runs.
+
     Raises:
         OSError: a committed save could not be completed (e.g. a read-only folder).
     """
@@ -235,7 +242,7 @@ def reading(folder: Path | None) -> Iterator[None]:
         return
     folder = folder.resolve()
     while True:
-        with _folder_lock(folder, exclusive=False):
+        with folder_lock(folder, exclusive=False):
             # With the shared lock held no live writer is mid-switch (it holds the exclusive lock), so a
             # .commit seen now belongs to a dead one.
             if not _leftovers(folder, ("commit",)):
@@ -266,7 +273,7 @@ def replace_folder(staging: Path, target: Path) -> None:
         return
     aside = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.replaced")
     # The lock goes with the old folder when it is renamed: recover() leaves the aside folder alone while it is held.
-    with _folder_lock(target, exclusive=True):
+    with folder_lock(target, exclusive=True):
         os.rename(target, aside)
         _step("rename target aside")
         os.rename(staging, target)
@@ -279,7 +286,11 @@ def replace_folder(staging: Path, target: Path) -> None:
 
 def remove_folder(folder: Path) -> None:
     """Delete ``folder``: renamed to a hidden ``.deleting`` sibling first (one atomic step), so a half-deleted
-    folder is never seen under its name; ``recover`` deletes what a removal cut short left."""
+    folder is never seen under its name; ``recover`` deletes what a removal cut short left.
+
+    Args:
+        folder: the folder to delete (it must exist).
+    """
     folder = Path(folder).expanduser().resolve()
     doomed = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:12]}.deleting")
     os.rename(folder, doomed)
@@ -292,7 +303,14 @@ def remove_folder(folder: Path) -> None:
 def shared_staging_folder(target: Path) -> Path:
     """The staging folder of ``target`` for a save that several processes write into (a trainer checkpoint: each
     rank writes its shards): the same path in every process, created by one of them, not locked. ``recover``
-    treats it as any abandoned staging folder, so recover only when no such save is running."""
+    treats it as any abandoned staging folder, so recover only when no such save is running.
+
+    Args:
+        target: the folder the save will become.
+
+    Returns:
+        ``.<name>.000000000000.saving`` beside ``target`` (not created here).
+    """
     return Path(target).with_name(f".{Path(target).name}.{SHARED_ID}.saving")
 
 
@@ -364,7 +382,7 @@ def _remove_if_abandoned(folder: Path, restore_to: Path | None = None) -> None:
         return  # gone already, or not ours to open
     try:
         # Only a folder nobody holds locked is abandoned; without flock we cannot tell, so it stays.
-        if _flock(fd, exclusive=True, blocking=False):
+        if flock(fd, exclusive=True, blocking=False):
             if restore_to is not None and not restore_to.exists():
                 os.rename(folder, restore_to)
                 fsync(restore_to.parent)
@@ -375,76 +393,4 @@ def _remove_if_abandoned(folder: Path, restore_to: Path | None = None) -> None:
     finally:
         os.close(fd)
 
-
-def _new_locked_folder(parent: Path, prefix: str, suffix: str) -> tuple[Path, int | None]:
-    """Create a uniquely named folder and lock it; returns the path and the open descriptor holding the lock
-    (``None`` on platforms without flock)."""
-    while True:
-        path = parent / f"{prefix}{uuid.uuid4().hex[:12]}{suffix}"
-        path.mkdir()
-        if fcntl is None:
-            return path, None
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue  # another process's recover() took it for a dead save's leftover before we locked it
-        _flock(fd, exclusive=True)
-        try:
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                return path, fd
-        except FileNotFoundError:
-            pass  # removed between our mkdir and our lock, as above
-        os.close(fd)
-
-
-@contextmanager
-def _folder_lock(folder: Path, *, exclusive: bool) -> Iterator[None]:
-    if fcntl is None:  # folders cannot even be opened on Windows
-        yield
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        _flock(fd, exclusive=exclusive)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _flock(fd: int, *, exclusive: bool, blocking: bool = True) -> bool:
-    """Lock an open file or folder; ``False`` when another process holds it (non-blocking), or when this
-    platform or filesystem has no ``flock`` (then nothing is locked and nothing may be deleted as abandoned)."""
-    if fcntl is None:
-        return False
-    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB)
-    try:
-        fcntl.flock(fd, mode)
-    except BlockingIOError:
-        return False
-    except OSError as e:  # e.g. ENOLCK on a network filesystem without locks
-        logger.debug("cannot lock a checkpoint folder (%s): going on without the lock", e)
-        return False
-    return True
-
-
-def fsync(path: Path) -> None:
-    """Flush a file or folder to disk. For a folder this is best effort (some platforms cannot open or flush
-    folders); for a file a failure is an error, since the data may not be on disk.
-
-    Raises:
-        OSError: a file could not be flushed (e.g. ``EIO``, ``ENOSPC`` from a delayed write); the path is named.
-            Filesystems that cannot flush at all (``EINVAL``, ``ENOTSUP``) are not an error.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        if os.path.isdir(path):
-            return
-        raise
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP) and not stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise OSError(e.errno, f"flushing to disk failed ({e.strerror})", str(path)) from e
-    finally:
-        os.close(fd)
 

@@ -15,8 +15,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -28,6 +27,7 @@ from blocks.quantized import quantization_mismatch, quantized_modules, quantized
 from ..convert import registry as converters
 from .architectures import get_architecture
 from .atomic import reading
+from .file_formats import FileFormat, read_single_file, register_file_format, single_file
 from .files import (
     FORMAT_VERSION,
     MAX_CONFIG_BYTES,
@@ -47,45 +47,10 @@ from .options import LoadOptions, ParsedOptions, parse_options
 from .packed import packed_into_skeleton, with_changed_decoded
 from .sentence_folder import fit_sentence_options, located_json, read_sentence_folder, unused_by_sentence_models
 
+__all__ = ["FileFormat", "load_pretrained", "load_state_into", "register_file_format"]
+
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class FileFormat:
-    """A single-file checkpoint format that reads as a ``transformers`` checkpoint (see ``register_file_format``)."""
-
-    name: str
-    read: Callable[[Path, torch.dtype | None], tuple[Mapping[str, Any], Mapping[str, Tensor], Any]]
-    requires: str
-
-
-_FILE_FORMATS: dict[str, FileFormat] = {}
-
-
-def register_file_format(
-    suffix: str, name: str,
-    read: Callable[[Path, torch.dtype | None, bool], tuple[Mapping[str, Any], Mapping[str, Tensor], Any]],
-    requires: str,
-) -> None:
-    """Load local files ending in ``suffix`` with ``read(path, dtype, keep_packed) -> (transformers config dict,
-    state dict under transformers names, tokenizer or None)``, converted like a ``transformers`` checkpoint.
-    ``keep_packed``: quantized tensors may come as ``blocks.quantized.PackedWeight`` stand-ins (loaded packed).
-    ``models.gguf`` registers ``".gguf"``; the format module registers itself, so the loader imports none of them.
-
-    Args:
-        suffix: the file ending, with its dot (``".gguf"``), matched case-insensitively.
-        name: the format's name in messages (``"GGUF"``).
-        read: the reader.
-        requires: what loading needs, named when ``read`` raises ``ImportError``.
-
-    Raises:
-        ValueError: another format holds ``suffix``.
-    """
-    suffix = suffix.lower()
-    old = _FILE_FORMATS.get(suffix)
-    if old is not None and old.name != name:
-        raise ValueError(f"files ending in {suffix!r} are already read as {old.name}; cannot register {name} for them")
-    _FILE_FORMATS[suffix] = FileFormat(name, read, requires)
 
 #: byte alignment of the blocks PyTorch's CPU allocator returns (c10's gAlignment); quantized tensors get it.
 _ALIGNMENT = 64
@@ -126,7 +91,7 @@ def load_pretrained(
     opts = parse_options(options)
     if opts.gguf_file is not None:  # a .gguf file inside a folder or Hub repo, fetched first
         path_or_repo_id = _fetch_gguf(path_or_repo_id, opts)
-    single = _single_file(path_or_repo_id)
+    single = single_file(path_or_repo_id)
     allow_missing: frozenset[str] = frozenset()
     quantization: tuple[dict[str, str], dict[str, dict[str, Any]]] | None = None
     sentence = None  # a sentence-transformers folder's embedding head options
@@ -136,7 +101,7 @@ def load_pretrained(
         if opts.revision is not None and opts.gguf_file is None:
             raise ValueError(f"revision={opts.revision!r} only applies to Hub repos, but {gguf_file} is a local file")
         source = str(gguf_file)
-        hf_config, hf_state, tokenizer = _read_single_file(gguf_file, file_format, opts.dtype, not opts.dequantize)
+        hf_config, hf_state, tokenizer = read_single_file(gguf_file, file_format, opts.dtype, not opts.dequantize)
         cls, config, state, allow_missing = _convert_transformers(hf_config, hf_state, expected_class, source)
         family = hf_config.get("model_type")
         redo = with_changed_decoded(hf_state, state, source)
@@ -384,7 +349,6 @@ def _convert_transformers(
     return cls, converted.config, dict(converted.state_dict), frozenset(converted.allow_missing)
 
 
-
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "zeros_", "ones_", "constant_", "xavier_uniform_",
                    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
 _INIT_LOCK = threading.Lock()
@@ -410,35 +374,6 @@ def _fetch_gguf(path_or_repo_id: str | os.PathLike[str], opts: ParsedOptions) ->
     names = [f"{split[1]}-{i:05d}-of-{split[2]}.gguf" for i in range(1, int(split[2]) + 1)] if split else []
     return [hub_download(str(path_or_repo_id), name, revision=opts.revision or "main", token=opts.token,
                          endpoint=opts.endpoint) for name in names or [opts.gguf_file]][0]
-
-
-def _single_file(path_or_repo_id: Any) -> tuple[Path, FileFormat] | None:
-    """The path and its format when ``path_or_repo_id`` names a local file of a registered format, else ``None``.
-
-    Raises:
-        FileNotFoundError: a name ending in a registered suffix that is no file (such files load from local paths
-            only).
-    """
-    if not isinstance(path_or_repo_id, (str, os.PathLike)):
-        return None
-    path = Path(path_or_repo_id).expanduser()
-    file_format = _FILE_FORMATS.get(path.suffix.lower())
-    if file_format is None or path.is_dir():
-        return None
-    if not path.is_file():
-        name = file_format.name
-        raise FileNotFoundError(f"no {name} file at {path}; {name} checkpoints are loaded from a local file path")
-    return path, file_format
-
-
-def _read_single_file(
-    path: Path, file_format: FileFormat, dtype: torch.dtype | None, keep_packed: bool
-) -> tuple[dict[str, Any], dict[str, Tensor], Any]:
-    try:
-        hf_config, state, tokenizer = file_format.read(path, dtype, keep_packed)
-    except ImportError as e:  # the format's packages are an optional extra
-        raise ImportError(f"loading {path} needs {file_format.requires}: {e}") from e
-    return dict(hf_config), dict(state), tokenizer
 
 
 def _listing(items: list[str], limit: int = 20) -> str:

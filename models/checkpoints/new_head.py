@@ -11,8 +11,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor, nn
+
+from ..core.meta_build import meta_build
 
 #: the modules a model's head lives under (task heads, the MLM head, the LM projection).
 HEAD_MODULES = ("head.", "mlm_head.", "lm_head.")
@@ -52,7 +53,7 @@ def with_head(
     if merged:
         block_options["head"] = merged
     new_config = config.replace(head=name, options=block_options)
-    with torch.device("meta"):
+    with meta_build():
         expected = cls(new_config).state_dict()
     kept, dropped = {}, []
     for key, tensor in state.items():

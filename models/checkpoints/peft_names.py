@@ -23,6 +23,7 @@ from torch import Tensor, nn
 import blocks
 
 from ..convert.export import EXPORTER_KIND, to_transformers
+from ..core.meta_build import meta_build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +123,7 @@ def name_map(model: nn.Module, model_type: str | None = None) -> NameMap:
 
 def _probe(model: nn.Module) -> dict[str | None, NameMap]:
     """One probe model, exported by every family (see the module docstring)."""
-    with torch.device("meta"):
+    with meta_build():
         probe = type(model)(model.config)
     owners: dict[int, int] = Counter(id(p) for m in probe.modules() for p in m.parameters(recurse=False))
     names, offsets, shapes, total = [], [], [], 0
@@ -200,7 +201,7 @@ def _product(
 def _identity(model: nn.Module) -> NameMap:
     """The zoo's own names of the model's untied linear layers, read off a float copy built from its config (as
     ``_probe`` does: the layers of a quantized model are no ``nn.Linear``, and the map is cached per config)."""
-    with torch.device("meta"):
+    with meta_build():
         probe = type(model)(model.config)
     owners = Counter(id(p) for m in probe.modules() for p in m.parameters(recurse=False))
     placements = {

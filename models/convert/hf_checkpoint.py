@@ -1,19 +1,20 @@
 """Reading a ``transformers`` checkpoint: its config.json with the family's defaults, and its state dict.
 
 Both readers exist so that every converter reports problems the same way: a config value the zoo cannot
-represent names the field and the feature; a missing, leftover or ill-shaped tensor names the key.
+represent names the field and the feature; a missing, leftover or ill-shaped tensor names the key. The state-dict
+reader is ``models.convert.checkpoint_reader.CheckpointReader``, re-exported here.
 """
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
-from torch import Tensor
-
 from ..core.config import ConfigBase
+from .checkpoint_reader import CheckpointReader
+
+__all__ = ["ACTIVATIONS", "CheckpointReader", "HFConfig", "rope_parameters", "zoo_config"]
 
 C = TypeVar("C", bound=ConfigBase)
 
@@ -95,7 +96,13 @@ class HFConfig:
             raise self.unsupported(key, feature, " or ".join(f"{key}={a!r}" for a in allowed))
 
     def require_legacy(self, key: str, allowed: Iterable[Any], feature: str) -> None:
-        """Like ``require`` for a field older ``transformers`` versions wrote; absent means fine."""
+        """Like ``require`` for a field older ``transformers`` versions wrote; absent (or null) means fine.
+
+        Args:
+            key: the field.
+            allowed: the values the zoo represents.
+            feature: what the field controls (for the message).
+        """
         if key in self.data and self.data[key] is not None:
             self.require(key, allowed, feature)
 
@@ -134,14 +141,34 @@ class HFConfig:
         return value
 
     def probability(self, key: str) -> float:
-        """A dropout probability in [0, 1)."""
+        """The field as a dropout probability in [0, 1).
+
+        Args:
+            key: the field.
+
+        Returns:
+            Its value as a float.
+
+        Raises:
+            ValueError: not a number in [0, 1) (a bool included), naming the field.
+        """
         value = self[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
             raise ValueError(f"{self.model_type} config field {key} must be a probability in [0, 1), got {value!r}")
         return float(value)
 
     def activation(self, key: str) -> str:
-        """The registry name of the zoo FFN computing the activation named by the field."""
+        """The registry name of the zoo FFN computing the activation named by the field (``ACTIVATIONS``).
+
+        Args:
+            key: the field (``hidden_act``, ``activation_function`` ...).
+
+        Returns:
+            The zoo's name (``"gelu_tanh"`` for ``gelu_new``).
+
+        Raises:
+            ValueError: an activation no zoo FFN computes (``unsupported``).
+        """
         value = self[key]
         if value not in ACTIVATIONS:
             raise self.unsupported(
@@ -154,6 +181,16 @@ class HFConfig:
 
         An id outside ``[0, vocab_size)`` (GPT2Config's default 50256 in a tiny test checkpoint) names no token
         of this model: it becomes None with a warning (the logits do not depend on it).
+
+        Args:
+            key: the field (``eos_token_id`` ...).
+            vocab_size: the model's vocabulary size, or None not to check the range.
+
+        Returns:
+            The id, or None (absent, null, or outside the vocabulary).
+
+        Raises:
+            ValueError: neither an integer, a one-element list of one, nor null (``unsupported``).
         """
         value = self[key]
         if isinstance(value, list) and len(value) == 1:
@@ -170,7 +207,15 @@ class HFConfig:
         return value
 
     def token_ids(self, *keys: str, vocab_key: str = "vocab_size") -> dict[str, int | None]:
-        """``{key: token_id(key, vocab size)}`` for several special-token fields."""
+        """``{key: token_id(key, vocab size)}`` for several special-token fields.
+
+        Args:
+            *keys: the fields.
+            vocab_key: the field holding the vocabulary size the ids are checked against.
+
+        Returns:
+            The ids by field (None where absent or out of range).
+        """
         return {key: self.token_id(key, self[vocab_key]) for key in keys}
 
     def rope_options(self, default_theta: float, parameters: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -178,6 +223,15 @@ class HFConfig:
 
         Reads both config formats: ``rope_parameters`` (transformers 5; pass a nested entry as ``parameters``) and
         the older ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` fields.
+
+        Args:
+            default_theta: the family's base when the checkpoint names none.
+            parameters: a nested RoPE entry to read instead of the top-level fields (Gemma 3's per-attention-type
+                ``rope_parameters``), or None.
+
+        Returns:
+            The options of the zoo's ``rotary`` positional block: ``base``, and ``fraction`` and ``scaling`` where
+            the checkpoint sets them.
 
         Raises:
             ValueError: a RoPE type other than default, ``linear``, ``llama3``, ``yarn`` and ``longrope`` (e.g.
@@ -223,7 +277,19 @@ class HFConfig:
 
     def scaled_rope(self, kind: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
         """The zoo's ``yarn`` / ``longrope`` scaling of a checkpoint's RoPE parameters (the optional keys only
-        where the checkpoint sets them; ``original_max_position_embeddings`` may sit at the top level)."""
+        where the checkpoint sets them; ``original_max_position_embeddings`` may sit at the top level).
+
+        Args:
+            kind: ``"yarn"`` or ``"longrope"``.
+            parameters: the checkpoint's RoPE parameters.
+
+        Returns:
+            The zoo's ``scaling`` option (``type``, ``original_max_len``, the factors).
+
+        Raises:
+            ValueError: a longrope ``original_max_position_embeddings`` beyond ``max_position_embeddings``.
+            KeyError: a required key is missing (``rope_options`` turns it into a ``ValueError`` naming it).
+        """
         data = self.data
         original = parameters.get("original_max_position_embeddings",
                                   data.get("original_max_position_embeddings", data.get("max_position_embeddings")))
@@ -263,146 +329,6 @@ class HFConfig:
                 f"{what}; this changes training only (outputs in eval mode are identical)",
                 stacklevel=4,
             )
-
-
-class CheckpointReader:
-    """Hands out a checkpoint's tensors by their ``transformers`` names and reports any left unused.
-
-    Args:
-        model_type: the family (for messages).
-        state_dict: the checkpoint.
-        prefix: the task model's prefix of the base model (``"transformer."``, ``"bert."``, ``"model."``),
-            stripped where present so that base-model checkpoints read the same way.
-        ignore: regular expressions of keys that carry nothing the model needs (stale buffers).
-
-    Raises:
-        ValueError: a non-string key, a non-tensor value, or a name held both with and without ``prefix``.
-
-    Shapes: the tensors are handed out as stored.
-    """
-
-    def __init__(
-        self,
-        model_type: str,
-        state_dict: Mapping[str, Tensor],
-        prefix: str = "",
-        ignore: Iterable[str] = (),
-    ) -> None:
-        self.model_type = model_type
-        self.tensors: dict[str, Tensor] = {}
-        for key, value in state_dict.items():
-            if not isinstance(key, str) or not isinstance(value, Tensor):
-                raise ValueError(
-                    f"a state dict maps str keys to tensors; got {type(key).__name__} -> {type(value).__name__} "
-                    f"for key {key!r}"
-                )
-            name = key[len(prefix):] if prefix and key.startswith(prefix) else key
-            if name in self.tensors:
-                raise ValueError(f"{model_type} checkpoint holds {name!r} both with and without the {prefix!r} prefix")
-            self.tensors[name] = value
-        patterns = [re.compile(p) for p in ignore]
-        self.unused = {k for k in self.tensors if not any(p.fullmatch(k) for p in patterns)}
-
-    def has(self, key: str) -> bool:
-        """Whether the checkpoint holds ``key``.
-
-        Args:
-            key: the tensor's name (without the prefix).
-
-        Returns:
-            True when it is there (used or not).
-        """
-        return key in self.tensors
-
-    def has_prefix(self, prefix: str) -> bool:
-        """Whether some tensor's name starts with ``prefix``.
-
-        Args:
-            prefix: the start of a name (``"pooler."``).
-
-        Returns:
-            True when one does.
-        """
-        return any(k.startswith(prefix) for k in self.tensors)
-
-    def take(self, key: str) -> Tensor:
-        """The tensor stored under ``key``, marked as used.
-
-        Args:
-            key: the tensor's ``transformers`` name (without the prefix).
-
-        Returns:
-            The tensor.
-
-        Raises:
-            ValueError: the checkpoint lacks it.
-
-        Shapes: as stored.
-        """
-        if key not in self.tensors:
-            raise ValueError(f"{self.model_type} checkpoint lacks the tensor {key!r}")
-        self.unused.discard(key)
-        return self.tensors[key]
-
-    def take_first(self, *keys: str) -> Tensor:
-        """The first of several names one tensor may be stored under (tied weights); all count as used.
-
-        Args:
-            *keys: the names, in order of preference.
-
-        Returns:
-            The tensor under the first name present.
-
-        Raises:
-            ValueError: the checkpoint holds none of them.
-
-        Shapes: as stored.
-        """
-        found = [k for k in keys if k in self.tensors]
-        if not found:
-            raise ValueError(f"{self.model_type} checkpoint lacks the tensor {keys[0]!r} (also looked for {keys[1:]})")
-        self.unused.difference_update(keys)
-        return self.tensors[found[0]]
-
-    def skip(self, *keys: str) -> None:
-        """Mark names as used without reading them (aliases of a tied weight the model reads elsewhere).
-
-        Args:
-            *keys: the names.
-        """
-        self.unused.difference_update(keys)
-
-    def drop(self, pattern: str, what: str) -> None:
-        """Leave out every key matching ``pattern`` (a head the zoo model does not have), with a warning.
-
-        Args:
-            pattern: a regular expression matched against the whole key.
-            what: the part left out (for the warning).
-        """
-        regex = re.compile(pattern)
-        dropped = sorted(k for k in self.unused if regex.fullmatch(k))
-        if dropped:
-            self.unused.difference_update(dropped)
-            warnings.warn(
-                f"{self.model_type} checkpoint: leaving out {what} ({len(dropped)} tensors, e.g. {dropped[0]!r}); "
-                "the zoo model has no such part",
-                stacklevel=4,
-            )
-
-    def finish(self) -> None:
-        """Raise ``ValueError`` if any tensor was not used: the checkpoint holds parts the zoo cannot place.
-
-        Raises:
-            ValueError: naming the unused keys (the first eight).
-        """
-        if self.unused:
-            left = sorted(self.unused)
-            shown = ", ".join(repr(k) for k in left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
-            raise ValueError(
-                f"{self.model_type} checkpoint holds tensors the zoo model has no place for: {shown} "
-                "(a task head or an architecture variant the zoo does not represent)"
-            )
-
 
 
 def zoo_config(model_type: str, config_class: type[C], **fields: Any) -> C:

@@ -13,10 +13,10 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
-import torch
 from torch import Tensor, nn
 
 from ..core.config import ConfigBase
+from ..core.meta_build import meta_build
 from .hf_checkpoint import CheckpointReader
 
 _LAYER = re.compile(r"(?P<stack>[a-z_]*layers)\.(?P<index>\d+)\.(?P<rest>.+)\.(?P<param>weight|bias)")
@@ -70,7 +70,7 @@ def zoo_keys(architecture: type[nn.Module], config: ConfigBase) -> list[str]:
     Returns:
         The keys, in the model's order.
     """
-    with torch.device("meta"):
+    with meta_build():
         model = architecture(config)
     seen: set[int] = set()
     keys = []

@@ -22,19 +22,17 @@ The other direction: ``to_transformers(model)`` gives a ``transformers`` config 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 import blocks
 
 from ..core.base import ZooModel
 from ..core.config import ConfigBase
+from ..core.meta_build import meta_build
 from .bounds import check_hf_counts, check_zoo_counts
 
 CONVERTER_KIND = "hf_converter"
@@ -282,7 +280,7 @@ def build_bounded(
     """
     check_layer_counts(config, state, source)
     check_zoo_counts(config, state, source)
-    with torch.device("meta"), _MetaBuild():
+    with meta_build():
         model = architecture(config)
     stored = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -303,42 +301,6 @@ def build_bounded(
         f"{_prefix(source)}the config builds a {architecture.__name__} of {built:,} elements, but the checkpoint "
         f"stores only {stored:,}: the config and the weights disagree; largest differences: {'; '.join(listed)}"
     )
-
-
-#: in-place methods that change a tensor's shape or flags, which a meta build must still run.
-_SHAPING = frozenset({
-    "requires_grad_", "resize_", "resize_as_", "set_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_",
-    "swapaxes_", "as_strided_", "detach_", "share_memory_", "rename_", "refine_names_", "sparse_resize_",
-    "sparse_resize_and_clear_",
-})
-
-
-class _MetaBuild(TorchFunctionMode):
-    """Used inside ``torch.device("meta")``: skips in-place value updates of meta tensors (initialisation:
-    ``normal_``, ``trunc_normal_``'s ``erfinv_`` ...) and gives ``arange`` its shape directly. Meta tensors hold no
-    values, and torch runs these ops through its Python references, whose first use imports ``torch._dynamo``
-    (seconds in a fresh process)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes its tensor by keyword
-        if name.endswith("_") and not name.endswith("__") and name not in _SHAPING and _is_meta(target):
-            return target
-        if (
-            func is torch.arange and args and all(type(v) in (int, float) for v in args)
-            and set(kwargs) <= {"dtype", "requires_grad"}
-        ):
-            start, end, step = (0, *args, 1)[-3:] if len(args) == 1 else (*args, 1)[:3]
-            dtype = kwargs.get("dtype") or (
-                torch.get_default_dtype() if any(isinstance(v, float) for v in (start, end, step)) else torch.int64
-            )
-            return torch.empty(max(0, math.ceil((end - start) / step)), dtype=dtype)
-        return func(*args, **kwargs)
-
-
-def _is_meta(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.is_meta
 
 
 def _prefix(source: str) -> str:

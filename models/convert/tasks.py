@@ -18,12 +18,12 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 import blocks
 from blocks.heads import LM_HEADS
 
+from ..core.meta_build import meta_build
 from .export import EXPORTER_KIND, TASK_EXPORT_KIND, NotExportable, families_to_try, require, tensors
 from .registry import CONVERTER_KIND, TASK_CONVERT_KIND, Converted
 
@@ -250,7 +250,7 @@ def lm_view(model: nn.Module) -> tuple[nn.Module, dict[str, Tensor]]:
     c = model.config
     lm_head = next(h for h in type(c).heads if h in LM_HEADS)
     options = {k: v for k, v in c.options.items() if k != "head"}
-    with torch.device("meta"):
+    with meta_build():
         lm = type(model)(c.replace(head=lm_head, options=options))  # an untied LM head stays on meta: left out
     own = tensors(model)
     lm.load_state_dict({k: v for k, v in own.items() if not k.startswith("head.")}, strict=False, assign=True)

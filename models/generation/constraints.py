@@ -16,16 +16,14 @@ docs/structured-outputs.md).
 
 A constrained row ends with the EOS token once its grammar is complete (the mask then allows only EOS, or EOS
 among the tokens that continue a still-open grammar).
+
+The constraint itself and its compilation (``Constraint``, ``compile_constraint``, ``ConstraintState``) are
+``models.generation.grammar``, re-exported here; this module holds the batch side: bitmasks and the rows of a loop.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import json
 import os
-import threading
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,14 +31,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
-#: The kinds of constraint, as ``Constraint.kind``.
-KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+from .grammar import (
+    CACHE_SIZE,
+    JSON_OPTIONS,
+    KINDS,
+    CompiledConstraint,
+    Constraint,
+    ConstraintState,
+    compile_constraint,
+    library,
+    vocabulary,
+)
 
-#: JSON output without optional whitespace: a model cannot spend its tokens on spaces and newlines.
-JSON_OPTIONS = {"whitespace_flexible": False}
-
-#: Compiled constraints kept per process (least recently used dropped first).
-CACHE_SIZE = 256
+__all__ = [
+    "CACHE_SIZE", "JSON_OPTIONS", "KINDS", "PARALLEL_CPUS", "PARALLEL_ROWS", "CompiledConstraint", "Constraint",
+    "ConstraintState", "RowConstraints", "allowed_tokens", "apply_bitmask", "compile_constraint", "fill_bitmasks",
+    "library", "new_bitmask", "row_constraints", "vocabulary",
+]
 
 #: A batch's masks are filled by llguidance's thread pool from this many constrained rows, on machines with at least
 #: ``PARALLEL_CPUS`` cores; otherwise one after the other in this thread (each takes ~10-40 us for a 2k-49k
@@ -50,296 +57,7 @@ PARALLEL_ROWS = 8
 PARALLEL_CPUS = 8
 
 
-def library() -> Any:
-    """The ``llguidance`` module, imported on first use (the ``structured`` extra).
-
-    Returns:
-        The imported ``llguidance`` module.
-
-    Raises:
-        ImportError: llguidance is not installed, with the command that installs it.
-    """
-    try:
-        import llguidance
-        import llguidance.gbnf_to_lark  # (not llguidance.torch: it imports torch._dynamo, seconds, for nothing here)
-    except ImportError as err:
-        raise ImportError("constrained decoding needs llguidance: pip install 'transformer-zoo[structured]'") from err
-    return llguidance
-
-
-@dataclasses.dataclass(frozen=True)
-class Constraint:
-    """What a constrained output must match (see the module docstring for the constructors).
-
-    Attributes:
-        kind: one of ``KINDS``.
-        value: the schema as canonical JSON text (``json_schema``), the pattern (``regex``), the grammar text
-            (``grammar``), the strings (``choice``, a tuple), or None (``json_object``).
-    """
-
-    kind: str
-    value: str | tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"constraint kind {self.kind!r} is not one of {KINDS}")
-
-    @classmethod
-    def json_schema(cls, schema: Any) -> Constraint:
-        """Output that is JSON valid under ``schema`` (a dict, its JSON text, or a pydantic model class).
-
-        Args:
-            schema: the JSON schema: a dict, its JSON text, or a pydantic model class.
-
-        Returns:
-            The constraint, holding the schema as canonical JSON text.
-
-        Raises:
-            ValueError: ``schema`` is not a JSON object (or its text).
-        """
-        if hasattr(schema, "model_json_schema"):
-            schema = schema.model_json_schema()
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"json_schema is not valid JSON: {err}") from None
-        if not isinstance(schema, dict):
-            raise ValueError(f"json_schema must be a JSON object (a dict), got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
-
-    @classmethod
-    def json_object(cls) -> Constraint:
-        """Output that is any JSON object.
-
-        Returns:
-            The ``json_object`` constraint.
-        """
-        return cls("json_object")
-
-    @classmethod
-    def regex(cls, pattern: str) -> Constraint:
-        """Output that matches ``pattern`` whole (Rust ``regex`` syntax, as Python's for common patterns)."""
-        if not isinstance(pattern, str):
-            raise ValueError(f"regex must be a string, got {type(pattern).__name__}")
-        return cls("regex", pattern)
-
-    @classmethod
-    def grammar(cls, text: str) -> Constraint:
-        """Output that the grammar derives from its ``start`` rule (Lark syntax, or GBNF with ``root ::= ...``)."""
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"grammar must be a non-empty string, got {text!r}")
-        return cls("grammar", text)
-
-    @classmethod
-    def choice(cls, options: Sequence[str]) -> Constraint:
-        """Output that is exactly one of ``options``.
-
-        Args:
-            options: the strings allowed.
-
-        Returns:
-            The ``choice`` constraint, holding the options as a tuple.
-
-        Raises:
-            ValueError: not a non-empty list of non-empty strings.
-        """
-        if isinstance(options, str) or not isinstance(options, Sequence) or not options or not all(
-                isinstance(o, str) and o for o in options):
-            raise ValueError(f"choice must be a non-empty list of non-empty strings, got {options!r:.80}")
-        return cls("choice", tuple(options))
-
-    def grammar_text(self) -> str:
-        """The constraint as an llguidance grammar (JSON text).
-
-        Returns:
-            The grammar text that ``llguidance.LLMatcher`` takes.
-        """
-        if self.kind == "json_schema":
-            return library().LLMatcher.grammar_from_json_schema(self.value, overrides=JSON_OPTIONS)
-        if self.kind == "json_object":
-            return library().LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
-        if self.kind == "regex":
-            return library().LLMatcher.grammar_from_regex(self.value)
-        if self.kind == "choice":
-            # JSON string literals are Lark string literals: every character of an option is taken as it is.
-            return library().LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in self.value))
-        return library().LLMatcher.grammar_from_lark(library().gbnf_to_lark.any_to_lark(self.value))
-
-    def check(self) -> None:
-        """Validate the constraint (no tokenizer needed).
-
-        Raises:
-            ValueError: naming the kind and what is wrong (an invalid schema, pattern or grammar).
-        """
-        try:
-            text = self.grammar_text()
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"invalid {self.kind}: {err}") from None
-        error = library().LLMatcher.validate_grammar(text)
-        if error and not error.startswith("WARNING"):
-            raise ValueError(f"invalid {self.kind}: {error.strip()}")
-
-
-class ConstraintState:
-    """One decoded row's position in its constraint's grammar.
-
-    Args:
-        matcher: the row's ``llguidance.LLMatcher``.
-    """
-
-    def __init__(self, matcher: Any) -> None:
-        self.matcher = matcher
-
-    def fill(self, bitmask: Tensor, row: int = 0) -> None:
-        """Write the tokens allowed next into ``bitmask[row]`` (int32, bit ``j % 32`` of word ``j // 32``)."""
-        target = bitmask[row]
-        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not target.is_contiguous():
-            raise ValueError(f"bitmask must be a contiguous int32 CPU tensor, got {bitmask.dtype} on {bitmask.device}")
-        self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
-
-    def advance(self, token: int) -> None:
-        """Take the chosen token.
-
-        Args:
-            token: the token chosen for this row.
-
-        Raises:
-            ValueError: the token is not allowed here (it was not chosen under this state's mask).
-        """
-        if not self.matcher.consume_token(int(token)):
-            raise ValueError(f"token {token} does not continue the constraint: {self.matcher.get_error()}")
-
-    def allows(self, tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` (a draft), taken in order from here, the grammar accepts (nothing is taken).
-
-        Args:
-            tokens: the proposed tokens, in order.
-
-        Returns:
-            The length of the longest accepted prefix of ``tokens``.
-        """
-        return self.matcher.validate_tokens([int(t) for t in tokens])
-
-    def rollback(self, n: int) -> None:
-        """Undo the last ``n`` tokens taken.
-
-        Args:
-            n: how many tokens to undo (0 does nothing).
-
-        Raises:
-            ValueError: the matcher cannot roll back ``n`` tokens.
-        """
-        if n and not self.matcher.rollback(n):
-            raise ValueError(f"cannot roll back {n} tokens: {self.matcher.get_error()}")
-
-    def copy(self) -> ConstraintState:
-        """An independent state at the same position (for another sample of the same request).
-
-        Returns:
-            A new ``ConstraintState`` over a deep copy of the matcher.
-        """
-        return ConstraintState(self.matcher.deep_copy())
-
-    @property
-    def finished(self) -> bool:
-        """Whether the grammar is complete and takes nothing but EOS now."""
-        return self.matcher.is_stopped()
-
-    @property
-    def accepting(self) -> bool:
-        """Whether the output so far is a complete match (EOS is allowed)."""
-        return self.matcher.is_accepting()
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledConstraint:
-    """A ``Constraint`` compiled for one vocabulary (``compile_constraint``); ``start()`` for each row.
-
-    Attributes:
-        constraint: the constraint compiled.
-        template: the matcher at the start of the grammar, copied for each row.
-        vocab_size: the model's number of logits.
-    """
-
-    constraint: Constraint
-    template: Any  # the matcher at the start, copied for each row
-    vocab_size: int
-
-    def start(self) -> ConstraintState:
-        """A fresh state at the start of the grammar.
-
-        Returns:
-            A ``ConstraintState`` over a copy of the template matcher.
-        """
-        return ConstraintState(self.template.deep_copy())
-
-
-_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_COMPILED: collections.OrderedDict = collections.OrderedDict()
-_LOCK = threading.Lock()
 _EXECUTOR: list[Any] = []
-
-
-def vocabulary(tokenizer: Any, vocab_size: int, eos: int) -> Any:
-    """llguidance's view of ``tokenizer`` (a ``tokenization.Tokenizer`` or a ``tokenizers.Tokenizer``) for a model
-    of ``vocab_size`` logits ending with ``eos``; built once per tokenizer object (~0.4 s for 49k tokens).
-
-    Raises:
-        ValueError: a tokenizer that wraps no ``tokenizers.Tokenizer``, or one larger than the model's vocabulary.
-    """
-    backend = getattr(tokenizer, "backend", tokenizer)
-    if not hasattr(backend, "to_str"):
-        raise ValueError(f"constrained decoding needs a tokenizer over the `tokenizers` library, got "
-                         f"{type(tokenizer).__name__}")
-    per_tokenizer = _TOKENIZERS.setdefault(tokenizer, {})
-    key = (vocab_size, eos)
-    if key not in per_tokenizer:
-        size = backend.get_vocab_size(with_added_tokens=True)
-        if size > vocab_size:
-            raise ValueError(f"the tokenizer has {size} tokens but the model only {vocab_size} logits")
-        per_tokenizer[key] = library().LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
-    return per_tokenizer[key]
-
-
-def compile_constraint(constraint: Constraint | CompiledConstraint, tokenizer: Any, vocab_size: int,
-                       eos: int | None) -> CompiledConstraint:
-    """``constraint`` compiled for the tokenizer's vocabulary (cached: the same constraint compiles once).
-
-    Args:
-        constraint: what the output must match (a ``CompiledConstraint`` is returned as it is).
-        tokenizer: the model's tokenizer.
-        vocab_size: the model's number of logits.
-        eos: the token that ends a complete output.
-
-    Returns:
-        The compiled constraint.
-
-    Raises:
-        ValueError: no EOS token, or an invalid constraint (naming its kind).
-    """
-    if isinstance(constraint, CompiledConstraint):
-        return constraint
-    if not isinstance(constraint, Constraint):
-        raise ValueError(f"constraint must be a Constraint, got {type(constraint).__name__}")
-    if eos is None:
-        raise ValueError("constrained decoding needs an EOS token to end a complete output; the model has none")
-    with _LOCK:
-        vocab = vocabulary(tokenizer, vocab_size, eos)
-        key = (id(vocab), constraint)
-        if key in _COMPILED and _COMPILED[key][0] is vocab:
-            _COMPILED.move_to_end(key)
-            return _COMPILED[key][1]
-    constraint.check()
-    matcher = library().LLMatcher(vocab, constraint.grammar_text(), log_level=0)
-    if matcher.is_error():
-        raise ValueError(f"invalid {constraint.kind}: {matcher.get_error()}")
-    compiled = CompiledConstraint(constraint, matcher, vocab_size)
-    with _LOCK:
-        _COMPILED[key] = (vocab, compiled)
-        while len(_COMPILED) > CACHE_SIZE:
-            _COMPILED.popitem(last=False)
-    return compiled
 
 
 def new_bitmask(rows: int, vocab_size: int) -> Tensor:
@@ -361,6 +79,14 @@ def fill_bitmasks(states: Sequence[ConstraintState | None], bitmask: Tensor) -> 
     """Fill ``bitmask[i]`` for every row ``i`` whose state is not None (in llguidance's thread pool for a large batch
     on a machine with many cores, see ``PARALLEL_ROWS``); the other rows are left as they are.
 
+    Args:
+        states: one per row of ``bitmask``; None for a row without a constraint.
+        bitmask: the batch's bitmask, filled in place.
+
+    Raises:
+        ValueError: ``bitmask`` is not a contiguous int32 CPU tensor (pool path; ``ConstraintState.fill`` checks the
+            other).
+
     Shapes: bitmask ``(len(states), W)`` int32.
     """
     rows = [(s.matcher, i) for i, s in enumerate(states) if s is not None]
@@ -381,6 +107,13 @@ def allowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:
     Unpacked by numpy: torch's element-wise kernels would open an OpenMP parallel region per operation, each waiting
     for every thread (tens of milliseconds per step on a busy 2-core machine).
 
+    Args:
+        bitmask: the packed mask (any device; it is read on the CPU).
+        vocab_size: the tokens to unpack (the padding bits of the last word are dropped).
+
+    Returns:
+        A CPU bool tensor.
+
     Shapes: ``(B, W)`` int32 -> ``(B, vocab_size)`` bool.
     """
     words = bitmask.cpu().numpy().astype("<i4", copy=False)  # little-endian words: byte b holds bits 8b..8b+7
@@ -390,6 +123,13 @@ def allowed_tokens(bitmask: Tensor, vocab_size: int) -> Tensor:
 
 def apply_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
     """``logits`` with the tokens that ``bitmask`` disallows set to ``-inf`` (the allowed ones unchanged).
+
+    Args:
+        logits: one row of logits per row of the mask.
+        bitmask: the packed mask (``fill_bitmasks``).
+
+    Returns:
+        A new tensor on ``logits``' device and dtype.
 
     Shapes: logits ``(B, V)``, bitmask ``(B, W)`` -> ``(B, V)``.
     """
@@ -411,6 +151,13 @@ class RowConstraints:
     def mask(self, logits: Tensor, live: Tensor | None = None) -> Tensor:
         """The logits with every constrained live row masked.
 
+        Args:
+            logits: the step's logits.
+            live: False for rows that are finished (their states are not consulted), or None for all rows live.
+
+        Returns:
+            The masked logits (free rows unchanged).
+
         Shapes: logits ``(B, V)``, live ``(B,)`` bool -> ``(B, V)``.
         """
         alive = [True] * len(self.states) if live is None else live.tolist()
@@ -421,6 +168,13 @@ class RowConstraints:
 
     def advance(self, tokens: Tensor, live: Tensor | None = None) -> None:
         """Every constrained live row takes its chosen token.
+
+        Args:
+            tokens: the token chosen for each row.
+            live: False for rows that are finished (they take nothing), or None for all rows live.
+
+        Raises:
+            ValueError: a row's token is not allowed by its state (``ConstraintState.advance``).
 
         Shapes: tokens ``(B,)``, live ``(B,)`` bool.
         """
@@ -434,6 +188,16 @@ def row_constraints(constraint: Any, rows: int, tokenizer: Any, vocab_size: int,
                     ) -> RowConstraints | None:
     """The ``RowConstraints`` of a ``generate`` call: ``constraint`` is None, one constraint for every row, or a
     list with one constraint (or None) per row.
+
+    Args:
+        constraint: None, a ``Constraint`` (or ``CompiledConstraint``) for every row, or a list with one per row.
+        rows: the batch size.
+        tokenizer: the model's tokenizer (needed to compile).
+        vocab_size: the model's number of logits.
+        eos: the token that ends a complete output.
+
+    Returns:
+        The rows' states over one bitmask, or None without a constraint.
 
     Raises:
         ValueError: a list of the wrong length, no tokenizer, or as ``compile_constraint``.

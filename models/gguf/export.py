@@ -39,6 +39,7 @@ from ..checkpoints.atomic import fsync
 from ..checkpoints.file_staging import staging_file
 from ..convert.export import to_transformers
 from ..core.finite import LARGEST, check_finite
+from ..core.meta_build import meta_build
 from .file import import_gguf
 from .read import permute_rows
 from .rope import llama3_divisors
@@ -251,7 +252,7 @@ def export_view(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
     layers = quantized_modules(model)
     if not layers:
         return model, {}
-    with torch.device("meta"):
+    with meta_build():
         view = type(model)(model.config)
     prefixes = tuple(f"{name}." for name in layers)
     floats = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes) or k.endswith(".bias")}

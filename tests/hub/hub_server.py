@@ -22,10 +22,13 @@ import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 USER = "tester"
+#: the token the fixtures' servers accept (and ``point_huggingface_hub_at`` makes ``huggingface_hub`` send).
+DUMMY_TOKEN = "hf_transformerzoo_dummy_token_0123456789"
 REPO_TYPES = ("model", "dataset", "space")
 
 
@@ -505,3 +508,25 @@ class _Handler(BaseHTTPRequestHandler):
             headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
             return 206, headers, data[start:end + 1]
         return 200, headers, data
+
+
+def point_huggingface_hub_at(server: HubServer, home: Path, monkeypatch: Any) -> None:
+    """Make ``huggingface_hub`` talk to ``server``, cache under ``home`` and authenticate with ``DUMMY_TOKEN``, for
+    the rest of a test (``monkeypatch`` undoes it). Nothing leaves the machine."""
+    from huggingface_hub import constants
+
+    # huggingface_hub reads these at import time, so the environment alone is not enough.
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    template = server.url + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_XET_CACHE", str(home / "xet"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+    monkeypatch.setenv("HF_TOKEN", DUMMY_TOKEN)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)  # no user-agent lookups against the Hub
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)

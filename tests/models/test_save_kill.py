@@ -19,11 +19,11 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from models import DecoderLM
-from models.checkpoints import atomic
+from models.checkpoints import atomic, folder_locks
 from models.checkpoints.locate import locate
 
 pytestmark = pytest.mark.skipif(
-    not hasattr(os, "fork") or atomic.fcntl is None, reason="needs os.fork and flock (POSIX)"
+    not hasattr(os, "fork") or folder_locks.fcntl is None, reason="needs os.fork and flock (POSIX)"
 )
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors")
