@@ -27,10 +27,8 @@ SHAPING = frozenset({
 class MetaBuild(TorchFunctionMode):
     """Used inside ``torch.device("meta")``: skips in-place value updates of meta tensors (initialisation) and makes
     ``arange`` of Python numbers a CPU tensor (its few values are cheap; arithmetic on it then stays off torch's
-    Python references); every other call runs as usual.
-
-    Args:
-        (none) — enter it as a context manager (``meta_build()`` does, with the meta device).
+    Python references); every other call runs as usual. Enter it as a context manager inside
+    ``torch.device("meta")``, as ``meta_build()`` does.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)

@@ -183,3 +183,31 @@ def test_a_float_file_and_dequantize_load_float_layers(tmp_path):
     packed.dequantize()
     assert not quantized_modules(packed) and packed.lm_head.weight is packed.embed_tokens.weight
     assert torch.equal(packed.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_1", "Q6_K"])
+def test_tensors_read_in_chunks_of_a_few_rows_are_the_whole_tensors(tmp_path, qtype, monkeypatch):
+    """``read_state`` reads whole rows a chunk at a time and splits them as they come: with chunks of 3 rows (the
+    last one short) the packed tensors, the llama q/k rows put back in order included, unpack as gguf decodes."""
+    from models.gguf import packed as gguf_packed
+
+    hidden = 256 if qtype in K_QUANTS else 96
+    path = write_llama(tmp_path / f"m-{qtype}.gguf", tiny_llama(hidden), qtype)
+    floats = models.from_pretrained(path, dequantize=True)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    row_bytes = int(tensors["blk.0.attn_q.weight"].n_bytes) // int(tensors["blk.0.attn_q.weight"].shape[-1])
+    reads = []
+    original = gguf_packed.read_state
+
+    def counting(*args, **kwargs):
+        reads.append(args[1].name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_packed, "CHUNK_BYTES", 3 * row_bytes)
+    monkeypatch.setattr(gguf_packed, "read_state", counting)
+    packed = models.from_pretrained(path)
+    assert "blk.0.attn_q.weight" in reads
+    for name in quantized_modules(packed):
+        layer = packed.get_submodule(name)
+        table = layer.table if isinstance(layer, QuantizedEmbedding) else layer
+        assert torch.equal(table.unpack(), floats.get_submodule(name).weight), name
