@@ -273,6 +273,33 @@ class AsyncEngine(DeltaStreams):
         if error is not None:
             raise error
 
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(engine, *args)`` run by the worker between two steps (nothing else touches the engine meanwhile).
+
+        Args:
+            fn: the function.
+            *args: its other arguments.
+
+        Returns:
+            What it returned.
+
+        Raises:
+            ValueError: it raised a ``ValueError``; RuntimeError: another exception (as ``call_on`` reports them).
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[tuple[str, Any]] = loop.create_future()
+
+        def apply() -> list[RequestDelta]:
+            answer = call_on(self.engine, fn, *args)
+            loop.call_soon_threadsafe(lambda: None if done.done() else done.set_result(answer))
+            return []
+
+        self._submit(apply)
+        kind, value = await done
+        if kind != "ok":
+            raise (ValueError if kind == "value" else RuntimeError)(value)
+        return value
+
     async def close(self) -> None:
         """Stop the background task (requests in flight are left as they are)."""
         if self._task is not None:
@@ -387,3 +414,24 @@ def lora_action(engine: Engine, action: str, name: str, path: Any) -> Exception 
     except Exception as err:  # noqa: BLE001 - handed to the caller; the engine and its requests go on
         return err
     return None
+
+
+def call_on(engine: Engine, fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
+    """Run ``fn(engine, *args)`` for a front (``AsyncEngine.call``, ``ProcessEngine.call``); a failure is reported,
+    never raised, so that the engine goes on.
+
+    Args:
+        engine: the engine.
+        fn: the function.
+        *args: its other arguments.
+
+    Returns:
+        ``("ok", result)``, ``("value", message)`` for a ``ValueError``, or ``("error", message)`` for another
+        exception.
+    """
+    try:
+        return "ok", fn(engine, *args)
+    except ValueError as err:
+        return "value", str(err)
+    except Exception as err:  # noqa: BLE001 - this call fails, the engine goes on
+        return "error", f"{type(err).__name__}: {err}"

@@ -31,14 +31,16 @@ import asyncio
 import atexit
 import itertools
 import multiprocessing
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .async_engine import DeltaStreams, EngineDeadError, EngineStepError
 from .engine import QueueFullError
-from .engine_worker import pack_delta, run_engine_process, unpack_delta
+from .engine_worker import run_engine_process
 from .model_source import ModelSource, rebuild_model
+from .requests import pack_delta, unpack_delta
 
 __all__ = ["ModelSource", "ProcessEngine", "pack_delta", "rebuild_model", "unpack_delta"]
 
@@ -188,6 +190,29 @@ class ProcessEngine(DeltaStreams):
         refused = await answer
         if refused is not None:
             raise ValueError(refused[1])
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(engine, *args)`` in the engine process, between two steps (``serving.async_engine.call_on``).
+
+        Args:
+            fn: a function picklable by reference (defined at a module's top level).
+            *args: its other arguments (picklable).
+
+        Returns:
+            What it returned (picklable).
+
+        Raises:
+            ValueError: it raised a ``ValueError``; RuntimeError: another exception; EngineDeadError: no engine.
+        """
+        await self.start()
+        self._check_alive()
+        key = f"call-{next(self._ids)}"
+        answer = self._acks[key] = self._loop.create_future()
+        self._send(("call", key, fn, args))
+        kind, value = await answer
+        if kind != "ok":
+            raise (ValueError if kind == "value" else RuntimeError)(value)
+        return value
 
     async def close(self) -> None:
         """Stop the engine process (requests still in it are dropped; drain them first) and wait for it."""

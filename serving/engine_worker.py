@@ -1,10 +1,11 @@
 """The engine process of ``serving.engine_process.ProcessEngine``: it builds the model and its ``Engine``, then
-applies the operations the server sends and answers each step with one message; and the wire form of the deltas.
+applies the operations the server sends and answers each step with one message (deltas in the wire form of
+``serving.requests.pack_delta``).
 
-The loop: apply every operation that has arrived (``add``, ``abort``, ``lora``, ``stop``), run one step while some
-request is unfinished, send ``("step", acks, deltas, failed, stats)``. Idle, it blocks on the pipe, after handing
-the heap its last burst freed back to the system (``serving.memory.release_freed_memory``): the resident set then
-falls back to the weights, the KV pools and the runtime.
+The loop: apply every operation that has arrived (``add``, ``abort``, ``lora``, ``call``, ``stop``), run one step
+while some request is unfinished, send ``("step", acks, deltas, failed, stats)``. Idle, it blocks on the pipe, after
+handing the heap its last burst freed back to the system (``serving.memory.release_freed_memory``): the resident set
+then falls back to the weights, the KV pools and the runtime.
 """
 
 from __future__ import annotations
@@ -15,39 +16,11 @@ from typing import Any
 
 import torch
 
-from .async_engine import abort_all, abort_deltas, engine_stats, forget_finished, lora_action
+from .async_engine import abort_all, abort_deltas, call_on, engine_stats, forget_finished, lora_action
 from .engine import Engine
 from .memory import release_freed_memory
 from .model_source import ModelSource
-from .requests import RequestDelta, TokenLogprob
-
-
-def pack_delta(delta: RequestDelta) -> tuple:
-    """A delta as plain tuples for the pipe (half the pickled bytes of the dataclasses).
-
-    Args:
-        delta: the delta.
-
-    Returns:
-        Its fields, its log-probabilities as ``(token_id, logprob, top)`` tuples.
-    """
-    logprobs = None if delta.logprobs is None else [(e.token_id, e.logprob, e.top) for e in delta.logprobs]
-    return delta.request_id, delta.index, delta.token_ids, delta.text, delta.finish_reason, logprobs
-
-
-def unpack_delta(item: tuple) -> RequestDelta:
-    """The delta ``pack_delta`` packed.
-
-    Args:
-        item: what ``pack_delta`` returned.
-
-    Returns:
-        The delta.
-    """
-    request_id, index, token_ids, text, finish_reason, logprobs = item
-    return RequestDelta(request_id, index, token_ids, text, finish_reason,
-                        None if logprobs is None else [TokenLogprob(*e) for e in logprobs])
-
+from .requests import pack_delta
 
 
 def run_engine_process(conn: Any, source: ModelSource, tokenizer: Any, limits: dict[str, Any], threads: int) -> None:
@@ -97,6 +70,8 @@ def _serve(conn: Any, engine: Engine) -> None:
             elif op[0] == "lora":
                 error = lora_action(engine, *op[2:])
                 acks.append((op[1], None if error is None else ("value", f"{error}")))
+            elif op[0] == "call":
+                acks.append((op[1], call_on(engine, op[2], *op[3])))
             else:
                 deltas += abort_deltas(engine, op[1])
         if engine.has_unfinished():

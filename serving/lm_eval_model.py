@@ -6,11 +6,10 @@
 
 Requests are tokenized as lm-eval's ``hf`` backend tokenizes them (``TemplateLM``: trailing spaces of the context
 move to the continuation; the tokenizer's own special tokens unless ``add_bos_token`` says otherwise; an empty
-context conditions on BOS), so both backends score the same tokens. ``loglikelihood`` runs batches of requests,
-longest first, right-padded, and runs the output head and the log-softmax at the continuation positions only;
-``loglikelihood_rolling`` cuts long texts into lm-eval's disjoint rolling windows; ``generate_until`` runs every
-prompt through the zoo's engine (continuous batching, greedy unless the task samples) and cuts at the task's stop
-strings.
+context conditions on BOS), so both backends score the same tokens. ``loglikelihood`` runs each shared context once
+and its continuations batched after it (``serving.loglikelihood``); ``loglikelihood_rolling`` cuts long texts into
+lm-eval's disjoint rolling windows; ``generate_until`` runs every prompt through the zoo's engine (continuous
+batching, greedy unless the task samples) and cuts at the task's stop strings.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -27,6 +25,7 @@ from tqdm.auto import tqdm
 from models.generation.sampling import SamplingParams
 
 from .engine import Engine
+from .loglikelihood import continuation_logprobs
 
 
 def _flag(value: Any) -> bool | None:
@@ -157,39 +156,13 @@ class ZooLM(TemplateLM):
     # ------------------------------------------------------------------ log-likelihoods
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
-        rows = []
-        for _, context, continuation in requests:
-            if not continuation or len(continuation) > self.max_length:
-                raise ValueError(f"a request's continuation has {len(continuation)} tokens; expected 1 to "
-                                 f"max_length={self.max_length}")
-            whole = (list(context) + list(continuation))[-(self.max_length + 1):]
-            rows.append((whole[:-1], list(continuation)))
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-        results: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
-        device = next(self.model.parameters()).device
-        bar = tqdm(total=len(rows), desc="loglikelihood", disable=disable_tqdm)
-        with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                chunk = order[start:start + self.batch_size]
-                width = len(rows[chunk[0]][0])
-                ids = torch.full((len(chunk), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-                for r, i in enumerate(chunk):
-                    ids[r, : len(rows[i][0])] = torch.tensor(rows[i][0])
-                # Right padding is invisible to a causal model at the real positions, so no mask (the fast causal
-                # attention path); and only the positions that predict a continuation token go through the head.
-                first = min(len(rows[i][0]) - len(rows[i][1]) for i in chunk)
-                keep = torch.arange(first, width, device=device)
-                logits = self.model(ids.to(device), logits_to_keep=keep).logits  # (b, width - first, V)
-                for r, i in enumerate(chunk):
-                    inp, cont = rows[i]
-                    n = len(cont)
-                    scores = logits[r, len(inp) - n - first: len(inp) - first].float().log_softmax(-1)  # (n, V)
-                    target = torch.tensor(cont, device=scores.device)
-                    logp = scores.gather(1, target[:, None]).squeeze(1).sum()
-                    results[i] = (float(logp), bool((scores.argmax(-1) == target).all()))
-                bar.update(len(chunk))
-        bar.close()
-        return results
+        bar = tqdm(total=len(requests), desc="loglikelihood", disable=disable_tqdm)
+        try:
+            return continuation_logprobs(self.model, [(c, k) for _, c, k in requests], batch_size=self.batch_size,
+                                         max_length=self.max_length, pad_id=self.tokenizer.pad_token_id or 0,
+                                         progress=bar.update)
+        finally:
+            bar.close()
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """The log-likelihood of whole texts, in lm-eval's disjoint rolling windows of ``max_length`` tokens.

@@ -2,10 +2,12 @@
 
 ``create_app(model, tokenizer, ...)`` serves one model:
 
-- ``POST /v1/chat/completions`` (the tokenizer's chat template, ``tokenization.chat``) and ``POST /v1/completions``,
-  both with ``stream=true`` as server-sent events ending with ``data: [DONE]`` (and a usage chunk when
-  ``stream_options.include_usage``), over the engine's continuous batching: ``ProcessEngine`` (the engine in its own
-  process; ``engine_process=``) or ``AsyncEngine`` (the engine stepped by a thread of the server's process);
+- ``POST /v1/chat/completions`` (the tokenizer's chat template, ``tokenization.chat``) and ``POST /v1/completions``
+  (``echo`` with the prompt's log-probabilities, as lm-eval's ``local-completions`` reads them:
+  ``serving.completions_echo``), both with ``stream=true`` as server-sent events ending with ``data: [DONE]`` (and a
+  usage chunk when ``stream_options.include_usage``), over the engine's continuous batching: ``ProcessEngine`` (the
+  engine in its own process; ``engine_process=``) or ``AsyncEngine`` (the engine stepped by a thread of the server's
+  process);
 - ``POST /v1/embeddings`` for a model with an ``embedding`` head (``model.embed``);
 - LoRA adapters chosen by ``model``, listed by ``/v1/models``, loaded and unloaded while serving (``serving.lora_api``);
 - ``GET /v1/models``, ``GET /health`` (503 until the model is set and the engine ready, or once the engine process
@@ -22,7 +24,6 @@ a missing or wrong API key, 404 for an unknown model, 503 when the queue is full
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import time
@@ -36,6 +37,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from .completions_echo import LegacyLogprobs, echo_only, echo_prompts
+from .embeddings_api import add_embedding_routes
 from .engine import Engine, QueueFullError
 from .engine_process import ModelSource, ProcessEngine
 from .lora_api import ServedLoRAs, add_lora_routes
@@ -46,14 +49,12 @@ from .protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
-    EmbeddingRequest,
     SamplingFields,
     arrival_of,
     flatten_content,
     param_of,
     refuse_surrogates,
     sampling_params,
-    top_by_text,
     usage,
 )
 from .structured import ToolPlan, answer, response_constraint, template_messages, tool_plan
@@ -68,13 +69,23 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                **engine_limits: Any) -> FastAPI:
     """The FastAPI application serving ``model`` as ``model_name``.
 
-    ``model`` may be set later (``app.state.load(model, tokenizer)``): until then ``/health`` answers 503.
-    ``engine_limits`` go to ``Engine`` (``max_num_seqs``, ``num_blocks``, ``block_size`` …).
-    ``engine_process``: run the engine in its own process (``ProcessEngine``), which builds the model from this
-    ``ModelSource`` (``True``: from a copy of ``model``'s weights, ``ModelSource.from_model``); the server then
-    reads only ``model.config``, so ``model`` may be on the meta device. False: the engine runs in this process,
-    stepped by a worker thread (``AsyncEngine``). Models with an embedding head always run in this process.
-    ``tool_call_parser``: the ``serving.tool_parsers`` parser of tool calls (default: chosen from the template).
+    Args:
+        model: the model; None: set later (``app.state.load(model, tokenizer)``), ``/health`` answers 503 until then.
+        tokenizer: its tokenizer (None: the model's own).
+        model_name: the name requests give as ``model``.
+        api_key: the bearer key ``/v1/`` routes require (None: none).
+        engine_process: run the engine in its own process (``ProcessEngine``), which builds the model from this
+            ``ModelSource`` (``True``: from a copy of ``model``'s weights, ``ModelSource.from_model``); the server
+            then reads only ``model.config``, so ``model`` may be on the meta device. False: the engine runs in this
+            process, stepped by a worker thread (``AsyncEngine``). Models with an embedding head always run here.
+        tool_call_parser: the ``serving.tool_parsers`` parser of tool calls (default: chosen from the template).
+        **engine_limits: ``Engine`` arguments (``max_num_seqs``, ``num_blocks``, ``block_size``, ``loras`` …).
+
+    Returns:
+        The application (``uvicorn.run(app)``).
+
+    Raises:
+        ValueError: an unknown ``tool_call_parser``, or engine arguments the engine refuses.
     """
     parser_for(None, tool_call_parser)  # an unknown parser name fails here, before serving
     metrics = ServerMetrics()
@@ -223,7 +234,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
 
     async def run(prompts: list[Any], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                   chat: bool, arrival: float, constraint: Any = None, plan: ToolPlan | None = None,
-                  adapter: str | None = None) -> Response:
+                  adapter: str | None = None, echo: list[Any] | None = None) -> Response:
         kind = "chatcmpl" if chat else "cmpl"
         response_id, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
         check_openai_fields(body.model_extra, body.n)
@@ -232,20 +243,16 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         streams = [(i, request_id) for i, (request_id, _) in enumerate(submitted)]
         prompt_tokens = sum(n for _, n in submitted)
         want_logprobs = logprobs is not None
+        legacy = LegacyLogprobs(token_text)  # the completions' logprobs (serving.completions_echo)
 
         def logprob_json(entries: list[Any]) -> Any:
             if not want_logprobs or entries is None:
                 return None
-            if chat:
-                return {"content": [{
-                    "token": token_text(e.token_id), "logprob": e.logprob,
-                    "bytes": list(token_text(e.token_id).encode()),
-                    "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
-                                     for t, lp in e.top.items()],
-                } for e in entries]}
-            return {"tokens": [token_text(e.token_id) for e in entries],
-                    "token_logprobs": [e.logprob for e in entries],
-                    "top_logprobs": [top_by_text(e.top, token_text) for e in entries]}
+            return {"content": [{
+                "token": token_text(e.token_id), "logprob": e.logprob, "bytes": list(token_text(e.token_id).encode()),
+                "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
+                                 for t, lp in e.top.items()],
+            } for e in entries]}
 
         def choice(index: int, text: str, entries: Any, finish: str | None, first: bool, stream: bool,
                    ids: Any = None) -> dict:
@@ -260,7 +267,10 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
                 if first or not stream:
                     message["role"] = "assistant"
                 return {"index": index, key: message, "logprobs": logprob_json(entries), "finish_reason": reason}
-            return {"index": index, "text": text, "logprobs": logprob_json(entries), "finish_reason": reason}
+            prompt = echo[index // body.n] if echo is not None and first else None  # echoed before the first text
+            rows = [*((prompt and prompt.rows) or []), *((e.token_id, e.logprob, e.top) for e in entries or [])]
+            return {"index": index, "text": (prompt.text if prompt else "") + text, "finish_reason": reason,
+                    "logprobs": legacy.json(index, rows) if want_logprobs and (entries is not None or prompt) else None}
 
         obj = ("chat.completion" if chat else "text_completion")
 
@@ -385,12 +395,18 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         adapter = check_model(body.model)
         prompt = body.prompt
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-        if body.echo:
-            raise APIError(400, "echo=true is not supported by this server", param="echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens=0 generates nothing: expected >= 1 (0 only with echo=true)",
+                           param="max_tokens")
         # response_format is a chat field; honoured here too (as vLLM does) rather than ignored.
         constraint = response_constraint((body.model_extra or {}).get("response_format"), body.structured_outputs)
+        check_openai_fields(body.model_extra, body.n)
+        echo = await echo_prompts(engine(), prompts, state["tokenizer"], body.logprobs, adapter) if body.echo else None
+        if echo is not None and body.max_tokens == 0:
+            return echo_only(echo, body.n, body.model, LegacyLogprobs(token_text), body.stream,
+                             body.stream_options is not None and body.stream_options.include_usage)
         return await run(prompts, body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs,
-                         chat=False, arrival=arrival_of(request), constraint=constraint, adapter=adapter)
+                         chat=False, arrival=arrival_of(request), constraint=constraint, adapter=adapter, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
@@ -418,33 +434,7 @@ def create_app(model: Any = None, tokenizer: Any = None, *, model_name: str = "m
         return await run([ids], body, max_tokens, logprobs, chat=True, arrival=arrival_of(request),
                          constraint=constraint, plan=plan, adapter=adapter)
 
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest) -> Response:
-        refuse_surrogates(body)
-        if check_model(body.model) is not None:
-            raise APIError(400, f"{body.model!r} is a LoRA adapter; embeddings come from the base model", param="model")
-        model = state["model"]
-        if getattr(model.config, "head", None) != "embedding":
-            raise APIError(400, f"{model_name!r} has no embedding head", param="model")
-        if body.encoding_format not in ("float", "base64"):
-            raise APIError(400, f"encoding_format={body.encoding_format!r}: expected 'float' or 'base64'",
-                           param="encoding_format")
-        inputs = body.input
-        inputs = [inputs] if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)) else inputs
-        try:
-            vectors = await asyncio.to_thread(model.embed, inputs)
-            # The tokens embedded, as embed cuts them (no padding a tokenizer.json may add to each text).
-            tokens = sum(len(row) for row in model.token_rows(inputs, None, model.embedding_options()))
-        except ValueError as err:
-            raise APIError(400, f"input: {err}", param="input") from err
-        if body.encoding_format == "base64":  # little-endian float32 bytes, as OpenAI sends them
-            rows: list[Any] = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in vectors.cpu()]
-        else:
-            rows = vectors.tolist()
-        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(rows)]
-        return JSONResponse({"object": "list", "data": data, "model": model_name,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-
+    add_embedding_routes(app, state, check_model, model_name)
     add_tokenize_routes(app, state, check_model, lambda: getattr(state["engine"], "context", 0) or
                         getattr(getattr(state["model"], "config", None), "max_len", 0))
     return app

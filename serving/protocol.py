@@ -79,6 +79,7 @@ class CompletionRequest(SamplingFields):
     """The body of ``POST /v1/completions``."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo (the prompt scored, nothing generated)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 

@@ -81,6 +81,33 @@ class RequestDelta:
     logprobs: list[TokenLogprob] | None = None
 
 
+def pack_delta(delta: RequestDelta) -> tuple:
+    """A delta as plain tuples for the pipe (half the pickled bytes of the dataclasses).
+
+    Args:
+        delta: the delta.
+
+    Returns:
+        Its fields, its log-probabilities as ``(token_id, logprob, top)`` tuples.
+    """
+    logprobs = None if delta.logprobs is None else [(e.token_id, e.logprob, e.top) for e in delta.logprobs]
+    return delta.request_id, delta.index, delta.token_ids, delta.text, delta.finish_reason, logprobs
+
+
+def unpack_delta(item: tuple) -> RequestDelta:
+    """The delta ``pack_delta`` packed.
+
+    Args:
+        item: what ``pack_delta`` returned.
+
+    Returns:
+        The delta.
+    """
+    request_id, index, token_ids, text, finish_reason, logprobs = item
+    return RequestDelta(request_id, index, token_ids, text, finish_reason,
+                        None if logprobs is None else [TokenLogprob(*e) for e in logprobs])
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestSpec:
     """One checked request: its prompt ids and how to continue it.

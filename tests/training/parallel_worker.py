@@ -2,8 +2,9 @@
 
 ``two`` (2 processes): FSDP2 training with a sharded checkpoint at step 2 and a consolidated export at the
 end; tensor-parallel forward and backward against the unsharded model (GQA + rotary + SwiGLU, and ALiBi);
-a checkpoint written by one process resumed on a 1 x 2 FSDP + TP mesh. ``four`` (4 processes): 2 x 2 FSDP + TP
-training. ``build`` is shared with the single-process references in the test.
+a checkpoint written by one process resumed on a 1 x 2 FSDP + TP mesh; DPO under FSDP2 (given a checkpoint).
+``four`` (4 processes): 2 x 2 FSDP + TP training. ``build`` and ``build_dpo`` are shared with the single-process
+references in the test.
 """
 
 from __future__ import annotations
@@ -45,6 +46,29 @@ def build(out: Path, parallel: str = "ddp", processes: int = 1, tp_size: int | N
                    CausalLMCollator(pad_token_id=0), scheduler=lambda opt: WarmupCosineLR(opt, warmup=2, total=4))
 
 
+#: Preference pairs for DPO under FSDP2 (``build_dpo``): a global batch of 4 pairs per step.
+PAIRS = [
+    {"prompt": "What is the capital of France?", "chosen": " Paris is the capital.", "rejected": " Berlin."},
+    {"prompt": "2+2=", "chosen": "4", "rejected": " the lazy dog jumps"},
+    {"prompt": "The quick brown", "chosen": " fox jumps", "rejected": " dog"},
+    {"prompt": "Paris is", "chosen": " the capital of France.", "rejected": " 6"},
+] * 2
+
+
+def build_dpo(checkpoint: Path, parallel: str = "ddp", processes: int = 1) -> Trainer:
+    """Full fine-tuning with DPO (the reference: a frozen copy made before sharding) on the tiny Llama at
+    ``checkpoint``, global batches of 4 pairs."""
+    import models
+    from training.preference import PreferenceCollator, PreferenceLoss
+
+    torch.manual_seed(0)
+    model = models.from_pretrained(checkpoint)
+    config = TrainerConfig(max_steps=2, batch_size=GLOBAL_BATCH // processes, max_grad_norm=1.0, progress=False,
+                           device="cpu", shuffle=False, parallel=parallel)
+    return Trainer(model, functools.partial(torch.optim.AdamW, lr=1e-2), config, PAIRS,
+                   PreferenceCollator(model.tokenizer), loss_fn=PreferenceLoss(model, "dpo", beta=0.5))
+
+
 def tensor_parallel_matches(model_class: type, **config) -> None:
     """Logits and every gradient of the sharded model equal the unsharded model's (each process checks)."""
     from torch.distributed.tensor import DTensor
@@ -69,7 +93,7 @@ def tensor_parallel_matches(model_class: type, **config) -> None:
     assert checked >= 7 * config["n_layers"], checked  # q, k, v, o, up, (gate), down of every layer were sharded
 
 
-def main(scenario: str, out: Path) -> None:
+def main(scenario: str, out: Path, dpo_checkpoint: str | None = None) -> None:
     context = init_distributed("gloo", timeout_s=60)
     results: dict[str, object] = {}
     if scenario == "two":
@@ -94,6 +118,15 @@ def main(scenario: str, out: Path) -> None:
         results["bit_exact_from_one"] = all(torch.equal(loaded[k], v) for k, v in saved.items())
         resumed.train()
         results["resumed_losses"] = [r["loss"] for r in resumed.history]
+
+        if dpo_checkpoint:  # DPO through the Trainer under FSDP2 (the same processes: no second launch)
+            dpo = build_dpo(Path(dpo_checkpoint), "fsdp", processes=2)
+            dpo.train()
+            results["dpo_losses"] = [r["loss"] for r in dpo.history]
+            final = consolidated_state_dict(dpo.model)
+            if context.is_main:
+                safetensors.torch.save_file({k: v.contiguous() for k, v in final.items()},
+                                            str(out / "dpo_final.safetensors"))
     elif scenario == "moe":
         trainer = build(out / "moe", "fsdp", processes=2, moe=True)
         trainer.train()
@@ -115,4 +148,4 @@ def main(scenario: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:])

@@ -16,17 +16,17 @@ import torch
 import torch.distributed as dist
 
 from models import DecoderLM, EncoderLM
-from tests.training.parallel_worker import CONFIG, build
+from tests.training.parallel_worker import CONFIG, build, build_dpo
 
 ROOT = Path(__file__).resolve().parents[2]
 gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                           reason="needs torch.distributed gloo")
 
 
-def _torchrun(processes: int, scenario: str, out: Path) -> dict:
+def _torchrun(processes: int, scenario: str, out: Path, *extra: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-           str(ROOT / "tests" / "training" / "parallel_worker.py"), scenario, str(out)]
+           str(ROOT / "tests" / "training" / "parallel_worker.py"), scenario, str(out), *extra]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads((out / f"{scenario}.json").read_text())
@@ -37,7 +37,7 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @gloo
-def test_fsdp_tp_and_checkpoints_across_one_and_two_processes(tmp_path) -> None:
+def test_fsdp_tp_and_checkpoints_across_one_and_two_processes(tmp_path, tiny_llama_dir) -> None:
     # The single-process reference: 4 AdamW steps (with clipping and a schedule) on global batches of 4, and a
     # checkpoint at step 2 for the two processes to resume.
     single = build(tmp_path / "single")
@@ -47,7 +47,20 @@ def test_fsdp_tp_and_checkpoints_across_one_and_two_processes(tmp_path) -> None:
     expected = [r["loss"] for r in single.train()]
     final = _weights(single.model)
 
-    got = _torchrun(2, "two", tmp_path)
+    dpo = build_dpo(tiny_llama_dir)
+    dpo_expected = [r["loss"] for r in dpo.train()]
+    dpo_final = {k: v.detach().clone() for k, v in dpo.model.state_dict().items()}
+
+    got = _torchrun(2, "two", tmp_path, str(tiny_llama_dir))
+
+    # DPO through the Trainer under 2-process FSDP2 (the reference a frozen copy in each process) trains like one
+    # process on the same global batches of pairs.
+    assert got["dpo_losses"] == pytest.approx(dpo_expected, abs=1e-5)
+    sharded = safetensors.torch.load_file(str(tmp_path / "dpo_final.safetensors"))
+    assert sharded.keys() == dpo_final.keys()
+    for name, value in sharded.items():
+        torch.testing.assert_close(value, dpo_final[name], rtol=0, atol=1e-5, msg=name)
+    assert not torch.equal(sharded["embed_tokens.weight"], build_dpo(tiny_llama_dir).model.embed_tokens.weight)
 
     # 2-process FSDP2 trains like one process: the same losses, weights within 1e-5 after 4 AdamW steps.
     assert got["fsdp_losses"] == pytest.approx(expected, rel=1e-5)
