@@ -305,3 +305,21 @@ def test_a_tokenizer_config_nested_too_deeply_is_a_value_error_naming_it(trained
     config.write_text('{"bos_token": ' + "[" * 100_000 + "]" * 100_000 + "}")
     with pytest.raises(ValueError, match=rf"{config} is not valid JSON: RecursionError"):
         Tokenizer.from_file(tmp_path / "tokenizer.json")
+
+
+def test_decoding_counts_the_vocabulary_once_and_again_only_when_it_grew(monkeypatch) -> None:
+    """Counting the vocabulary is O(vocabulary) in tokenizers; a stream decodes once per token, so the count is kept.
+    A token added to the backend afterwards still decodes, and an id past the end is still refused."""
+    tok = train_byte_level_bpe(CORPUS, vocab_size=300, min_frequency=1)
+    counts = []
+    real = Tokenizer.vocab_size.fget
+    monkeypatch.setattr(Tokenizer, "vocab_size", property(lambda self: counts.append(1) or real(self)))
+    ids = tok.encode("the quick brown fox " * 20)
+    for _ in range(5):
+        assert tok.decode(ids) == tok.backend.decode(ids)
+    assert len(counts) == 1  # not once per id, nor once per call
+    tok.backend.add_tokens([tokenizers.AddedToken("<new>", normalized=False)])
+    new = tok.backend.token_to_id("<new>")
+    assert tok.decode([new], skip_special_tokens=False) == "<new>"
+    with pytest.raises(ValueError, match=rf"ids must be integers in \[0, vocab_size={new + 1}\), got {new + 1}"):
+        tok.decode([new + 1])
