@@ -46,9 +46,9 @@ from .cli_stream import cut_note, stream_reply
 from .startup import startup_line
 
 #: ``zoo serve``'s ``Engine(compile=...)`` without a flag: the mode measured fastest on CPU with one request and with
-#: 16 in flight (``python -m benchmarks.serve_peer``; docs/engine-performance.md): a lone request decodes through the
-#: compiled single-row graph (as fast as the fully compiled engine), batches run eagerly (as fast as the eager one).
-SERVE_COMPILE: bool | str = "single"
+#: 16 in flight (``python -m benchmarks.serve_peer`` on an idle machine, SmolLM2-135M's shape: 21.4 and 120.7 tok/s
+#: against 20.1 / 102.1 for "single" and 14.7 / 99.5 for eager; docs/engine-performance.md).
+SERVE_COMPILE: bool | str = True
 
 
 def _load(path: str, quantize: str | None = None, dequantize: bool = False, *, prepare: bool = True,
