@@ -81,7 +81,8 @@ def test_ctrl_c_stops_after_a_complete_step(tmp_path: Path) -> None:
 
     trainer._train_step = step_then_ctrl_c
     assert threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or what another test in this worker left
     with pytest.raises(TrainingInterrupted, match="training interrupted after step 3") as stopped:
         trainer.train()
     assert stopped.value.step == trainer.step == 3 and len(trainer.history) == 3
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert signal.getsignal(signal.SIGINT) is before  # put back
