@@ -52,6 +52,7 @@ class Tokenizer:
         given = check_special_tokens(special_tokens or {})
         self.backend = backend
         self.chat_template = chat_template
+        self._known_size = 0  # a vocabulary count ``_check_ids`` keeps (taken at its first use)
         self._roles: dict[str, str | None] = {}
         for role in ROLES:
             if role in given:
@@ -405,7 +406,7 @@ class Tokenizer:
         # Counting the vocabulary costs O(vocabulary) in tokenizers (2 ms for 49k added tokens), and a stream decodes
         # once per token: the count is kept, and taken again only when an id is not below it (a vocabulary only
         # grows, so ids below an earlier count are valid).
-        size = getattr(self, "_known_size", 0)
+        size = self._known_size
         bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < size]
         if bad:
             size = self._known_size = self.vocab_size
