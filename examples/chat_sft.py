@@ -153,7 +153,16 @@ def score(model: str, out: Path) -> dict[str, dict[str, float]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return pipeline(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def pipeline(args: argparse.Namespace) -> dict[str, Any]:
+    """The run (see the module docstring); returns the table of accuracies, also written to ``OUT/results.json``."""
     start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
