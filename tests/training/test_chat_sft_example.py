@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 import models
-
 from training.jsonl import read_conversations, read_preferences
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
