@@ -72,6 +72,9 @@ def test_fsdp_tp_and_checkpoints_across_one_and_two_processes(tmp_path, tiny_lla
     assert got["reference"].keys() == {n for n, _ in build_dpo(tiny_llama_dir).model.named_parameters()}
     for name, (kind, local, full) in got["reference"].items():
         assert kind == "DTensor" and local == [(full[0] + 1) // 2, *full[1:]], (name, kind, local, full)
+    # FSDP + TP (1 x 2): the reference's attention is split over the two processes too, and DPO trains the same.
+    assert got["dpo_tp_losses"] == pytest.approx(tuned["dpo"][0], abs=1e-5)
+    assert got["tp_reference"] and all(shape == [16, 32] for shape in got["tp_reference"].values()), got["tp_reference"]
 
     # 2-process FSDP2 trains like one process: the same losses, weights within 1e-5 after 4 AdamW steps.
     assert got["fsdp_losses"] == pytest.approx(expected, rel=1e-5)
