@@ -3,8 +3,8 @@
 ``two`` (2 processes): FSDP2 training with a sharded checkpoint at step 2 and a consolidated export at the
 end; tensor-parallel forward and backward against the unsharded model (GQA + rotary + SwiGLU, and ALiBi);
 a checkpoint written by one process resumed on a 1 x 2 FSDP + TP mesh; DPO (its reference copy sharded too) and
-SimPO under FSDP2, DPO on the 1 x 2 FSDP + TP mesh (given a checkpoint). ``four`` (4 processes): 2 x 2 FSDP + TP training. ``build`` and ``build_dpo``
-are shared with the single-process references in the test.
+SimPO under FSDP2, DPO on the 1 x 2 FSDP + TP mesh (given a checkpoint). ``four`` (4 processes): 2 x 2 FSDP + TP
+training. ``build`` and ``build_dpo`` are shared with the single-process references in the test.
 """
 
 from __future__ import annotations
