@@ -66,3 +66,17 @@ def test_a_wide_head_and_many_rows() -> None:
     x = torch.from_numpy(np.random.default_rng(0).standard_normal((21, 96)).astype(np.float32))
     y = cpu_kernels.ggml_mm(x, "q8_0", [layer.d, layer.qs])
     assert close(y, x, layer.unpack())
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q5_0"])
+@pytest.mark.parametrize("blocks_per_row", [15, 16, 17, 255, 256, 257, 273, 513])
+def test_one_row_across_scale_chunks(scheme: str, blocks_per_row: int) -> None:
+    # One input row takes the single-row path, which converts the scales in chunks of 256 blocks (16 at a time):
+    # rows whose block count is not a multiple of either must still use each block's own scale.
+    gen = torch.Generator().manual_seed(blocks_per_row)
+    weight = torch.randn(5, 32 * blocks_per_row, generator=gen) * torch.rand(5, blocks_per_row, 1, generator=gen) \
+        .expand(5, blocks_per_row, 32).reshape(5, -1)
+    layer = blocks.get("quantization", scheme).from_float(weight)
+    x = torch.randn(1, 32 * blocks_per_row, generator=gen)
+    y = cpu_kernels.ggml_mm(x, scheme, [getattr(layer, name) for name in cpu_kernels.FORMATS[scheme]])
+    assert close(y, x, layer.unpack())
