@@ -9,12 +9,14 @@ Two ways to run them, both exact (the sums of a merged model ``(W + s B A) x``, 
   padded to the largest slot's count) and two ``bmm`` over every slot at once, at the largest rank present: three
   calls whatever the adapter count, but the padding (tokens, ranks, absent slots) is computed and read too.
 
-``add_slot_lora_`` picks one per layer and step by ``choose_kernel``'s cost estimate (decoding steps with every slot
-busy on a narrow model batch; long prefill chunks, uneven counts and wide layers loop) and adds the result into the
-layer's output in place, one ``index_add_`` back to batch order, scratch memory reused (``Workspace``): on a CPU a
-fresh megabyte costs more in page faults than the small products that fill it. ``slot_lora`` wraps it as a
-``torch.library`` custom op for compiled steps — opaque, so the routing and the adapters are inputs and never a
-reason to recompile; eager steps call the function directly (a custom op's dispatch costs tens of microseconds).
+``plan_update`` picks one per layer and step by ``choose_kernel``'s cost estimate (decoding steps with every slot
+busy on a narrow model batch; long prefill chunks, uneven counts and wide layers loop) and lists the segments it
+needs; ``add_planned_lora_`` runs the plan and adds the result into the layer's output in place, one ``index_add_``
+back to batch order, scratch memory reused (``Workspace``): on a CPU a fresh megabyte costs more in page faults than
+the small products that fill it. The engine's eager steps plan once per step for all layers of equal ranks and width
+(``blocks.multi_lora.LoRARouting.plan``); ``add_slot_lora_`` plans from the routing's tensors on every call.
+``slot_lora`` wraps it as a ``torch.library`` custom op for compiled steps — opaque, so the routing and the adapters
+are inputs and never a reason to recompile; eager steps skip it (a custom op's dispatch costs tens of microseconds).
 ``grouped_lora`` is the first form of the op, kept for comparison.
 
 A third formulation was measured and left out: all slots' ``A`` concatenated along the rank axis and a per-row

@@ -7,11 +7,12 @@ its slot in place, so the tensors a compiled graph reads stay the same objects: 
 
 The batch's tokens are routed once per step by a ``LoRARouting`` (one per model, shared by its banks): the tokens
 sorted by slot (``order``, ``offsets``), the same tokens laid out in a ``(slots, longest)`` block (``padded``), and
-the way back to batch order from either (``inverse``, ``padded_inverse``). Each bank's hook then runs
-``blocks.lora_kernels.slot_lora`` on its layer: Punica's segmented products (one pair per slot present) or two
-batched products over all slots, whichever costs less for that layer and step. It is a custom op, so a compiled step
-sees one opaque call per layer whatever the routing: the routing and the adapters are its inputs, never a reason to
-recompile.
+each sorted token's row in that block (``cells``), and the same segments as Python numbers. Each bank's hook then
+adds its layer's updates: Punica's segmented products (one pair per slot present) or two batched products over all
+slots, whichever costs less for that layer and step. In eager steps that choice and the segments it needs are worked
+out once per step for all layers of equal ranks and width (``LoRARouting.plan``), not once per layer. A compiled
+step sees one opaque call per layer (``blocks.lora_kernels.slot_lora``, a custom op) whatever the routing: the
+routing and the adapters are its inputs, never a reason to recompile.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class LoRARouting:
     ``order[:n]`` holds the adapted tokens sorted by slot and ``offsets`` the slots' segments in it; for the batched
     products, ``padded[s * L + j]`` is slot ``s``'s ``j``-th token (``L = longest``, the largest count; token 0 past a
     slot's count) and ``cells[k]`` the block row of ``order[k]``. ``workspace`` is the layers' shared scratch memory.
+    ``bounds`` (``offsets`` as a list) and ``count`` (``longest`` as an int) serve eager steps, whose layers share
+    their plans through ``plan`` (forgotten at each ``route``).
 
     Args:
         n_slots: the banks' slot count.
