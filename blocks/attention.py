@@ -12,6 +12,7 @@ from .backends.common import check_softcap
 from .kv_cache import KVCache, StaticKVCache
 from .paged_cache import PagedKVCache
 from .positional.base import PositionalEncoding
+from .quantized.joint import joint_linear
 from .registry import build, get, register
 
 
@@ -147,8 +148,12 @@ class MultiHeadAttention(nn.Module):
         checkpoints keep common names. Without autograd (inference, decoding one token at a time) the
         projections run one by one: concatenating the weights would read and write them all once more per
         call, which costs more than it saves when the work is bound by reading weights. Projections that are
-        not plain ``nn.Linear`` modules, or that carry hooks, are always called one by one.
+        not plain ``nn.Linear`` modules, or that carry hooks, are called one by one — except GGUF-block layers
+        (``blocks.quantized.joint_linear``), which one kernel call multiplies together.
         """
+        joint = joint_linear(x, projections)
+        if joint is not None:
+            return joint
         if (
             not torch.is_grad_enabled()
             or not all(_plain_linear(proj) for proj in projections)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .quantized.joint import joint_linear
 from .registry import register
 
 
@@ -125,7 +126,9 @@ class GatedFeedForward(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.dropout(self.activation(self.gate_proj(x)) * self.up_proj(x)))
+        # GGUF-block projections: gate and up in one kernel call (blocks.quantized.joint_linear).
+        gate, up = joint_linear(x, (self.gate_proj, self.up_proj)) or (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.dropout(self.activation(gate) * up))
 
 
 @register("ffn", "swiglu")

@@ -9,12 +9,14 @@ Two ways to run them, both exact (the sums of a merged model ``(W + s B A) x``, 
   padded to the largest slot's count) and two ``bmm`` over every slot at once, at the largest rank present: three
   calls whatever the adapter count, but the padding (tokens, ranks, absent slots) is computed and read too.
 
-``add_slot_lora_`` picks one per layer and step by ``choose_kernel``'s cost estimate (decoding steps with every slot
-busy on a narrow model batch; long prefill chunks, uneven counts and wide layers loop) and adds the result into the
-layer's output in place, one ``index_add_`` back to batch order, scratch memory reused (``Workspace``): on a CPU a
-fresh megabyte costs more in page faults than the small products that fill it. ``slot_lora`` wraps it as a
-``torch.library`` custom op for compiled steps — opaque, so the routing and the adapters are inputs and never a
-reason to recompile; eager steps call the function directly (a custom op's dispatch costs tens of microseconds).
+``plan_update`` picks one per layer and step by ``choose_kernel``'s cost estimate (decoding steps with every slot
+busy on a narrow model batch; long prefill chunks, uneven counts and wide layers loop) and lists the segments it
+needs; ``add_planned_lora_`` runs the plan and adds the result into the layer's output in place, one ``index_add_``
+back to batch order, scratch memory reused (``Workspace``): on a CPU a fresh megabyte costs more in page faults than
+the small products that fill it. The engine's eager steps plan once per step for all layers of equal ranks and width
+(``blocks.multi_lora.LoRARouting.plan``); ``add_slot_lora_`` plans from the routing's tensors on every call.
+``slot_lora`` wraps it as a ``torch.library`` custom op for compiled steps — opaque, so the routing and the adapters
+are inputs and never a reason to recompile; eager steps skip it (a custom op's dispatch costs tens of microseconds).
 ``grouped_lora`` is the first form of the op, kept for comparison.
 
 A third formulation was measured and left out: all slots' ``A`` concatenated along the rank axis and a per-row
@@ -24,7 +26,6 @@ adapter: ``S`` times the work; ``python -m benchmarks.multi_lora --kernels`` tim
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -83,8 +84,46 @@ class Workspace:
         return views
 
 
-def grouped_products(x: Tensor, a: Tensor, b: Tensor, rank: list[int], bounds: list[int], order: Tensor,
-                     workspace: Workspace | None = None,
+# One layer's plan for a step: how, the largest rank used, the segments to multiply (slot, start, end, rank), and
+# the segments whose slot leaves the layer alone (start, end): their updates are zero.
+Plan = tuple[str, int, list[tuple[int, int, int, int]], list[tuple[int, int]]]
+
+
+def plan_update(rank: Sequence[int], bounds: Sequence[int], longest: int, width: int, kernel: str = "auto") -> Plan:
+    """How one layer runs its updates for a routed step: the way (``choose_kernel``'s, or ``kernel``), and what
+    the products need, worked out once (the engine memoises it per step for layers of equal ranks and width).
+
+    Args:
+        rank: each slot's rank on the layer.
+        bounds: the slots' segments in the sorted tokens (``bounds[-1]`` tokens adapted).
+        longest: the largest token count of a slot.
+        width: the layer's ``in + out`` features.
+        kernel: ``"auto"``, ``"grouped"`` or ``"padded"``.
+
+    Returns:
+        ``(how, used, segments, idle)``: ``how`` is ``"grouped"``, ``"padded"`` or ``"none"`` (no token has an
+        update here); ``used`` the largest rank of a slot with tokens; ``segments`` ``(slot, start, end, rank)`` of
+        the slots with tokens and a rank; ``idle`` ``(start, end)`` of those with tokens and rank 0.
+
+    Raises:
+        ValueError: an unknown ``kernel``.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    segments, idle = [], []
+    for slot, r in enumerate(rank):
+        lo, hi = bounds[slot], bounds[slot + 1]
+        if hi > lo:
+            (segments.append((slot, lo, hi, r)) if r else idle.append((lo, hi)))
+    if not segments:
+        return "none", 0, segments, idle
+    used = max(r for _, _, _, r in segments)
+    how = choose_kernel(rank, bounds, longest, width) if kernel == "auto" else kernel
+    return how, used, segments, idle
+
+
+def grouped_products(x: Tensor, a: Tensor, b: Tensor, segments: Sequence[tuple[int, int, int, int]],
+                     idle: Sequence[tuple[int, int]], n: int, order: Tensor, workspace: Workspace | None = None,
                      views: Sequence[tuple[Tensor, Tensor] | None] | None = None) -> Tensor:
     """The per-slot products of the sorted tokens, one pair per slot with tokens and a rank on this layer.
 
@@ -92,8 +131,9 @@ def grouped_products(x: Tensor, a: Tensor, b: Tensor, rank: list[int], bounds: l
         x: the layer's input.
         a: the slots' ``Aᵀ``, zero-padded along the rank.
         b: the slots' ``(B · scaling)ᵀ``, zero-padded likewise.
-        rank: each slot's rank on this layer (0: no update).
-        bounds: slot ``s``'s tokens are ``order[bounds[s]:bounds[s + 1]]``.
+        segments: ``(slot, start, end, rank)``: slot ``slot``'s tokens are ``order[start:end]``.
+        idle: ``(start, end)`` of tokens whose slot leaves this layer alone.
+        n: the adapted tokens (``order[:n]``).
         order: token indices sorted by slot.
         workspace: scratch memory for the result (None: a new tensor).
         views: per slot ``(a[s, :, :r], b[s, :r])`` made once (None: made here).
@@ -101,22 +141,18 @@ def grouped_products(x: Tensor, a: Tensor, b: Tensor, rank: list[int], bounds: l
     Returns:
         ``delta`` with ``delta[k]`` the update of token ``order[k]`` (zero for a slot of rank 0 here).
 
-    Shapes: x ``(T, in)``, a ``(S, in, R)``, b ``(S, R, out)`` -> ``(n, out)`` with ``n = bounds[-1]``.
+    Shapes: x ``(T, in)``, a ``(S, in, R)``, b ``(S, R, out)`` -> ``(n, out)``.
     """
-    n = bounds[-1]
     if workspace is not None and x.dtype == a.dtype:
         xs, delta = workspace.take([(n, x.shape[1]), (n, b.shape[2])], a)
         torch.index_select(x, 0, order[:n], out=xs)  # every adapted token, grouped by slot: one gather
     else:
         xs, delta = x.index_select(0, order[:n]).to(a.dtype), a.new_empty(n, b.shape[2])
-    counts = [hi - lo for lo, hi in itertools.pairwise(bounds)]
-    for slot, (x_slot, delta_slot) in enumerate(zip(xs.split(counts), delta.split(counts), strict=True)):
-        r = rank[slot]
-        if counts[slot] and r:  # the segment's pair of products, at the adapter's own rank
-            a_slot, b_slot = views[slot] if views is not None else (a[slot, :, :r], b[slot, :r])
-            torch.mm(torch.mm(x_slot, a_slot), b_slot, out=delta_slot)
-        elif counts[slot]:
-            delta_slot.zero_()
+    for slot, lo, hi, r in segments:  # each segment's pair of products, at the adapter's own rank
+        a_slot, b_slot = views[slot] if views is not None else (a[slot, :, :r], b[slot, :r])
+        torch.mm(torch.mm(xs[lo:hi], a_slot), b_slot, out=delta[lo:hi])
+    for lo, hi in idle:
+        delta[lo:hi].zero_()
     return delta
 
 
@@ -132,7 +168,8 @@ def padded_products(x: Tensor, a: Tensor, b: Tensor, rank: int, longest: int, pa
         longest: the largest token count of a slot.
         padded: ``padded[s * longest + j]`` is slot ``s``'s ``j``-th token (any token past its count).
         cells: ``cells[k]`` is the block row of the ``k``-th token in slot order.
-        n: the adapted tokens.
+        n: the adapted tokens; when every slot has ``longest`` of them (``n == slots * longest``) the block's rows
+            are already in slot order and ``cells`` is not read.
         workspace: scratch memory (None: new tensors).
 
     Returns:
@@ -142,7 +179,8 @@ def padded_products(x: Tensor, a: Tensor, b: Tensor, rank: int, longest: int, pa
     -> ``(n, out)``.
     """
     slots, rows = a.shape[0], a.shape[0] * longest
-    shapes = [(rows, x.shape[1]), (slots, longest, rank), (rows, b.shape[2]), (n, b.shape[2])]
+    full = rows == n  # no padding: block row k is the k-th token in slot order
+    shapes = [(rows, x.shape[1]), (slots, longest, rank), (rows, b.shape[2]), (0 if full else n, b.shape[2])]
     if workspace is not None and x.dtype == a.dtype:
         xs, h, block, delta = workspace.take(shapes, a)
         torch.index_select(x, 0, padded[:rows], out=xs)
@@ -150,10 +188,12 @@ def padded_products(x: Tensor, a: Tensor, b: Tensor, rank: int, longest: int, pa
         xs, (h, block, delta) = x.index_select(0, padded[:rows]).to(a.dtype), [a.new_empty(s) for s in shapes[1:]]
     torch.bmm(xs.view(slots, longest, -1), a[:, :, :rank], out=h)  # (S, L, in) @ (S, in, r) -> (S, L, r)
     torch.bmm(h, b[:, :rank], out=block.view(slots, longest, -1))  # (S, L, r) @ (S, r, out) -> (S, L, out)
+    if full:
+        return block
     return torch.index_select(block, 0, cells[:n], out=delta)  # the tokens' rows, in slot order
 
 
-def choose_kernel(rank: list[int], bounds: list[int], longest: int, width: int) -> str:
+def choose_kernel(rank: Sequence[int], bounds: Sequence[int], longest: int, width: int) -> str:
     """Which of the two ways costs less for this layer and routing: multiply-adds, weights read, a price per segment.
 
     Args:
@@ -175,11 +215,48 @@ def choose_kernel(rank: list[int], bounds: list[int], longest: int, width: int) 
     return "grouped" if grouped < padded else "padded"
 
 
+def add_planned_lora_(y: Tensor, x: Tensor, a: Tensor, b: Tensor, plan: Plan, n: int, longest: int, order: Tensor,
+                      cells: Tensor, padded: Tensor, workspace: Workspace | None = None,
+                      views: Sequence[tuple[Tensor, Tensor] | None] | None = None) -> Tensor:
+    """Add each token's LoRA update to ``y`` in place, as ``plan_update`` planned it (the engine's eager steps).
+
+    Args:
+        y: the base layer's output (updated in place).
+        x: the layer's input.
+        a: the slots' ``Aᵀ``, zero-padded along the rank.
+        b: the slots' ``(B · scaling)ᵀ``, zero-padded likewise.
+        plan: ``plan_update``'s answer for this layer and step.
+        n: the adapted tokens (``order[:n]``).
+        longest: the largest token count of a slot.
+        order: the adapted tokens sorted by slot.
+        cells: the ``k``-th sorted token's row in the ``(slots, longest)`` block of the batched products.
+        padded: the tokens of that block, row by row.
+        workspace: scratch memory reused across calls (None: new tensors).
+        views: per slot ``(a[s, :, :r], b[s, :r])`` made when it was loaded (None: made here).
+
+    Returns:
+        ``y``, with ``(x[t] Aₛᵀ) (B·scaling)ₛᵀ`` added to every token ``t`` of slot ``s``.
+
+    Shapes: as ``add_slot_lora_``.
+    """
+    how, used, segments, idle = plan
+    if how == "none":
+        return y
+    if how == "grouped":
+        delta = grouped_products(x, a, b, segments, idle, n, order, workspace, views)
+    else:
+        delta = padded_products(x, a, b, used, longest, padded, cells, n, workspace)
+    # each token appears once in order[:n]: the sums are y + delta, as a merged model's (W + BA) x up to rounding
+    return y.index_add_(0, order[:n], delta if delta.dtype == y.dtype else delta.to(y.dtype))
+
+
 def add_slot_lora_(y: Tensor, x: Tensor, a: Tensor, b: Tensor, ranks: Tensor, order: Tensor, offsets: Tensor,
                    cells: Tensor, padded: Tensor, longest: Tensor, kernel: str = "auto",
                    workspace: Workspace | None = None,
                    views: Sequence[tuple[Tensor, Tensor] | None] | None = None) -> Tensor:
     """Add each token's LoRA update to ``y`` in place, by the segmented or the batched products.
+
+    The routing's tensors are read here (``plan_update``, then ``add_planned_lora_``): the compiled op's way.
 
     Args:
         y: the base layer's output (updated in place).
@@ -205,22 +282,9 @@ def add_slot_lora_(y: Tensor, x: Tensor, a: Tensor, b: Tensor, ranks: Tensor, or
     Shapes: y ``(T, out)``, x ``(T, in)``, a ``(S, in, R)``, b ``(S, R, out)``, ranks ``(S,)``, order and cells
     ``(C,)`` with ``C >= T``, padded ``(S * C,)``, offsets ``(S + 1,)`` -> ``(T, out)``.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    rank, bounds = ranks.tolist(), offsets.tolist()
-    n, count = bounds[-1], int(longest)
-    chosen = choose_kernel(rank, bounds, count, a.shape[1] + b.shape[2])
-    if chosen == "none":
-        return y
-    if kernel != "auto":
-        chosen = kernel
-    if chosen == "grouped":
-        delta = grouped_products(x, a, b, rank, bounds, order, workspace, views)
-    else:
-        used = max(r for s, r in enumerate(rank) if bounds[s + 1] > bounds[s])
-        delta = padded_products(x, a, b, used, count, padded, cells, n, workspace)
-    # each token appears once in order[:n]: the sums are y + delta, as a merged model's (W + BA) x up to rounding
-    return y.index_add_(0, order[:n], delta.to(y.dtype))
+    bounds, count = offsets.tolist(), int(longest)
+    plan = plan_update(ranks.tolist(), bounds, count, a.shape[1] + b.shape[2], kernel)
+    return add_planned_lora_(y, x, a, b, plan, bounds[-1], count, order, cells, padded, workspace, views)
 
 
 @torch.library.custom_op("zoo::slot_lora", mutates_args=())

@@ -7,15 +7,17 @@ its slot in place, so the tensors a compiled graph reads stay the same objects: 
 
 The batch's tokens are routed once per step by a ``LoRARouting`` (one per model, shared by its banks): the tokens
 sorted by slot (``order``, ``offsets``), the same tokens laid out in a ``(slots, longest)`` block (``padded``), and
-the way back to batch order from either (``inverse``, ``padded_inverse``). Each bank's hook then runs
-``blocks.lora_kernels.slot_lora`` on its layer: Punica's segmented products (one pair per slot present) or two
-batched products over all slots, whichever costs less for that layer and step. It is a custom op, so a compiled step
-sees one opaque call per layer whatever the routing: the routing and the adapters are its inputs, never a reason to
-recompile.
+each sorted token's row in that block (``cells``), and the same segments as Python numbers. Each bank's hook then
+adds its layer's updates: Punica's segmented products (one pair per slot present) or two batched products over all
+slots, whichever costs less for that layer and step. In eager steps that choice and the segments it needs are worked
+out once per step for all layers of equal ranks and width (``LoRARouting.plan``), not once per layer. A compiled
+step sees one opaque call per layer (``blocks.lora_kernels.slot_lora``, a custom op) whatever the routing: the
+routing and the adapters are its inputs, never a reason to recompile.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +25,16 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import ADAPTED_LAYERS, adapter_placement
-from .lora_kernels import KERNELS, Workspace, add_slot_lora_, grouped_lora, slot_lora
+from .lora_kernels import (
+    KERNELS,
+    Plan,
+    Workspace,
+    add_planned_lora_,
+    add_slot_lora_,
+    grouped_lora,
+    plan_update,
+    slot_lora,
+)
 from .quantized import QuantizedLinear
 
 __all__ = ["LoRARouting", "LoRASlots", "attach_slots", "grouped_lora", "lora_layers", "slot_lora"]
@@ -37,6 +48,8 @@ class LoRARouting:
     ``order[:n]`` holds the adapted tokens sorted by slot and ``offsets`` the slots' segments in it; for the batched
     products, ``padded[s * L + j]`` is slot ``s``'s ``j``-th token (``L = longest``, the largest count; token 0 past a
     slot's count) and ``cells[k]`` the block row of ``order[k]``. ``workspace`` is the layers' shared scratch memory.
+    ``bounds`` (``offsets`` as a list) and ``count`` (``longest`` as an int) serve eager steps, whose layers share
+    their plans through ``plan`` (forgotten at each ``route``).
 
     Args:
         n_slots: the banks' slot count.
@@ -53,9 +66,12 @@ class LoRARouting:
         self.offsets = torch.zeros(n_slots + 1, dtype=torch.long)
         self.longest = torch.zeros((), dtype=torch.long)
         self.workspace = Workspace()
+        # the same routing as Python numbers, for eager steps, and each layer's plan, worked out once per step
+        self.bounds, self.count = [0] * (n_slots + 1), 0
+        self.plans: dict[tuple[Any, ...], Plan] = {}
 
     def route(self, token_slots: Sequence[int]) -> None:
-        """Route a batch: one sort and a few index tensors for the whole step, read by every layer.
+        """Route a batch: the tokens sorted by slot and a few index tensors for the whole step, read by every layer.
 
         Args:
             token_slots: ``token_slots[t]`` is token ``t``'s slot, or -1 for the base model alone.
@@ -63,25 +79,53 @@ class LoRARouting:
         Raises:
             ValueError: a slot outside ``[-1, n_slots)`` or more tokens than ``capacity``.
         """
-        slots = torch.as_tensor(list(token_slots), dtype=torch.long)
-        if slots.numel() > self.capacity:
-            raise ValueError(f"a batch of {slots.numel()} tokens exceeds the routing's capacity={self.capacity}")
-        if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= self.n_slots):
-            raise ValueError(f"token slots must be in [-1, {self.n_slots}), got {sorted(set(slots.tolist()))}")
-        adapted = (slots >= 0).nonzero().flatten()
-        by_slot, sort = torch.sort(slots[adapted], stable=True)
-        order = adapted[sort]
+        if len(token_slots) > self.capacity:
+            raise ValueError(f"a batch of {len(token_slots)} tokens exceeds the routing's capacity={self.capacity}")
+        members: list[list[int]] = [[] for _ in range(self.n_slots)]
+        for t, slot in enumerate(token_slots):
+            if 0 <= slot < self.n_slots:
+                members[slot].append(t)
+            elif slot != -1:
+                raise ValueError(f"token slots must be in [-1, {self.n_slots}), got {sorted(set(token_slots))}")
+        counts = [len(m) for m in members]
+        self.bounds = [0, *itertools.accumulate(counts)]
+        longest = self.count = max(counts)
+        order = torch.tensor(list(itertools.chain.from_iterable(members)), dtype=torch.long)
         n = order.numel()
-        counts = torch.bincount(by_slot, minlength=self.n_slots)
-        self.offsets[1:] = counts.cumsum(0)
-        longest = int(counts.max()) if n else 0
+        if n == self.n_slots * longest:  # every slot has `longest` tokens: the block is the sorted tokens
+            cells, padded = torch.arange(n), order
+        else:  # slot s's j-th token sits at row s * longest + j of the block (token 0 in the padding)
+            shift = torch.tensor([s * longest - lo for s, lo in enumerate(self.bounds[:-1])])
+            cells = torch.arange(n) + shift.repeat_interleave(torch.tensor(counts), output_size=n)
+            padded = torch.zeros(self.n_slots * longest, dtype=torch.long)
+            padded[cells] = order
+        self.offsets.copy_(torch.tensor(self.bounds))
         self.longest.fill_(longest)
-        cells = by_slot * longest + torch.arange(n) - self.offsets[by_slot]  # slot row, then place in its segment
-        padded = torch.zeros(self.n_slots * longest, dtype=torch.long)
-        padded[cells] = order
         self.order[:n] = order.to(self.device, non_blocking=True)
         self.cells[:n] = cells.to(self.device, non_blocking=True)
         self.padded[:padded.numel()] = padded.to(self.device, non_blocking=True)
+        self.plans.clear()
+
+    def plan(self, rank: tuple[int, ...], width: int, kernel: str) -> Plan:
+        """A layer's plan for this step (``blocks.lora_kernels.plan_update``), shared by layers of equal ranks and
+        width: worked out once per step, not once per layer.
+
+        Args:
+            rank: the layer's slot ranks.
+            width: its ``in + out`` features.
+            kernel: ``"auto"``, ``"grouped"`` or ``"padded"``.
+
+        Returns:
+            The plan.
+
+        Raises:
+            ValueError: an unknown ``kernel``.
+        """
+        key = (rank, width, kernel)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = plan_update(rank, self.bounds, self.count, width, kernel)
+        return plan
 
 
 class LoRASlots:
@@ -111,6 +155,7 @@ class LoRASlots:
         self.b_t = torch.zeros(n_slots, max_rank, out_features, device=device, dtype=dtype)
         self.a, self.b = self.a_t.transpose(1, 2), self.b_t.transpose(1, 2)
         self.ranks = torch.zeros(n_slots, dtype=torch.long)
+        self.rank_list = (0,) * n_slots  # the same, as Python numbers (eager steps' plans)
         self.views: list[tuple[Tensor, Tensor] | None] = [None] * n_slots  # each slot's weights at its rank
         self.routing = routing
         self.kernel = "auto"
@@ -132,6 +177,7 @@ class LoRASlots:
         self.a_t[slot].zero_()
         self.b_t[slot].zero_()
         self.ranks[slot] = 0
+        self.rank_list = tuple(self.ranks.tolist())
         self.views[slot] = None
         if a is None or b is None:
             return
@@ -144,22 +190,26 @@ class LoRASlots:
         self.a_t[slot, :, :r] = a.T.to(self.a_t)
         self.b_t[slot, :r] = b.T.to(self.b_t)
         self.ranks[slot] = r
+        self.rank_list = tuple(self.ranks.tolist())
         self.views[slot] = (self.a_t[slot, :, :r], self.b_t[slot, :r])
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
         if self.kernel not in KERNELS:
             raise ValueError(f"LoRASlots.kernel must be one of {KERNELS}, got {self.kernel!r}")
-        x = args[0]
+        x, r = args[0], self.routing
         flat_x, flat_y = x.reshape(-1, x.shape[-1]), output.reshape(-1, output.shape[-1])
-        r = self.routing
-        inputs = (flat_x, self.a_t, self.b_t, self.ranks, r.order, r.offsets, r.cells, r.padded, r.longest,
-                  self.kernel)
         if torch.compiler.is_compiling():
-            y = slot_lora(flat_y, *inputs)
+            y = slot_lora(flat_y, flat_x, self.a_t, self.b_t, self.ranks, r.order, r.offsets, r.cells, r.padded,
+                          r.longest, self.kernel)
         elif torch.is_grad_enabled() and output.requires_grad:
-            y = add_slot_lora_(flat_y.clone(), *inputs)
-        else:  # eager inference: into the layer's fresh output, no custom-op dispatch, no new big tensors
-            y = add_slot_lora_(flat_y, *inputs, workspace=r.workspace, views=self.views)
+            y = add_slot_lora_(flat_y.clone(), flat_x, self.a_t, self.b_t, self.ranks, r.order, r.offsets, r.cells,
+                               r.padded, r.longest, self.kernel)
+        else:  # eager inference: the step's plan, into the layer's fresh output, no custom-op dispatch
+            plan = r.plan(self.rank_list, self.in_features + self.out_features, self.kernel)
+            if plan[0] == "none":
+                return output
+            y = add_planned_lora_(flat_y, flat_x, self.a_t, self.b_t, plan, r.bounds[-1], r.count, r.order,
+                                  r.cells, r.padded, r.workspace, self.views)
         return y.reshape(output.shape)
 
 

@@ -43,6 +43,9 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     p.add_argument("--batch-size", type=int, default=4, help="examples per micro-batch (pairs for dpo/simpo)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 2e-4 with --lora, else 1e-5)")
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                   help="the learning rate: constant after the warmup, or a cosine decay to a tenth at --steps")
+    p.add_argument("--warmup", type=int, default=0, help="steps of linear warmup from 0 to --lr")
     p.add_argument("--max-length", type=int, default=None, help="tokens per row (default: the model's context)")
     p.add_argument("--no-pack", action="store_true", help="sft: one conversation per row instead of packing")
     p.add_argument("--lora", action="store_true", help="train a LoRA adapter instead of every weight")
@@ -75,7 +78,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
 
     import models
-    from training import Trainer, TrainerConfig
+    from training import Trainer, TrainerConfig, WarmupCosineLR
     from training.chat_sft import ChatSFTCollator, ChatSFTDataset
     from training.jsonl import read_preferences
     from training.preference import PreferenceCollator, PreferenceLoss
@@ -83,6 +86,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     for name in ("steps", "batch_size", "grad_accum", "checkpoint_every", "lora_r"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be an integer >= 0, got {args.warmup}")
     torch.manual_seed(args.seed)
     model = models.from_pretrained(args.model)
     tokenizer = getattr(model, "tokenizer", None)
@@ -106,7 +111,13 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     config = TrainerConfig(max_steps=args.steps, batch_size=min(args.batch_size, len(data)),
                            grad_accum_steps=args.grad_accum, checkpoint_dir=str(Path(args.out) / "checkpoints"),
                            checkpoint_every=args.checkpoint_every, progress=not args.no_progress, seed=args.seed)
-    trainer = Trainer(model, functools.partial(torch.optim.AdamW, lr=lr), config, data, collate, loss_fn=loss_fn)
+    scheduler = None
+    if args.schedule == "cosine":
+        scheduler = functools.partial(WarmupCosineLR, warmup=args.warmup, total=args.steps)
+    elif args.warmup:
+        scheduler = functools.partial(WarmupCosineLR, warmup=args.warmup, total=args.steps, min_ratio=1.0)
+    trainer = Trainer(model, functools.partial(torch.optim.AdamW, lr=lr), config, data, collate, loss_fn=loss_fn,
+                      scheduler=scheduler)
     return model, trainer
 
 

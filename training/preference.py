@@ -9,7 +9,8 @@ for DPO, averaged for SimPO) and returns the *sum* of per-pair losses with ``cou
 Trainer's step is the mean over the step's pairs whatever the accumulation or the number of processes.
 
 DPO's reference is the model with its adapters switched off when it trains LoRA adapters (no second copy), and
-otherwise a frozen copy of the model as it was when the loss was built.
+otherwise a frozen copy of the model as it was when the loss was built — sharded like the trained model at the first
+batch when that model is sharded (FSDP2, tensor parallelism: ``training.preference_sharding``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tokenization.chat_spans import common_prefix_length
 
 from .collators import pad_rows
 from .distributed import unwrap_model
+from .preference_sharding import shard_reference_like
 
 METHODS = ("dpo", "simpo")
 
@@ -175,7 +177,7 @@ class PreferenceLoss:
         beta: β.
         gamma: SimPO's target margin γ (TRL's ``simpo_gamma``).
         label_smoothing: ε in [0, 0.5).
-        reference: for DPO, the reference model to use instead.
+        reference: for DPO, the reference model to use instead (moved to the batches' device, never sharded).
 
     Raises:
         ValueError: an unknown method or a bad β, γ or ε.
@@ -194,6 +196,11 @@ class PreferenceLoss:
         self.method, self.beta, self.gamma, self.label_smoothing = method, float(beta), float(gamma), label_smoothing
         self.reference: nn.Module | None = None
         self.uses_adapters = False
+        #: Whether the reference is a copy made here, sharded like the trained model at the first batch.
+        self.owns_reference = False
+        #: Whether that copy was sharded (the trained model was).
+        self.reference_sharded = False
+        self._reference_ready = False
         if method == "dpo":
             inner = unwrap_model(model)
             self.uses_adapters = reference is None and getattr(inner, "active_adapter", None) is not None
@@ -201,6 +208,7 @@ class PreferenceLoss:
                 self.reference = reference
             elif not self.uses_adapters:
                 self.reference = copy.deepcopy(inner).eval().requires_grad_(False)
+                self.owns_reference = True
         #: The last batch's ``{"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
         #: "logps/chosen", "logps/rejected"}`` (means over its pairs).
         self.metrics: dict[str, float] = {}
@@ -238,7 +246,14 @@ class PreferenceLoss:
             device = batch["input_ids"].device
             if next(self.reference.parameters()).device != device:
                 self.reference.to(device)
-            return sequence_logps(self.reference, batch)
+            if not self._reference_ready:  # the trained model is sharded by now (the Trainer did it)
+                self.reference_sharded = self.owns_reference and shard_reference_like(self.reference, model)
+                self._reference_ready = True
+            logps = sequence_logps(self.reference, batch)
+            reshard = getattr(self.reference, "reshard", None) if self.reference_sharded else None
+            if reshard is not None:  # FSDP2: its root keeps the gathered weights after a pass, awaiting a backward
+                reshard()
+            return logps
 
     def pair_losses(self, model: nn.Module, batch: Mapping[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """Per-pair losses and rewards (the batch's mean rewards and log-probabilities go to ``metrics``).

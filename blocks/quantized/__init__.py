@@ -9,6 +9,7 @@ from . import ggml_formats, int4, int8  # noqa: F401  (registers the schemes)
 from .base import CHUNK_ELEMENTS, PackedWeight, QuantizedEmbedding, QuantizedLinear
 from .int4 import Int4Linear
 from .int8 import Int8Linear
+from .joint import joint_linear
 from .surgery import (
     check_unquantized,
     dequantize_linears,
@@ -24,7 +25,7 @@ from .surgery import (
 
 __all__ = [
     "CHUNK_ELEMENTS", "Int4Linear", "Int8Linear", "PackedWeight", "QuantizedEmbedding", "QuantizedLinear",
-    "check_unquantized", "dequantize_linears", "packable_schemes", "quantization_mismatch", "quantization_options",
-    "quantize_linears",
+    "check_unquantized", "dequantize_linears", "joint_linear", "packable_schemes", "quantization_mismatch",
+    "quantization_options", "quantize_linears",
     "quantized_modules", "quantized_skeleton", "scheme_of", "state_names_of",
 ]

@@ -41,6 +41,7 @@ from blocks.small_matmul import SmallRowsLinear
 from ..core import stack
 from . import steps  # steps.CACHE_CHUNK is read at call time (tests patch it)
 from .constraints import RowConstraints
+from .guard_trim import trim_module_guards
 from .requests import LMRequest
 from .sampling import seen_tokens
 from .steps import Step, token_loop
@@ -158,8 +159,8 @@ class CompiledStep:
     """A decoding step compiled for one model: call it as the function it wraps.
 
     ``skip_guards=True`` runs the graph the last guarded call chose without checking dynamo's guards (~1,400 of
-    them, ~0.5 ms per token on 2 CPU cores): only for later steps of one decoding loop, on the same model, buffers
-    and shapes, with nothing else run in between.
+    them, ~0.5 ms per token on 2 CPU cores) but the diff guards on the step's other inputs (``guard_trim``): only
+    for later steps of one decoding loop, on the same model, buffers and shapes, with nothing else run in between.
 
     Args:
         fn: the step function to compile.
@@ -181,6 +182,7 @@ class CompiledStep:
         own = own_code(traced)
         mode = "reduce-overhead" if device.type == "cuda" and BACKEND == "inductor" else None
         self.compiled = torch.compile(own, dynamic=False, backend=BACKEND, mode=mode)
+        self.code = own.__code__
         # Off CUDA, the graph's debug size asserts go too (~150 per step for a model whose weights are inputs).
         self.options = FROZEN_OPTIONS if frozen else {} if device.type == "cuda" else {"size_asserts": False}
         # Weights that are graph inputs let every layer of a structure share one compiled region.
@@ -192,7 +194,10 @@ class CompiledStep:
                 return self.compiled(*args)
         # Inductor reads its settings when it compiles, which only a guarded call can do.
         with torch._inductor.config.patch(self.options), stack.repeated_layer_regions(self.regional, self.mode):
-            return self.compiled(*args)
+            out = self.compiled(*args)
+        # The model is the one this call checked until the next guarded call: later skipping steps need not.
+        trim_module_guards(self.code, [i for i, arg in enumerate(args) if isinstance(arg, nn.Module)])
+        return out
 
 
 def compile_step(fn: Callable[..., Any], model: nn.Module, device: torch.device, rows: int | None = None

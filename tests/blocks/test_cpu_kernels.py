@@ -66,3 +66,58 @@ def test_a_wide_head_and_many_rows() -> None:
     x = torch.from_numpy(np.random.default_rng(0).standard_normal((21, 96)).astype(np.float32))
     y = cpu_kernels.ggml_mm(x, "q8_0", [layer.d, layer.qs])
     assert close(y, x, layer.unpack())
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0", "q5_0"])
+@pytest.mark.parametrize("blocks_per_row", [15, 16, 17, 255, 256, 257, 273, 513])
+def test_one_row_across_scale_chunks(scheme: str, blocks_per_row: int) -> None:
+    # One input row takes the single-row path, which converts the scales in chunks of 256 blocks (16 at a time):
+    # rows whose block count is not a multiple of either must still use each block's own scale.
+    gen = torch.Generator().manual_seed(blocks_per_row)
+    weight = torch.randn(5, 32 * blocks_per_row, generator=gen) * torch.rand(5, blocks_per_row, 1, generator=gen) \
+        .expand(5, blocks_per_row, 32).reshape(5, -1)
+    layer = blocks.get("quantization", scheme).from_float(weight)
+    x = torch.randn(1, 32 * blocks_per_row, generator=gen)
+    y = cpu_kernels.ggml_mm(x, scheme, [getattr(layer, name) for name in cpu_kernels.FORMATS[scheme]])
+    assert close(y, x, layer.unpack())
+
+
+@settings(max_examples=8)
+@given(schemes=st.lists(st.sampled_from(sorted(cpu_kernels.FORMATS)), min_size=2, max_size=3),
+       outs=st.lists(st.integers(1, 70), min_size=3, max_size=3), blocks_per_row=st.integers(1, 4),
+       rows=st.sampled_from([1, 2, 9]), bias=st.booleans(), seed=st.integers(0, 99))
+def test_joint_linear_equals_each_layer_alone(schemes: list[str], outs: list[int], blocks_per_row: int, rows: int,
+                                              bias: bool, seed: int) -> None:
+    # Layers of different formats and widths sharing one input (q/k/v, gate/up): one kernel call, each output the
+    # same values as the layer's own call, written to its own columns.
+    gen = torch.Generator().manual_seed(seed)
+    width = 32 * blocks_per_row
+    layers = []
+    for scheme, out in zip(schemes, outs, strict=False):
+        layer = blocks.get("quantization", scheme).from_float(
+            torch.randn(out, width, generator=gen) * 0.05, bias=torch.randn(out, generator=gen) if bias else None)
+        layers.append(layer)
+    x = torch.randn(rows, 1, width, generator=gen)
+    with torch.no_grad():
+        joint = blocks.quantized.joint_linear(x, layers)
+        assert joint is not None and len(joint) == len(layers)
+        for layer, y in zip(layers, joint, strict=True):
+            assert y.shape == (rows, 1, layer.out_features)
+            assert torch.equal(y, layer(x))
+            assert close(y.reshape(rows, -1) - (layer.bias if bias else 0), x.reshape(rows, width), layer.unpack())
+
+
+def test_joint_linear_declines_what_it_cannot_multiply() -> None:
+    q8 = blocks.get("quantization", "q8_0").from_float(torch.randn(8, 64))
+    int8 = blocks.get("quantization", "int8").from_float(torch.randn(8, 64))
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert blocks.quantized.joint_linear(x, [q8]) is None  # one layer: nothing to join
+        assert blocks.quantized.joint_linear(x, [q8, torch.nn.Linear(64, 8)]) is None  # not a block layer
+        assert blocks.quantized.joint_linear(x, [q8, int8]) is None  # not a format of the kernel
+        assert blocks.quantized.joint_linear(torch.randn(40, 64), [q8, q8]) is None  # more rows than KERNEL_ROWS
+        handle = q8.register_forward_hook(lambda *args: None)
+        assert blocks.quantized.joint_linear(x, [q8, q8]) is None  # a hook must see its call
+        handle.remove()
+        assert blocks.quantized.joint_linear(x, [q8, q8]) is not None
+    assert blocks.quantized.joint_linear(x.requires_grad_(), [q8, q8]) is None  # no backward through the kernel

@@ -63,3 +63,36 @@ def test_bad_routing_and_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="n_slots must be a positive integer"):
         attach_slots(nn.Linear(2, 2), 0, 2, 4)
 
+
+
+def test_the_step_is_planned_once_for_layers_alike_and_a_full_block_needs_no_reordering(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two layers of equal ranks and widths share one plan per step (``plan_update`` runs once per step, not per
+    layer); a step where every slot has the same token count (decoding) still matches the brute force."""
+    from blocks import lora_kernels
+
+    g = torch.Generator().manual_seed(0)
+    routing = LoRARouting(2, capacity=8, device=torch.device("cpu"))
+    banks = [LoRASlots(3, 4, 2, max_rank=3, routing=routing, device=torch.device("cpu"), dtype=torch.float64)
+             for _ in range(2)]
+    loras = [[(torch.randn(r, 3, generator=g, dtype=torch.float64), torch.randn(4, r, generator=g,
+                                                                               dtype=torch.float64)) for r in (3, 1)]
+             for _ in banks]
+    for bank, pair in zip(banks, loras, strict=True):
+        for slot, (a, b) in enumerate(pair):
+            bank.load(slot, a, b)
+        bank.kernel = "padded"
+    calls = []
+    plan = lora_kernels.plan_update
+    monkeypatch.setattr("blocks.multi_lora.plan_update", lambda *a: calls.append(a) or plan(*a))
+    slots = [1, 0, 0, 1, -1, 1, 0]  # three tokens per slot: the batched block has no padding
+    x = torch.randn(len(slots), 3, generator=g, dtype=torch.float64)
+    for step in range(2):
+        routing.route(slots)
+        for bank, pair in zip(banks, loras, strict=True):
+            y = torch.zeros(len(slots), 4, dtype=torch.float64)
+            expected = torch.stack([torch.zeros(4, dtype=torch.float64) if s < 0 else pair[s][1] @ (pair[s][0] @ x[t])
+                                    for t, s in enumerate(slots)])
+            with torch.no_grad():
+                torch.testing.assert_close(bank(nn.Identity(), (x,), y), expected)
+        assert len(calls) == step + 1

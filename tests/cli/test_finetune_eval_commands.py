@@ -68,6 +68,32 @@ def test_sft_trains_an_adapter_and_a_rerun_resumes_exactly(tiny_llama_dir, files
         torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=1e-6, msg=name)
 
 
+def test_finetune_schedules_the_learning_rate(tiny_llama_dir, files, tmp_path) -> None:
+    from cli.finetune import build
+    from cli.main import parser
+    from training.schedules import warmup_cosine_rate
+
+    def rates(*options):
+        args = parser()[0].parse_args(["finetune", str(tiny_llama_dir), "--data", str(files / "chat.jsonl"), "--out",
+                                       str(tmp_path), "--steps", "10", "--lr", "0.5", *options])
+        _, trainer = build(args)
+        out = []
+        for _ in range(10):
+            out.append(trainer.optimizer.param_groups[0]["lr"])
+            trainer.optimizer.step()
+            if trainer.scheduler is not None:
+                trainer.scheduler.step()
+        return out
+
+    assert rates() == [0.5] * 10
+    assert rates("--warmup", "4") == pytest.approx([0.125, 0.25, 0.375] + [0.5] * 7)
+    assert rates("--schedule", "cosine", "--warmup", "2") == pytest.approx(
+        [0.5 * warmup_cosine_rate(step, 2, 10) for step in range(1, 11)])
+    with pytest.raises(SystemExit, match="--warmup must be an integer >= 0"):
+        main(["finetune", str(tiny_llama_dir), "--data", str(files / "chat.jsonl"), "--out", str(tmp_path),
+              "--warmup", "-1"])
+
+
 def test_dpo_runs_from_the_sft_adapter_merged(tiny_llama_dir, files, sft_run, tmp_path) -> None:
     merged = tmp_path / "merged"
     main(["merge", str(tiny_llama_dir), str(sft_run[0] / "adapter"), "--out", str(merged)])

@@ -263,3 +263,51 @@ def test_one_row_steps_are_not_frozen_and_share_regions() -> None:
     assert one.regional and not one.options.get("freezing")
     assert not several.regional and several.options["freezing"]
     assert compiled.compile_step(compiled.next_token_logits, model, cpu, 1) is one
+
+
+def test_skipping_steps_check_their_inputs_only_and_follow_the_guarded_call(graph_backend: None) -> None:
+    # Steps after a loop's first (guarded) call check only the diff guards on their own inputs, not the model's
+    # buffers; when the model's structure changes between loops (a module swapped here), each loop's guarded call
+    # picks the matching graph and its skipping steps keep it: every loop equals eager decoding of the model as it
+    # is then.
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = spread(decoder(positional="rotary"))
+    prompt = torch.randint(4, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(1, 5, dtype=torch.bool)
+
+    def both() -> torch.Tensor:
+        # Sampled steps (so that they differ), each step's logits against a full forward of the model as it is.
+        request = lm_request(model, prompt, mask, 10, True, 1.0, None, None, None, None, None,
+                             torch.Generator().manual_seed(0), None, True)
+        with torch.inference_mode():
+            got = [(s.tokens.clone(), s.logits.clone()) for s in compiled.compiled_steps(model, request)]
+        ids = prompt
+        with torch.no_grad():
+            for tokens, logits in got:
+                torch.testing.assert_close(logits, model(ids).logits[:, -1], atol=1e-4, rtol=1e-4)
+                ids = torch.cat([ids, tokens[:, None]], dim=1)
+        return torch.stack([logits for _, logits in got])
+
+    plain = both()
+    (step,) = [run for _, run in compiled._COMPILED[model].values()]
+    (entry,) = _debug_get_cache_entry_list(step.code)
+    sources = list(entry.guard_manager.diff_guard_sources)
+    assert sources and not any(s.startswith("L['args'][0]") for s in sources)  # nothing under the model
+    assert any(s.startswith("L['args'][3]") for s in sources)  # the caches are still checked
+    class Tripled(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) * 3.0
+
+    ffn = model.layers[0].ffn
+    model.layers[0].ffn = Tripled(ffn)
+    tripled = both()
+    assert len(_debug_get_cache_entry_list(step.code)) == 2 and not torch.allclose(tripled, plain, atol=0.1)
+    model.layers[0].ffn = ffn
+    assert torch.allclose(both(), plain)
+    model.layers[0].ffn = Tripled(ffn)
+    assert torch.allclose(both(), tripled) and len(_debug_get_cache_entry_list(step.code)) == 2

@@ -2,9 +2,9 @@
 
 ``two`` (2 processes): FSDP2 training with a sharded checkpoint at step 2 and a consolidated export at the
 end; tensor-parallel forward and backward against the unsharded model (GQA + rotary + SwiGLU, and ALiBi);
-a checkpoint written by one process resumed on a 1 x 2 FSDP + TP mesh; DPO under FSDP2 (given a checkpoint).
-``four`` (4 processes): 2 x 2 FSDP + TP training. ``build`` and ``build_dpo`` are shared with the single-process
-references in the test.
+a checkpoint written by one process resumed on a 1 x 2 FSDP + TP mesh; DPO (its reference copy sharded too) and
+SimPO under FSDP2, DPO on the 1 x 2 FSDP + TP mesh (given a checkpoint). ``four`` (4 processes): 2 x 2 FSDP + TP
+training. ``build`` and ``build_dpo`` are shared with the single-process references in the test.
 """
 
 from __future__ import annotations
@@ -55,18 +55,20 @@ PAIRS = [
 ] * 2
 
 
-def build_dpo(checkpoint: Path, parallel: str = "ddp", processes: int = 1) -> Trainer:
-    """Full fine-tuning with DPO (the reference: a frozen copy made before sharding) on the tiny Llama at
-    ``checkpoint``, global batches of 4 pairs."""
+def build_dpo(checkpoint: Path, parallel: str = "ddp", processes: int = 1, method: str = "dpo",
+              tp_size: int | None = None) -> Trainer:
+    """Full fine-tuning with DPO (the reference: a frozen copy made before sharding, sharded at the first batch) or
+    SimPO (``method="simpo"``, no reference) on the tiny Llama at ``checkpoint``, global batches of 4 pairs."""
     import models
     from training.preference import PreferenceCollator, PreferenceLoss
 
     torch.manual_seed(0)
     model = models.from_pretrained(checkpoint)
-    config = TrainerConfig(max_steps=2, batch_size=GLOBAL_BATCH // processes, max_grad_norm=1.0, progress=False,
-                           device="cpu", shuffle=False, parallel=parallel)
+    dp = processes // (tp_size or 1)
+    config = TrainerConfig(max_steps=2, batch_size=GLOBAL_BATCH // dp, max_grad_norm=1.0, progress=False,
+                           device="cpu", shuffle=False, parallel=parallel, tp_size=tp_size)
     return Trainer(model, functools.partial(torch.optim.AdamW, lr=1e-2), config, PAIRS,
-                   PreferenceCollator(model.tokenizer), loss_fn=PreferenceLoss(model, "dpo", beta=0.5))
+                   PreferenceCollator(model.tokenizer), loss_fn=PreferenceLoss(model, method, beta=0.5, gamma=0.3))
 
 
 def tensor_parallel_matches(model_class: type, **config) -> None:
@@ -119,14 +121,29 @@ def main(scenario: str, out: Path, dpo_checkpoint: str | None = None) -> None:
         resumed.train()
         results["resumed_losses"] = [r["loss"] for r in resumed.history]
 
-        if dpo_checkpoint:  # DPO through the Trainer under FSDP2 (the same processes: no second launch)
-            dpo = build_dpo(Path(dpo_checkpoint), "fsdp", processes=2)
-            dpo.train()
-            results["dpo_losses"] = [r["loss"] for r in dpo.history]
-            final = consolidated_state_dict(dpo.model)
-            if context.is_main:
-                safetensors.torch.save_file({k: v.contiguous() for k, v in final.items()},
-                                            str(out / "dpo_final.safetensors"))
+        if dpo_checkpoint:  # DPO and SimPO through the Trainer under FSDP2 (the same processes: no second launch)
+            from torch.distributed.tensor import DTensor
+
+            for method in ("dpo", "simpo"):
+                tuned = build_dpo(Path(dpo_checkpoint), "fsdp", processes=2, method=method)
+                tuned.train()
+                results[f"{method}_losses"] = [r["loss"] for r in tuned.history]
+                final = consolidated_state_dict(tuned.model)
+                if context.is_main:
+                    safetensors.torch.save_file({k: v.contiguous() for k, v in final.items()},
+                                                str(out / f"{method}_final.safetensors"))
+                reference = tuned.loss_fn.reference
+                if reference is not None:  # DPO's frozen copy: this process holds its shard of each weight only
+                    results["reference_sharded"] = tuned.loss_fn.reference_sharded
+                    results["reference"] = {
+                        name: [type(p).__name__, list(p.to_local().shape if isinstance(p, DTensor) else p.shape),
+                               list(p.shape)] for name, p in reference.named_parameters()}
+            # On a 1 x 2 FSDP + TP mesh the reference copy is split by tensor parallelism like the model.
+            tuned = build_dpo(Path(dpo_checkpoint), "fsdp+tp", processes=2, tp_size=2)
+            tuned.train()
+            results["dpo_tp_losses"] = [r["loss"] for r in tuned.history]
+            results["tp_reference"] = {name: list(p.to_local().shape) for name, p in
+                                       tuned.loss_fn.reference.named_parameters() if name.endswith("q_proj.weight")}
     elif scenario == "moe":
         trainer = build(out / "moe", "fsdp", processes=2, moe=True)
         trainer.train()

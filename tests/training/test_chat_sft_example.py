@@ -1,5 +1,6 @@
-"""examples/chat_sft.py: the instruction set it builds is valid SFT / preference data held out by module, and (slow)
-the whole run — SFT, DPO and the lm-eval scores — completes at a toy budget."""
+"""examples/chat_sft.py: the instruction set it builds is valid SFT / preference data held out by module, lm-eval's
+requests are encoded as the training rows are, and (slow) the whole run — SFT, DPO and the lm-eval scores —
+completes at a toy budget."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import models
 from training.jsonl import read_conversations, read_preferences
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -38,6 +40,23 @@ def test_the_instruction_set_is_valid_and_held_out_by_module(example, tmp_path) 
     assert all(p["chosen"] != p["rejected"] for p in pairs)
     docs = [json.loads(line) for line in (tmp_path / "stdlib_held_out.jsonl").read_text().splitlines()]
     assert all("fnmatch." in d["prompt"] and len(d["choices"]) == 4 for d in docs)
+
+
+def test_lm_eval_requests_start_like_the_training_rows(example, tmp_path) -> None:
+    # lm-eval encodes a request's context with the tokenizer's special tokens and scores the answer right after
+    # it: both must agree with the chat template's rendering of the training conversation, or the scores measure
+    # a format the model never saw (a stray BOS, a space before the answer).
+    facts = example.functions(["base64"])
+    args = example.parse_args(["--out", str(tmp_path), "--vocab-size", "400", "--d-model", "16", "--layers", "1"])
+    tok = models.from_pretrained(example.base_model(tmp_path, facts, args)).tokenizer
+    fact = facts[0]
+    chat = [{"role": "user", "content": example.question(fact)}, {"role": "assistant", "content": fact["summary"]}]
+    context = example.CHATML_PROMPT.format(question=example.question(fact))
+    assert tok.apply_chat_template(chat[:1], add_generation_prompt=True) == tok.encode(context)
+    whole = tok.apply_chat_template(chat)
+    assert whole[: len(tok.encode(context + fact["summary"]))] == tok.encode(context + fact["summary"])
+    example.write_data(tmp_path, facts, facts, random.Random(0))
+    assert json.loads((tmp_path / "stdlib_seen.yaml").read_text())["target_delimiter"] == ""
 
 
 @pytest.mark.slow

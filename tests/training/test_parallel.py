@@ -47,20 +47,34 @@ def test_fsdp_tp_and_checkpoints_across_one_and_two_processes(tmp_path, tiny_lla
     expected = [r["loss"] for r in single.train()]
     final = _weights(single.model)
 
-    dpo = build_dpo(tiny_llama_dir)
-    dpo_expected = [r["loss"] for r in dpo.train()]
-    dpo_final = {k: v.detach().clone() for k, v in dpo.model.state_dict().items()}
+    tuned = {}
+    for method in ("dpo", "simpo"):
+        trainer = build_dpo(tiny_llama_dir, method=method)
+        tuned[method] = ([r["loss"] for r in trainer.train()],
+                         {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
 
     got = _torchrun(2, "two", tmp_path, str(tiny_llama_dir))
 
-    # DPO through the Trainer under 2-process FSDP2 (the reference a frozen copy in each process) trains like one
-    # process on the same global batches of pairs.
-    assert got["dpo_losses"] == pytest.approx(dpo_expected, abs=1e-5)
-    sharded = safetensors.torch.load_file(str(tmp_path / "dpo_final.safetensors"))
-    assert sharded.keys() == dpo_final.keys()
-    for name, value in sharded.items():
-        torch.testing.assert_close(value, dpo_final[name], rtol=0, atol=1e-5, msg=name)
-    assert not torch.equal(sharded["embed_tokens.weight"], build_dpo(tiny_llama_dir).model.embed_tokens.weight)
+    # DPO (its frozen reference copy sharded like the model) and SimPO through the Trainer under 2-process FSDP2
+    # train like one process on the same global batches of pairs.
+    start = build_dpo(tiny_llama_dir).model.embed_tokens.weight
+    for method, (expected_losses, expected_final) in tuned.items():
+        assert got[f"{method}_losses"] == pytest.approx(expected_losses, abs=1e-5), method
+        sharded = safetensors.torch.load_file(str(tmp_path / f"{method}_final.safetensors"))
+        assert sharded.keys() == expected_final.keys()
+        for name, value in sharded.items():
+            torch.testing.assert_close(value, expected_final[name], rtol=0, atol=1e-5, msg=f"{method} {name}")
+        assert not torch.equal(sharded["embed_tokens.weight"], start), method
+    # The first process holds only its half of every reference weight (FSDP2 splits dim 0 as torch.chunk does:
+    # ceil(n / 2) rows), and after the reference's forward passes nothing stays gathered (a gathered weight would
+    # be a plain tensor of the full shape).
+    assert got["reference_sharded"] is True
+    assert got["reference"].keys() == {n for n, _ in build_dpo(tiny_llama_dir).model.named_parameters()}
+    for name, (kind, local, full) in got["reference"].items():
+        assert kind == "DTensor" and local == [(full[0] + 1) // 2, *full[1:]], (name, kind, local, full)
+    # FSDP + TP (1 x 2): the reference's attention is split over the two processes too, and DPO trains the same.
+    assert got["dpo_tp_losses"] == pytest.approx(tuned["dpo"][0], abs=1e-5)
+    assert got["tp_reference"] and all(shape == [16, 32] for shape in got["tp_reference"].values()), got["tp_reference"]
 
     # 2-process FSDP2 trains like one process: the same losses, weights within 1e-5 after 4 AdamW steps.
     assert got["fsdp_losses"] == pytest.approx(expected, rel=1e-5)

@@ -165,6 +165,20 @@ def test_dpo_with_lora_takes_the_base_as_reference(tiny_llama_dir, batch) -> Non
     assert all((p.grad is not None) == (".adapters." in n) for n, p in model.named_parameters())
 
 
+def test_the_reference_copy_stays_whole_in_one_process_and_must_be_frozen(tiny_llama_dir, batch) -> None:
+    # Sharding itself is tested under FSDP2 in tests/training/test_parallel.py (two processes equal one).
+    from training.preference_sharding import shard_reference_like
+
+    collator, split = batch
+    model = models.from_pretrained(tiny_llama_dir)
+    loss_fn = PreferenceLoss(model, "dpo", beta=0.5)
+    assert loss_fn.owns_reference and loss_fn(model, collator(split)).isfinite()
+    assert not loss_fn.reference_sharded  # one process: nothing to shard
+    assert all(type(p) is torch.nn.Parameter for p in loss_fn.reference.parameters())
+    with pytest.raises(ValueError, match="must be frozen"):
+        shard_reference_like(models.from_pretrained(tiny_llama_dir), model)
+
+
 def run(folder, tmp_path, *, batch_size, accum, steps=4, resume=None):
     model = lora_model(folder)
     tok = model.tokenizer
