@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serving.memory import process_memory, release_freed_memory
+from serving.memory import process_memory, release_freed_memory, stop_compile_workers
 
 COMPILE = {"eager": False, "attention": "attention", "single": "single", "full": True}
 
@@ -80,6 +80,7 @@ def engine_side(folder: str, compile_mode: Any, concurrency: int, prompt_len: in
         engine.generate(batch, max_tokens=gen_len)
         _phase(rows, f"{name} ({time.perf_counter() - start:.0f} s)", pools=engine.runner.nbytes)
     release_freed_memory()
+    stop_compile_workers()
     _phase(rows, "idle: freed heap handed back", pools=engine.runner.nbytes)
     return rows
 

@@ -3,6 +3,7 @@
     python -m benchmarks.serve_peer                          # SmolLM2-135M's shape, 1 thread, eager and compiled
     python -m benchmarks.serve_peer --shapes smollm2 qwen3 --threads 1 2
     python -m benchmarks.serve_peer --llama-server /path/to/llama-server   # + the peer on the same weights (F32 GGUF)
+    LLAMA_SERVER=/path/to/llama-server python -m benchmarks.serve_peer     # the same (or llama-server on PATH)
     python -m benchmarks.serve_peer --quick                  # a tiny model, few tokens: checks that the script runs
 
 Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread count, one run:
@@ -12,7 +13,9 @@ Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread c
   engine in its own process (``zoo serve``'s default), driven by the ``openai`` client with token-id prompts and
   greedy decoding: requests one at a time, then ``--concurrency`` in flight at once. MODE is the engine's
   ``compile`` (eager, attention, compile);
-- **llama-server** (``--llama-server PATH``): ``-np`` ``--concurrency`` on the model written as an F32 GGUF file.
+- **llama-server** (``find_llama_server``: ``--llama-server PATH``, else ``$LLAMA_SERVER``, else ``llama-server`` on
+  ``PATH``; ``--no-peer`` skips it): ``-np`` ``--concurrency`` on the model written as an F32 GGUF file (a filler
+  tokenizer of the model's vocabulary), its end-of-text token ignored (``ignore_eos``) as the zoo's model has none.
 
 Reported: single-request tokens/s and its ratio to ``generate(compile=True)`` (goal >= 0.95), concurrent tokens/s
 and its ratio to llama-server's (goal >= 1.0) or, without the peer, to the server's own single-request tokens/s
@@ -31,6 +34,7 @@ import contextlib
 import multiprocessing
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -102,6 +106,28 @@ def _serve(folder: str, port: int, threads: int, concurrency: int, compile_mode:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
+def find_llama_server(path: str | None = None) -> str | None:
+    """The ``llama-server`` binary to run as the peer: ``path``, else ``$LLAMA_SERVER``, else ``llama-server`` on
+    ``PATH``.
+
+    Args:
+        path: an explicit binary (``--llama-server``), or None.
+
+    Returns:
+        The binary's path, or None when none is given or found.
+
+    Raises:
+        FileNotFoundError: ``path`` (or ``$LLAMA_SERVER``) names no executable file.
+    """
+    given = path or os.environ.get("LLAMA_SERVER")
+    if not given:
+        return shutil.which("llama-server")
+    if not (os.path.isfile(given) and os.access(given, os.X_OK)):
+        raise FileNotFoundError(f"llama-server binary {given!r} is not an executable file; build it with "
+                                "`cmake --build build --target llama-server` in llama.cpp (docs/engine-performance.md)")
+    return given
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,15 +174,26 @@ def llama_server(binary: str, gguf: str, threads: int, concurrency: int, context
         process.wait(60)
 
 
-async def drive(url: str, prompts: list[list[int]], gen_len: int, concurrent: bool) -> tuple[float, list[list[int]]]:
-    """Send every prompt (all at once, or one after another); wall seconds and each request's tokens."""
+async def drive(url: str, prompts: list[list[int]], gen_len: int, concurrent: bool,
+                extra: dict[str, Any] | None = None, logprobs: int = 0) -> tuple[float, list[list[int]], int]:
+    """Send every prompt (all at once, or one after another), ``extra`` added to each request's body; wall seconds,
+    each request's token ids (from its log-probabilities: the ``tokens`` of the OpenAI completions shape, or the
+    ``content`` entries' ids llama-server returns, which it leaves out where the text ends inside a UTF-8
+    character) and the tokens generated (``usage.completion_tokens``)."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600,
                                 http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=256)))
 
+    counts = []
+
     async def one(prompt: list[int]) -> list[int]:
         out = await client.completions.create(model="peer", prompt=prompt, max_tokens=gen_len, temperature=0,
-                                              logprobs=0)
-        tokens = out.choices[0].logprobs.tokens if out.choices[0].logprobs else []
+                                              logprobs=logprobs, extra_body=extra)
+        counts.append(out.usage.completion_tokens)
+        choice = out.choices[0].logprobs
+        content = (choice.model_extra or {}).get("content") if choice is not None else None
+        if content:
+            return [int(entry["id"]) for entry in content]
+        tokens = choice.tokens if choice is not None and choice.tokens else []
         return [int(t) if str(t).lstrip("-").isdigit() else hash(t) for t in tokens]
 
     start = time.perf_counter()
@@ -166,20 +203,21 @@ async def drive(url: str, prompts: list[list[int]], gen_len: int, concurrent: bo
         outs = [await one(p) for p in prompts]
     wall = time.perf_counter() - start
     await client.close()
-    return wall, outs
+    return wall, outs, sum(counts)
 
 
-def measure_server(url: str, pid: int, prompts: list[list[int]], gen_len: int, singles: int) -> dict[str, Any]:
+def measure_server(url: str, pid: int, prompts: list[list[int]], gen_len: int, singles: int,
+                   extra: dict[str, Any] | None = None, logprobs: int = 0) -> dict[str, Any]:
     start = time.perf_counter()
-    asyncio.run(drive(url, prompts[:1], gen_len, False))  # warm-up: the single-row graph
-    asyncio.run(drive(url, prompts, gen_len, True))  # and the batched one
+    asyncio.run(drive(url, prompts[:1], gen_len, False, extra, logprobs))  # warm-up: the single-row graph
+    asyncio.run(drive(url, prompts, gen_len, True, extra, logprobs))  # and the batched one
     first_use = time.perf_counter() - start
-    wall, outs = asyncio.run(drive(url, prompts[:singles], gen_len, False))
-    single = sum(map(len, outs)) / wall
-    wall, outs = asyncio.run(drive(url, prompts, gen_len, True))
+    wall, _, generated = asyncio.run(drive(url, prompts[:singles], gen_len, False, extra, logprobs))
+    single = generated / wall
+    wall, outs, generated = asyncio.run(drive(url, prompts, gen_len, True, extra, logprobs))
     time.sleep(1)  # the engine process hands back its burst's freed heap once idle
     memory = tree_memory(pid)
-    return dict(single=single, concurrent=sum(map(len, outs)) / wall, first_use=first_use, rss=memory["rss"],
+    return dict(single=single, concurrent=generated / wall, first_use=first_use, rss=memory["rss"],
                 pss=memory["pss"], tokens=outs)
 
 
@@ -200,12 +238,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--singles", type=int, default=2, help="requests timed one at a time")
-    parser.add_argument("--llama-server", default=None, help="path of a llama-server binary (optional peer)")
+    parser.add_argument("--llama-server", default=None,
+                        help="path of a llama-server binary (default: $LLAMA_SERVER, else llama-server on PATH)")
+    parser.add_argument("--no-peer", action="store_true", help="do not run llama-server even if one is found")
     parser.add_argument("--quick", action="store_true", help="a tiny model, few tokens")
     args = parser.parse_args(argv)
     if args.quick:
         args.shapes, args.concurrency, args.prompt_len, args.gen_len, args.singles = ["tiny"], 4, 8, 8, 1
-    print(f"machine: {platform.machine()}, torch {torch.__version__}, fp32, a shared machine: one run")
+    peer = None if args.no_peer else find_llama_server(args.llama_server)
+    print(f"machine: {platform.machine()}, torch {torch.__version__}, fp32, a shared machine: one run; "
+          f"peer: {peer or 'none'}")
     report = []
     baseline = runtime_baseline()
     for shape in args.shapes:
@@ -219,7 +261,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as folder:
             model.save_pretrained(folder)
             gguf = None
-            if args.llama_server:
+            if peer:
                 model.tokenizer = filler_tokenizer(vocab)
                 gguf = str(model.save_gguf(Path(folder) / "model.gguf", "F32", model_type=FAMILY[shape]))
             for threads in args.threads:
@@ -233,9 +275,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     print(f"zoo serve ({mode}): {row['single']:.2f} tok/s alone, {row['concurrent']:.2f} tok/s with "
                           f"{args.concurrency} in flight, PSS {row['pss'] / 2**20:.0f} MiB", flush=True)
                 if gguf is not None:
-                    with llama_server(args.llama_server, gguf, threads, args.concurrency,
+                    with llama_server(peer, gguf, threads, args.concurrency,
                                       args.prompt_len + args.gen_len) as (url, pid):
-                        rows["llama-server"] = measure_server(url, pid, prompts, args.gen_len, args.singles)
+                        rows["llama-server"] = row = measure_server(url, pid, prompts, args.gen_len, args.singles,
+                                                                    {"ignore_eos": True}, logprobs=1)
+                    print(f"llama-server: {row['single']:.2f} tok/s alone, {row['concurrent']:.2f} tok/s with "
+                          f"{args.concurrency} in flight, PSS {row['pss'] / 2**20:.0f} MiB", flush=True)
                 report.append(dict(shape=shape, threads=threads, rows=rows, weights=weights, kv=kv, runtime=baseline))
                 print_table(report[-1])
     return report
@@ -264,6 +309,11 @@ def print_table(entry: dict[str, Any]) -> None:
               f"{r['pss'] / 2**20:.0f} | {r['rss'] / 2**20:.0f} | {r['pss'] / budget:.2f}x | {beyond} |")
     zoo = [r["tokens"] for name, r in rows.items() if name.startswith("zoo")]
     print(f"\nsame tokens in every zoo mode: {all(t == zoo[0] for t in zoo)}")
+    if peer and zoo:
+        pairs = [(a, b) for a, b in zip(peer["tokens"], zoo[0], strict=True) if a]  # ids llama-server reported
+        same = sum(a == b for a, b in pairs)
+        print(f"llama-server's tokens equal the zoo's in {same}/{len(pairs)} requests whose ids it reported (greedy "
+              "on the same float32 weights; near-ties may break apart where the two sum in another order)")
 
 
 if __name__ == "__main__":

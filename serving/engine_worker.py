@@ -18,7 +18,7 @@ import torch
 
 from .async_engine import abort_all, abort_deltas, call_on, engine_stats, forget_finished, lora_action
 from .engine import Engine
-from .memory import release_freed_memory
+from .memory import release_freed_memory, stop_compile_workers
 from .model_source import ModelSource
 from .requests import pack_delta
 
@@ -57,6 +57,7 @@ def _serve(conn: Any, engine: Engine) -> None:
     while True:
         if busy and not engine.has_unfinished():  # a burst ended: its freed activations go back to the system
             release_freed_memory()
+            stop_compile_workers()  # and the processes that compiled its first requests' graphs, if any
         busy = engine.has_unfinished()
         ops: list[tuple] = [] if busy else conn.recv()  # idle: wait for work
         while conn.poll():

@@ -8,6 +8,11 @@ a process alone frees when it exits. Linux reports all three in ``/proc/PID/smap
 glibc's ``malloc`` keeps freed small and medium blocks in its arenas for reuse instead of returning them: after a
 burst of requests (activations, logits, gathers) a process can hold hundreds of MiB it no longer uses.
 ``release_freed_memory`` returns them (``malloc_trim``); the engine process calls it when it goes idle.
+
+``torch.compile`` keeps, beside each compiled graph, what running it never reads again: dynamo's traced
+``GraphModule`` (its FX graph, the fake example inputs, a stack trace per node: ~30 MiB for the engine's graphs of a
+30-layer model), the serialized cache entries it recorded for ``torch.compiler.save_cache_artifacts`` and the graphs'
+debug text. ``release_compile_state`` drops them; the engine's runner calls it after each step that compiled a graph.
 """
 
 from __future__ import annotations
@@ -15,10 +20,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
+import sys
+import types
 from pathlib import Path
+from typing import Any
 
 #: The fields of ``process_memory`` (bytes).
 FIELDS = ("rss", "pss", "uss", "anonymous")
+#: What ``aot_module_simplified`` hangs on the function a compiled graph runs through "for convenience": bound
+#: methods of dynamo's traced ``GraphModule``, which keep it (and its nodes' fake values and stack traces) alive.
+TRACED_GRAPH_HANDLES = ("zero_grad", "named_parameters", "named_buffers")
+#: Debug text of an inductor graph (``CompiledFxGraph``), only logged when the graph is compiled or loaded.
+GRAPH_DEBUG_TEXT = ("runnable_graph_str", "inductor_post_grad_graph_str")
 
 
 def process_memory(pid: int | str = "self") -> dict[str, int]:
@@ -104,3 +118,68 @@ def release_freed_memory() -> bool:
     """
     libc = _libc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+def compiled_graph_count() -> int:
+    """How many graphs ``torch.compile`` has compiled in this process (dynamo's ``unique_graphs`` counter), without
+    importing ``torch._dynamo`` when nothing has.
+
+    Returns:
+        The count (0 while ``torch._dynamo`` is not imported).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _drop_traced_graph(fn: Any) -> int:
+    """Drop the traced-graph handles and debug text along a compiled function's ``__wrapped__`` chain; how many
+    handles went."""
+    dropped, seen = 0, set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        attributes = getattr(fn, "__dict__", None)
+        if isinstance(attributes, dict):
+            for name in TRACED_GRAPH_HANDLES:
+                dropped += attributes.pop(name, None) is not None
+            for name in GRAPH_DEBUG_TEXT:
+                if isinstance(attributes.get(name), str):
+                    attributes[name] = ""
+        fn = getattr(fn, "__wrapped__", None)
+    return dropped
+
+
+def stop_compile_workers() -> None:
+    """Shut down inductor's compile worker processes, if any are running (a later compile starts them again); a
+    no-op while ``torch._inductor`` is not imported."""
+    if "torch._inductor.async_compile" in sys.modules:
+        sys.modules["torch._inductor.async_compile"].shutdown_compile_workers()
+
+
+def release_compile_state() -> int:
+    """Free what ``torch.compile`` keeps after compiling that running its graphs never reads, then hand the freed
+    heap back (``release_freed_memory``): dynamo's traced ``GraphModule`` of each compiled graph (held by the graph's
+    function through ``TRACED_GRAPH_HANDLES``), the graphs' debug text, the serialized cache entries recorded for
+    ``torch.compiler.save_cache_artifacts`` (which then saves only what is compiled later). The compiled graphs,
+    their guards and the on-disk caches stay: nothing recompiles.
+
+    Returns:
+        How many traced-graph handles were dropped (0 when ``torch._dynamo`` is not imported).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    dropped = 0
+    for module in list(sys.modules.values()):
+        if not isinstance(module, types.ModuleType):
+            continue
+        for name, value in list(vars(module).items()):
+            if isinstance(name, str) and name.startswith("__compiled_fn"):  # where dynamo installs a graph's function
+                dropped += _drop_traced_graph(value)
+    cache = sys.modules.get("torch.compiler._cache")
+    if cache is not None:
+        cache.CacheArtifactManager.clear()
+    gc.collect()
+    release_freed_memory()
+    return dropped

@@ -30,6 +30,7 @@ from models.core import stack
 from models.generation import compiled
 from models.generation.steps import eval_mode
 
+from .memory import compiled_graph_count, release_compile_state
 from .single_row import SingleRowStep, mark_pools
 
 #: The values of ``compile`` (``PagedRunner``, ``serving.Engine``).
@@ -263,6 +264,8 @@ class PagedRunner:
             self.step = DynamicStep(regions=plain)
         if compile in (True, "single"):
             self.single = SingleRowStep(regions=plain)
+        # After a step that compiled a graph, what the compile kept and running never reads is freed.
+        self.graphs_seen = compiled_graph_count() if compile else None
 
     @torch.inference_mode()
     def scrub(self, blocks: Sequence[int]) -> None:
@@ -330,4 +333,7 @@ class PagedRunner:
                           batch.last)
         for cache in self.caches:
             cache.self_attn.batch = None
+        if self.graphs_seen is not None and compiled_graph_count() != self.graphs_seen:
+            release_compile_state()
+            self.graphs_seen = compiled_graph_count()
         return logits

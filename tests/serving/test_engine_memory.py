@@ -4,17 +4,28 @@ figures read from ``/proc`` add up."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 
 from models import DecoderLM
+from models.generation import compiled
 from serving import Engine
-from serving.memory import descendants, process_memory, release_freed_memory, tree_memory
+from serving.memory import (
+    compiled_graph_count,
+    descendants,
+    process_memory,
+    release_compile_state,
+    release_freed_memory,
+    tree_memory,
+)
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="/proc/PID/smaps_rollup is Linux's")
 
@@ -83,3 +94,42 @@ def test_the_pools_track_the_blocks_in_use() -> None:
     # Doubling: at most twice the most blocks ever in use, never the cache's limit (128 blocks here).
     assert engine.peak_blocks * per_block <= engine.runner.nbytes <= 2 * engine.peak_blocks * per_block
     assert engine.runner.nbytes < engine.allocator.n_blocks * per_block / 4
+
+
+def _traced_graphs() -> dict[int, weakref.ref]:
+    """Weak references to the live FX graphs that dynamo traced (their nodes carry fake example values)."""
+    return {id(o): weakref.ref(o) for o in gc.get_objects()
+            if issubclass(type(o), torch.fx.GraphModule) and any("example_value" in n.meta for n in o.graph.nodes)}
+
+
+def test_release_compile_state_frees_the_traced_graph_and_keeps_the_compiled_one() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * 3).relu().sum(-1)
+
+    before = _traced_graphs()
+    compiled_fn = torch.compile(compiled.own_code(fn), backend="inductor")
+    x = torch.randn(4, 8)
+    expected = compiled_fn(x)
+    new = {k: r for k, r in _traced_graphs().items() if k not in before}
+    assert new, "dynamo keeps the traced graph after compiling (what release_compile_state frees)"
+    graphs = compiled_graph_count()
+    assert release_compile_state() >= 1
+    gc.collect()
+    assert all(r() is None for r in new.values())
+    torch.testing.assert_close(compiled_fn(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close(compiled_fn(x), fn(x))
+    assert compiled_graph_count() == graphs  # the compiled graph still runs: nothing recompiled
+
+
+def test_a_compiled_engine_keeps_no_traced_graph_and_its_outputs() -> None:
+    model = DecoderLM.from_preset("llama-tiny", dropout=0.0).eval()
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    expected = [o.token_ids for o in Engine(model, max_num_seqs=4).generate(prompts, max_tokens=5)]
+    before = _traced_graphs()
+    engine = Engine(model, max_num_seqs=4, compile="attention")
+    assert [o.token_ids for o in engine.generate(prompts, max_tokens=5)] == expected
+    graphs = compiled_graph_count()
+    assert graphs > 0
+    assert not [k for k in _traced_graphs() if k not in before]  # freed after the step that compiled
+    assert [o.token_ids for o in engine.generate(prompts, max_tokens=5)] == expected
+    assert compiled_graph_count() == graphs
