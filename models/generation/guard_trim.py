@@ -29,7 +29,7 @@ _FAILED: list[bool] = []
 
 def trim_module_guards(code: types.CodeType, module_args: Sequence[int]) -> int:
     """Remove the guards on positional arguments ``module_args`` (and everything reached through them) from the
-    diff guards of each compiled entry of ``code`` not trimmed yet.
+    diff guards of each compiled entry of ``code`` not trimmed since dynamo last set them.
 
     Args:
         code: the code object ``torch.compile`` compiled (the compiled function's ``__code__``).
@@ -48,14 +48,15 @@ def trim_module_guards(code: types.CodeType, module_args: Sequence[int]) -> int:
 
         for entry in _debug_get_cache_entry_list(code):
             manager = entry.guard_manager
-            if getattr(manager, "zoo_trimmed", False):
+            # Dynamo gives every entry a new set of diff sources when it compiles another: trim those again.
+            if getattr(manager, "zoo_trimmed", None) is manager.diff_guard_sources:
                 continue
             kept = OrderedSet(source for source in manager.diff_guard_sources
                               if not source.startswith(prefixes) and source not in ("L['args']", "L"))
             manager.diff_guard_sources = kept
             manager.collect_diff_guard_sources()  # adds back the containers of what is kept (L['args'], L)
             manager.populate_diff_guard_manager()
-            manager.zoo_trimmed = True
+            manager.zoo_trimmed = manager.diff_guard_sources
             trimmed += 1
     except Exception as e:  # dynamo's internals changed: keep every guard
         _FAILED.append(True)
