@@ -129,7 +129,10 @@ static inline void block_codes(const Packed& p, int64_t n, int64_t g, __m512& c0
 }
 
 template <int F>
-static void one_row(const float* x, const Packed& p, float* y, int64_t n0, int64_t n1) {
+static void one_row(const float* x, const Packed& weight, float* y, int64_t n0, int64_t n1) {
+  // A local copy: stores through y and scale cannot change its fields, which stay in registers (a product of
+  // 3072 x 1024 weights from L2 took 218 us through the reference, 190 us with the copy).
+  const Packed p = weight;
   const int64_t bytes = (F == Q8_0) ? 32 : 16;
   alignas(64) float scale[SCALE_CHUNK];
   for (int64_t n = n0; n < n1; ++n) {
@@ -171,7 +174,8 @@ static void one_row(const float* x, const Packed& p, float* y, int64_t n0, int64
 
 // y[r, n] = sum_k x[r, k] * w[n, k] for the R rows of x, output rows n0 <= n < n1.
 template <int F, int R>
-static void rows(const float* x, int64_t K, const Packed& p, float* y, int64_t N, int64_t n0, int64_t n1) {
+static void rows(const float* x, int64_t K, const Packed& weight, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const Packed p = weight;  // as in one_row
   for (int64_t n = n0; n < n1; ++n) {
 #if defined(__AVX512F__)
     // Four independent accumulators per row (two blocks at a time, each block's two halves apart): one chain of

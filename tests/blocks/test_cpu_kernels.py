@@ -23,6 +23,12 @@ def close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
     return bool(((y.double() - reference).abs() <= 1e-5 * bound + 1e-30).all())
 
 
+@pytest.fixture(autouse=True, scope="module")
+def built() -> None:
+    # ggml_mm needs available() to have built the kernels; each xdist worker may start with any test of this file.
+    cpu_kernels.available()
+
+
 def test_the_kernels_are_built_here() -> None:
     # The test machine has a C++ compiler: the kernels must build (a failure is a bug, not a reason to skip).
     assert cpu_kernels.available()
