@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 import models.generation.compiled as compiled
 from models import DecoderLM, DecoderLMConfig
 from models.generation import steps
-from models.generation.requests import lm_request
+from models.generation.requests import LMRequest, lm_request
 from tests.models.test_kv_cache import build
 
 
@@ -222,6 +222,19 @@ def test_huge_max_new_tokens_compiles_over_the_first_bucket_only(graph_backend: 
 
 
 # ================================================================================= one compiled region for every layer
+def checked_steps(model: DecoderLM, request: LMRequest) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``request``'s compiled steps, asserting that each step's logits equal a full forward pass over the
+    prompt and the tokens so far. Returns the ids (prompt and tokens) and the steps' logits stacked."""
+    with torch.inference_mode():
+        got = [(s.tokens.clone(), s.logits.clone()) for s in compiled.compiled_steps(model, request)]
+    ids = request.prompt
+    with torch.no_grad():
+        for tokens, logits in got:
+            torch.testing.assert_close(logits, model(ids).logits[:, -1], atol=1e-4, rtol=1e-4)
+            ids = torch.cat([ids, tokens[:, None]], dim=1)
+    return ids, torch.stack([logits for _, logits in got])
+
+
 def test_layers_share_one_compiled_region(monkeypatch: pytest.MonkeyPatch) -> None:
     # Unfrozen steps trace each decoder-layer structure once (a nested compile region) and call it for every layer
     # with that layer's weights: 5 calls of one subgraph, and the logits of every step equal eager's.
@@ -236,13 +249,7 @@ def test_layers_share_one_compiled_region(monkeypatch: pytest.MonkeyPatch) -> No
     model = spread(decoder(positional="rotary", n_layers=5, n_kv_heads=2))
     prompt = torch.randint(4, 64, (1, 6), generator=torch.Generator().manual_seed(3))
     request = lm_request(model, prompt, None, 8, False, 1.0, None, None, None, None, None, None, None, True)
-    with torch.inference_mode():
-        got = [(s.tokens.clone(), s.logits.clone()) for s in compiled.compiled_steps(model, request)]
-    ids = prompt
-    with torch.no_grad():
-        for tokens, logits in got:
-            torch.testing.assert_close(logits, model(ids).logits[:, -1], atol=1e-4, rtol=1e-4)
-            ids = torch.cat([ids, tokens[:, None]], dim=1)
+    ids, _ = checked_steps(model, request)
     assert torch.equal(ids, model.generate(prompt, max_new_tokens=8, eos_token_id=None))
     (gm,) = graphs
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
@@ -280,14 +287,7 @@ def test_skipping_steps_check_their_inputs_only_and_follow_the_guarded_call(grap
         # Sampled steps (so that they differ), each step's logits against a full forward of the model as it is.
         request = lm_request(model, prompt, mask, 10, True, 1.0, None, None, None, None, None,
                              torch.Generator().manual_seed(0), None, True)
-        with torch.inference_mode():
-            got = [(s.tokens.clone(), s.logits.clone()) for s in compiled.compiled_steps(model, request)]
-        ids = prompt
-        with torch.no_grad():
-            for tokens, logits in got:
-                torch.testing.assert_close(logits, model(ids).logits[:, -1], atol=1e-4, rtol=1e-4)
-                ids = torch.cat([ids, tokens[:, None]], dim=1)
-        return torch.stack([logits for _, logits in got])
+        return checked_steps(model, request)[1]
 
     plain = both()
     (step,) = [run for _, run in compiled._COMPILED[model].values()]
