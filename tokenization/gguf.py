@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tokenizers import AddedToken, decoders, models, normalizers, processors
@@ -280,31 +280,52 @@ def _merges_from_scores(vocab: Mapping[str, int], scores: Sequence[float]) -> li
     return [(by_id[left], by_id[right]) for *_, left, right in candidates]
 
 
-def _split_merges(merges: Sequence[str], vocab: Mapping[str, int], tokens: Sequence[str]) -> list[tuple[str, str]]:
-    """Each ``"left right"`` merge as a pair of the vocabulary's own strings (``tokens[vocab[part]]``) where the
-    part is a token: 150k merges then cost their tuples, not 300k more strings."""
-    pairs = []
-    for merge in merges:
-        left, sep, right = merge.partition(" ") if isinstance(merge, str) else ("", "", "")
-        if not sep or not left or not right:
-            raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens separated by a space")
-        left_id, right_id = vocab.get(left), vocab.get(right)
-        pairs.append((left if left_id is None else tokens[left_id], right if right_id is None else tokens[right_id]))
+def _split_merges(merges: Sequence[str], vocab: Mapping[str, int], tokens: Sequence[str]) -> _MergePairs:
+    """The file's merges as pairs, each checked: two tokens separated by a space, whose parts and the token they
+    make are all in the vocabulary (``tokenizers`` panics, an uncatchable-as-Exception ``PanicException``, on a
+    merge that makes a token it does not have). A malformed entry is reported before a merge that does not fit."""
+    pairs = _MergePairs(merges, vocab, tokens)
+    misfit = None
+    for index, (left, right) in enumerate(pairs):  # splitting raises on a malformed entry
+        if misfit is None and (left not in vocab or right not in vocab or left + right not in vocab):
+            misfit = index
+    if misfit is not None:
+        left, right = pairs[misfit]
+        raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: merges[{misfit}]="
+                         f"{left + ' ' + right!r}, its parts and the token they make must all be tokens")
     return pairs
 
 
-def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options: Any) -> models.BPE:
-    """``tokenizers``' BPE, its refusal (a merge of tokens not in the vocabulary) raised as ``ValueError``.
+class _MergePairs(Sequence[tuple[str, str]]):
+    """``"left right"`` merges as ``(left, right)`` pairs of the vocabulary's own strings, split as they are read.
 
-    A merge whose result is not in the vocabulary makes ``tokenizers`` panic (an uncatchable-as-Exception
-    ``PanicException``), so every merge is checked first.
+    ``tokenizers`` copies the pairs it is given into its own strings: handing them over one at a time keeps a list
+    of 150k tuples (and 300k more strings) out of memory while it builds.
     """
-    bad = next((i for i, (left, right) in enumerate(merges)
-                if left not in vocab or right not in vocab or left + right not in vocab), None)
-    if bad is not None:
-        left, right = merges[bad]
-        raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: merges[{bad}]="
-                         f"{left + ' ' + right!r}, its parts and the token they make must all be tokens")
+
+    def __init__(self, merges: Sequence[str], vocab: Mapping[str, int], tokens: Sequence[str]) -> None:
+        self._merges, self._vocab, self._tokens = merges, vocab, tokens
+
+    def __len__(self) -> int:
+        return len(self._merges)
+
+    def __getitem__(self, index: int) -> tuple[str, str]:  # type: ignore[override]
+        return self._pair(self._merges[index])
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return map(self._pair, self._merges)
+
+    def _pair(self, merge: Any) -> tuple[str, str]:
+        left, sep, right = merge.partition(" ") if isinstance(merge, str) else ("", "", "")
+        if not sep or not left or not right:
+            raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens separated by a space")
+        left_id, right_id = self._vocab.get(left), self._vocab.get(right)
+        return (left if left_id is None else self._tokens[left_id],
+                right if right_id is None else self._tokens[right_id])
+
+
+def _bpe(vocab: dict[str, int], merges: Sequence[tuple[str, str]], **options: Any) -> models.BPE:
+    """``tokenizers``' BPE over merges known to fit the vocabulary, its refusals raised as ``ValueError``."""
     try:
         return models.BPE(vocab, merges, **options)
     except Exception as err:  # tokenizers raises a bare Exception here

@@ -3,7 +3,7 @@
 A Python ``list`` of ``str`` costs some 60-90 bytes per string beside its characters (the object header, the
 pointer, and two bytes a character for any string with one character past Latin-1, as most byte-level BPE
 tokens have); 151936 tokens and as many merges hold ~25 MiB that way. A ``StringTable`` holds the UTF-8 bytes
-and one 8-byte offset per string (~5 MiB for the same lists) and decodes a string when it is asked for.
+and one 4-byte offset per string (~4 MiB for the same lists) and decodes a string when it is asked for.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class StringTable(Sequence[str]):
             encoded.append(string.encode("utf-8", "surrogatepass"))
         offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(b) for b in encoded], out=offsets[1:])
-        self._data, self._offsets = b"".join(encoded), offsets
+        self._data, self._offsets = b"".join(encoded), _narrow(offsets)
 
     @classmethod
     def from_utf8(cls, data: bytes, offsets: np.ndarray, what: str = "string") -> StringTable:
@@ -59,7 +59,7 @@ class StringTable(Sequence[str]):
                 or bool(np.any(offsets[1:] < offsets[:-1]))):
             raise ValueError(f"{what}: offsets must rise from 0 to {len(data)} (the data's length), one per string + 1")
         table = cls.__new__(cls)
-        table._data, table._offsets = bytes(data), offsets
+        table._data, table._offsets = bytes(data), _narrow(offsets)
         try:
             # Valid as a whole, and no string starting inside a character (on a continuation byte 10xxxxxx): then
             # every string is whole characters, so valid on its own.
@@ -131,3 +131,8 @@ class StringTable(Sequence[str]):
             A new ``list`` of ``str``.
         """
         return list(self)
+
+
+def _narrow(offsets: np.ndarray) -> np.ndarray:
+    """The offsets as 4-byte integers where they fit (below 4 GiB of data): half the memory."""
+    return offsets.astype(np.uint32) if offsets[-1] < 2**32 else offsets
