@@ -8,6 +8,7 @@ and one 4-byte offset per string (~4 MiB for the same lists) and decodes a strin
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, overload
 
@@ -77,6 +78,34 @@ class StringTable(Sequence[str]):
                     raise ValueError(f"{what}[{index}] is not valid UTF-8 ({err.reason} at byte {err.start}): "
                                      f"{piece[:40]!r}") from err
         return table
+
+    @classmethod
+    def from_length_prefixed(cls, buffer: Any, offset: int, count: int, what: str = "string") -> StringTable:
+        """A table of ``count`` strings stored as GGUF stores them from ``offset``: each a little-endian u64 byte
+        length, then its UTF-8 bytes. The lengths must already be known to lie inside ``buffer``.
+
+        Args:
+            buffer: the bytes (``bytes``, a ``memoryview`` or a uint8 array, e.g. a memory-mapped file).
+            offset: where the first length starts.
+            count: how many strings.
+            what: what the strings are, for messages.
+
+        Returns:
+            The table (the bytes copied out of ``buffer``).
+
+        Raises:
+            ValueError: a string that is not valid UTF-8, as ``from_utf8``.
+        """
+        lengths, end = np.empty(count, dtype=np.int64), offset
+        for index in range(count):
+            lengths[index] = length = struct.unpack_from("<Q", buffer, end)[0]
+            end += 8 + length
+        offsets = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        keep = np.ones(end - offset, dtype=bool)  # every byte but the u64 length before each string
+        keep[(offsets[:-1] + 8 * np.arange(count))[:, None] + np.arange(8)] = False
+        data = np.frombuffer(buffer, dtype=np.uint8, count=end - offset, offset=offset)[keep].tobytes()
+        return cls.from_utf8(data, offsets, what)
 
     def _bytes(self, index: int) -> bytes:
         return self._data[int(self._offsets[index]): int(self._offsets[index + 1])]

@@ -178,10 +178,7 @@ class GGUFArray:
         """The decoded elements.
 
         Returns:
-            The values (strings checked to be UTF-8).
-
-        Raises:
-            ValueError: a string that is not valid UTF-8, naming ``key[index]``.
+            The values (strings checked to be UTF-8, as ``strings`` does).
         """
         if self.item_type == _STRING:
             return self.strings().tolist()
@@ -205,19 +202,7 @@ class GGUFArray:
         """
         if self.item_type != _STRING:
             raise ValueError(f"GGUF metadata {self.key} is an array of {_SCALARS[self.item_type][0]}; expected strings")
-        lengths, end = np.empty(self.count, dtype=np.int64), self._offset
-        for index in range(self.count):
-            lengths[index] = length = struct.unpack_from("<Q", self._buf, end)[0]  # checked when the header was read
-            end += 8 + length
-        offsets = np.zeros(self.count + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        # Every byte but the u64 length before each string: +1 where a length starts, -1 eight bytes on.
-        heads = offsets[:-1] + 8 * np.arange(self.count)
-        marks = np.zeros(end - self._offset + 1, dtype=np.int8)
-        marks[heads] = 1
-        np.subtract.at(marks, heads + 8, 1)
-        data = np.asarray(self._buf[self._offset: end])[np.cumsum(marks[:-1], dtype=np.int8) == 0].tobytes()
-        return StringTable.from_utf8(data, offsets, f"GGUF {self.key}")
+        return StringTable.from_length_prefixed(self._buf, self._offset, self.count, f"GGUF {self.key}")
 
 
 @dataclass(frozen=True)
