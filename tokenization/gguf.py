@@ -35,7 +35,6 @@ from .tokenizer import Tokenizer
 # llama.cpp's token types (``llama_token_type``): which tokens are matched whole in the text.
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 
-
 _ROLE_KEYS = {
     "bos": "tokenizer.ggml.bos_token_id",
     "eos": "tokenizer.ggml.eos_token_id",
@@ -121,10 +120,10 @@ def _tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GGUFTokenizer:
     tokens = metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, (list, StringTable)) or not tokens:
         raise ValueError("the GGUF metadata has no tokenizer.ggml.tokens list, so it embeds no tokenizer")
-    bad = next((i for i, token in enumerate(tokens) if not isinstance(token, str)), None) if isinstance(
-        tokens, list) else None
-    if bad is not None:
-        raise ValueError(f"tokenizer.ggml.tokens[{bad}]={tokens[bad]!r}: expected a list of strings")
+    if isinstance(tokens, list):  # a StringTable holds strings only
+        bad = next((i for i, token in enumerate(tokens) if not isinstance(token, str)), None)
+        if bad is not None:
+            raise ValueError(f"tokenizer.ggml.tokens[{bad}]={tokens[bad]!r}: expected a list of strings")
     hf_json = metadata.get("tokenizer.huggingface.json")
     if isinstance(hf_json, str):
         # The file carries the exact tokenizer.json it was converted from: nothing to rebuild.
