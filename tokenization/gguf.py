@@ -19,20 +19,21 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, normalizers, processors
 from tokenizers import Tokenizer as Backend
 
 from .gguf_pretokenizers import pre_name_of, pre_tokenizer_for
+from .gguf_unigram import SPACE as _SPACE
+from .gguf_unigram import unigram_backend
+from .heap import release_freed_memory
+from .string_table import StringTable
 from .tokenizer import Tokenizer
 
 # llama.cpp's token types (``llama_token_type``): which tokens are matched whole in the text.
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
-
-_SPACE = "\u2581"  # SentencePiece's visible space
 
 _ROLE_KEYS = {
     "bos": "tokenizer.ggml.bos_token_id",
@@ -46,6 +47,9 @@ _ROLE_KEYS = {
 _EXTRA_ID_KEYS = ("eot", "eom", "sep", "cls", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
 
 SUPPORTED_MODELS = ("llama", "gpt2", "t5")
+
+# The long lists of strings, which ``GGUFTokenizer.metadata`` keeps as ``StringTable`` s.
+_STRING_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 
 
 class GGUFTokenizer(Tokenizer):
@@ -62,7 +66,8 @@ class GGUFTokenizer(Tokenizer):
         special_ids: further special-token ids the file names (``eot``, ``eom``, ``sep``, ``fim_*`` ...).
         model: ``tokenizer.ggml.model`` (None where the file has none).
         pre: ``tokenizer.ggml.pre`` (None where the file has none).
-        metadata: every ``tokenizer.*`` key of the file (what ``save_gguf`` writes back).
+        metadata: every ``tokenizer.*`` key of the file (what ``save_gguf`` writes back); the tokens and the
+            merges as ``tokenization.string_table.StringTable`` s (lists of strings would cost ~5x the memory).
     """
 
     def __init__(self, backend: Backend, special_tokens: Mapping[str, str | None] | None = None, *,
@@ -83,9 +88,15 @@ MAX_PIECE_CHARS = 512
 def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GGUFTokenizer:
     """Build the tokenizer a GGUF file's metadata describes.
 
+    What the tokenizer costs is ``tokenizers``' own vocabulary and merges: the Python lists it is built from are
+    decoded once, their strings shared by the vocabulary and the merges, dropped once built and the freed heap
+    given back to the system (``tokenization.heap``); the metadata it keeps holds the tokens and merges as
+    ``StringTable`` s (UTF-8 bytes).
+
     Args:
-        metadata: the file's key -> value metadata (arrays as Python lists), as ``models.gguf`` reads it;
-            only the ``tokenizer.*`` keys are used.
+        metadata: the file's key -> value metadata (arrays as Python lists; the tokens and merges may also be
+            ``tokenization.string_table.StringTable`` s, as ``models.gguf`` reads them); only the
+            ``tokenizer.*`` keys are used.
 
     Returns:
         A ``GGUFTokenizer`` (a ``Tokenizer`` that also keeps the chat template and the other special ids)
@@ -98,14 +109,21 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GGUFTokenizer:
         ValueError: no vocabulary, a tokenizer model other than ``llama``/``gpt2``, a byte-level ``pre`` type
             with no known split pattern, or lists and ids that do not fit the vocabulary.
     """
+    tokenizer = _tokenizer_from_gguf(metadata)
+    release_freed_memory()  # the temporaries of a 150k-token vocabulary leave ~20 MiB of free heap behind
+    return tokenizer
+
+
+def _tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GGUFTokenizer:
     if not isinstance(metadata, Mapping):
         raise ValueError(f"metadata must be a mapping of GGUF keys to values, got {type(metadata).__name__}")
     tokens = metadata.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens:
+    if not isinstance(tokens, (list, StringTable)) or not tokens:
         raise ValueError("the GGUF metadata has no tokenizer.ggml.tokens list, so it embeds no tokenizer")
-    bad = next((i for i, token in enumerate(tokens) if not isinstance(token, str)), None)
-    if bad is not None:
-        raise ValueError(f"tokenizer.ggml.tokens[{bad}]={tokens[bad]!r}: expected a list of strings")
+    if isinstance(tokens, list):  # a StringTable holds strings only
+        bad = next((i for i, token in enumerate(tokens) if not isinstance(token, str)), None)
+        if bad is not None:
+            raise ValueError(f"tokenizer.ggml.tokens[{bad}]={tokens[bad]!r}: expected a list of strings")
     hf_json = metadata.get("tokenizer.huggingface.json")
     if isinstance(hf_json, str):
         # The file carries the exact tokenizer.json it was converted from: nothing to rebuild.
@@ -121,6 +139,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GGUFTokenizer:
             raise ValueError(f"special-token ids {named} do not all fit the embedded tokenizer.json of {size} tokens")
         return GGUFTokenizer(whole.backend, {role: whole.id_to_token(i) for role, i in ids.items()},
                              **_extras(metadata, size, False, False))
+    tokens = tokens.tolist() if isinstance(tokens, StringTable) else tokens  # each string decoded once, here
     roles = _roles(metadata, tokens)
 
     kind = metadata.get("tokenizer.ggml.model")
@@ -132,7 +151,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GGUFTokenizer:
                                      roles["unk"], add_prefix)
         default_bos = True  # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
     elif kind == "t5":  # SentencePiece Unigram (llama.cpp's UGM): EOS added, no BOS
-        backend = _unigram(tokens, _scores(metadata, len(tokens)), metadata)
+        backend = unigram_backend(tokens, _scores(metadata, len(tokens)), metadata)
         default_bos, default_eos = False, True
     elif kind == "gpt2":
         pre = metadata.get("tokenizer.ggml.pre")
@@ -140,10 +159,10 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any]) -> GGUFTokenizer:
             raise ValueError(f"tokenizer.ggml.pre={pre!r}: expected a string naming a llama.cpp pre-tokenizer")
         splitter = pre_tokenizer_for(pre)
         merges = metadata.get("tokenizer.ggml.merges")
-        if not isinstance(merges, list):
+        if not isinstance(merges, (list, StringTable)):
             raise ValueError("a byte-level (gpt2) GGUF vocabulary needs tokenizer.ggml.merges, which is missing")
         vocab = {token: i for i, token in enumerate(tokens)}
-        backend = Backend(_bpe(vocab, _split_merges(merges), ignore_merges=splitter.ignore_merges))
+        backend = Backend(_bpe(vocab, _split_merges(merges, vocab, tokens), ignore_merges=splitter.ignore_merges))
         backend.pre_tokenizer = splitter.build()
         backend.decoder = decoders.ByteLevel()
         default_bos = splitter.add_bos
@@ -174,7 +193,12 @@ def _extras(metadata: Mapping[str, Any], size: int, add_bos: bool, add_eos: bool
     return {"chat_template": template, "add_bos_token": add_bos, "add_eos_token": add_eos,
             "special_ids": special_ids, "model": metadata.get("tokenizer.ggml.model"),
             "pre": metadata.get("tokenizer.ggml.pre"),
-            "metadata": {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}}
+            "metadata": {k: StringTable(v) if k in _STRING_KEYS and _all_strings(v) else v
+                         for k, v in metadata.items() if k.startswith("tokenizer.")}}
+
+
+def _all_strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
 
 
 def _scores(metadata: Mapping[str, Any], length: int) -> list[float]:
@@ -187,72 +211,6 @@ def _scores(metadata: Mapping[str, Any], length: int) -> list[float]:
     if bad is not None:
         raise ValueError(f"tokenizer.ggml.scores[{bad}]={scores[bad]!r}: expected finite numbers")
     return scores
-
-
-def _unigram(tokens: Sequence[str], scores: Sequence[float], metadata: Mapping[str, Any]) -> Backend:
-    """T5's vocabulary: a Unigram model over ``▁``-joined words, with the file's normalizer settings."""
-    unk = metadata.get("tokenizer.ggml.unknown_token_id", 2 if len(tokens) > 2 else None)  # llama.cpp's T5 default
-    backend = Backend(models.Unigram([(t, float(v)) for t, v in zip(tokens, scores, strict=True)], unk_id=unk))
-    steps = []
-    charsmap = metadata.get("tokenizer.ggml.precompiled_charsmap")
-    if isinstance(charsmap, list) and charsmap:
-        blob = bytes(b & 0xFF for b in charsmap)
-        _check_charsmap(blob)
-        try:
-            steps.append(normalizers.Precompiled(blob))
-        except Exception as err:  # tokenizers raises a bare Exception on a bad map
-            raise ValueError(f"tokenizer.ggml.precompiled_charsmap is not a SentencePiece charsmap: {err}") from err
-    if metadata.get("tokenizer.ggml.remove_extra_whitespaces", False):
-        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
-    add_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
-    # As SentencePiece: the space prefix always (tokenizers' Metaspace skips it before a leading space), then every
-    # space a visible one, and a piece starts at each of them.
-    steps += [normalizers.Prepend(_SPACE)] if add_prefix else []
-    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="never", split=True)
-    backend.decoder = decoders.Metaspace(replacement=_SPACE, prepend_scheme="always" if add_prefix else "never")
-    return backend
-
-
-def _check_charsmap(blob: bytes) -> None:
-    """Walk SentencePiece's precompiled charsmap (a u32 trie size, a darts-clone double-array trie, then the
-    NUL-terminated replacement strings) and check that no lookup can leave it: ``tokenizers`` indexes it unchecked
-    and panics (an uncatchable crash) on a map whose offsets or values point outside.
-
-    Raises:
-        ValueError: a trie size or an offset or value that runs past the map.
-    """
-    bad = ValueError("tokenizer.ggml.precompiled_charsmap is not a SentencePiece charsmap: a trie offset or value "
-                     "points outside it")
-    if len(blob) < 4:
-        raise bad
-    size = int.from_bytes(blob[:4], "little")
-    if size % 4 or size < 4 or 4 + size > len(blob):
-        raise bad
-    units = np.frombuffer(blob, dtype="<u4", count=size // 4, offset=4).astype(np.int64)
-    strings = blob[4 + size:]
-    n = len(units)
-    offsets = (units >> 10) << ((units & (1 << 9)) >> 6)
-    labels = units & ((1 << 31) | 0xFF)
-    codes = np.arange(1, 256)
-    pending, seen = [int(offsets[0])], set()
-    while pending:  # every node a lookup can reach: its 255 possible children must lie inside the array
-        base = pending.pop()
-        if base in seen:
-            continue
-        seen.add(base)
-        if base | 0xFF >= n:
-            raise bad
-        slots = base ^ codes
-        for slot in slots[labels[slots] == codes].tolist():
-            child = slot ^ int(offsets[slot])
-            if child >= n:
-                raise bad
-            if (units[slot] >> 8) & 1:  # a leaf: the unit at the child holds an index into the strings
-                start = int(units[child] & ((1 << 31) - 1))
-                if start >= len(strings) or strings.find(b"\0", start) < 0:
-                    raise bad
-            pending.append(child)
 
 
 def _roles(metadata: Mapping[str, Any], tokens: Sequence[str]) -> dict[str, str | None]:
@@ -285,7 +243,8 @@ def _sentencepiece_bpe(
     tokens: Sequence[str], scores: Sequence[float], merges: Sequence[str] | None, unk: str | None, add_prefix: bool
 ) -> Backend:
     vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = _split_merges(merges) if isinstance(merges, list) else _merges_from_scores(vocab, scores)
+    pairs = (_split_merges(merges, vocab, tokens) if isinstance(merges, (list, StringTable))
+             else _merges_from_scores(vocab, scores))
     backend = Backend(_bpe(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     # llama.cpp (like SentencePiece) prepends a space to every run of text, also after a special token and
     # also when the text starts with spaces; a normalizer does that, since special tokens are split off first.
@@ -320,28 +279,52 @@ def _merges_from_scores(vocab: Mapping[str, int], scores: Sequence[float]) -> li
     return [(by_id[left], by_id[right]) for *_, left, right in candidates]
 
 
-def _split_merges(merges: Sequence[str]) -> list[tuple[str, str]]:
-    pairs = []
-    for merge in merges:
-        left, sep, right = merge.partition(" ") if isinstance(merge, str) else ("", "", "")
-        if not sep or not left or not right:
-            raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens separated by a space")
-        pairs.append((left, right))
+def _split_merges(merges: Sequence[str], vocab: Mapping[str, int], tokens: Sequence[str]) -> _MergePairs:
+    """The file's merges as pairs, each checked: two tokens separated by a space, whose parts and the token they
+    make are all in the vocabulary (``tokenizers`` panics, an uncatchable-as-Exception ``PanicException``, on a
+    merge that makes a token it does not have). A malformed entry is reported before a merge that does not fit."""
+    pairs = _MergePairs(merges, vocab, tokens)
+    misfit = None
+    for index, (left, right) in enumerate(pairs):  # splitting raises on a malformed entry
+        if misfit is None and (left not in vocab or right not in vocab or left + right not in vocab):
+            misfit = index
+    if misfit is not None:
+        left, right = pairs[misfit]
+        raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: merges[{misfit}]="
+                         f"{left + ' ' + right!r}, its parts and the token they make must all be tokens")
     return pairs
 
 
-def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options: Any) -> models.BPE:
-    """``tokenizers``' BPE, its refusal (a merge of tokens not in the vocabulary) raised as ``ValueError``.
+class _MergePairs(Sequence[tuple[str, str]]):
+    """``"left right"`` merges as ``(left, right)`` pairs of the vocabulary's own strings, split as they are read.
 
-    A merge whose result is not in the vocabulary makes ``tokenizers`` panic (an uncatchable-as-Exception
-    ``PanicException``), so every merge is checked first.
+    ``tokenizers`` copies the pairs it is given into its own strings: handing them over one at a time keeps a list
+    of 150k tuples (and 300k more strings) out of memory while it builds.
     """
-    bad = next((i for i, (left, right) in enumerate(merges)
-                if left not in vocab or right not in vocab or left + right not in vocab), None)
-    if bad is not None:
-        left, right = merges[bad]
-        raise ValueError(f"tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: merges[{bad}]="
-                         f"{left + ' ' + right!r}, its parts and the token they make must all be tokens")
+
+    def __init__(self, merges: Sequence[str], vocab: Mapping[str, int], tokens: Sequence[str]) -> None:
+        self._merges, self._vocab, self._tokens = merges, vocab, tokens
+
+    def __len__(self) -> int:
+        return len(self._merges)
+
+    def __getitem__(self, index: int) -> tuple[str, str]:  # type: ignore[override]
+        return self._pair(self._merges[index])
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return map(self._pair, self._merges)
+
+    def _pair(self, merge: Any) -> tuple[str, str]:
+        left, sep, right = merge.partition(" ") if isinstance(merge, str) else ("", "", "")
+        if not sep or not left or not right:
+            raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not two tokens separated by a space")
+        left_id, right_id = self._vocab.get(left), self._vocab.get(right)
+        return (left if left_id is None else self._tokens[left_id],
+                right if right_id is None else self._tokens[right_id])
+
+
+def _bpe(vocab: dict[str, int], merges: Sequence[tuple[str, str]], **options: Any) -> models.BPE:
+    """``tokenizers``' BPE over merges known to fit the vocabulary, its refusals raised as ``ValueError``."""
     try:
         return models.BPE(vocab, merges, **options)
     except Exception as err:  # tokenizers raises a bare Exception here
@@ -356,11 +339,11 @@ def _add_whole_tokens(
     llama.cpp never cuts these into pieces; without registering them the BPE would. Control and unknown
     tokens are special (dropped by ``decode(skip_special_tokens=True)``), user-defined ones are not.
     """
-    typed = list(zip(tokens, token_types, strict=True))
-    special = {t for t, kind in typed if kind in (_CONTROL, _UNKNOWN)}
+    special = {tokens[i] for i, kind in enumerate(token_types) if kind in (_CONTROL, _UNKNOWN)}
     special.update(t for t in roles.values() if t is not None)
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens if t in special])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, kind in typed if kind == _USER_DEFINED])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, kind in enumerate(token_types) if kind == _USER_DEFINED])
 
 
 def _template(tokens: Sequence[str], metadata: Mapping[str, Any], add_bos: bool, add_eos: bool) -> Any:
@@ -403,7 +386,8 @@ def tokenizer_to_gguf(tokenizer: Tokenizer) -> dict[str, Any]:
             pre-tokenizer), naming what.
     """
     if isinstance(tokenizer, GGUFTokenizer) and tokenizer.metadata:
-        return dict(tokenizer.metadata)
+        return {key: value.tolist() if isinstance(value, StringTable) else value
+                for key, value in tokenizer.metadata.items()}
     if not isinstance(tokenizer, Tokenizer):
         raise ValueError(f"tokenizer must be a tokenization.Tokenizer, got {type(tokenizer).__name__}")
     backend = tokenizer.backend

@@ -104,8 +104,12 @@ def ggml_mm(x: Tensor, scheme: str, packed: list[Tensor]) -> Tensor:
         The product, float32.
 
     Shapes: ``x (rows, in)`` float32, packed tensors with ``out`` rows -> ``(rows, out)`` float32.
+
+    Raises:
+        ValueError: a scheme not in ``FORMATS``, a count of packed tensors other than the scheme's, or ``x`` not
+            a 2-d float32 tensor whose width is a multiple of 32.
     """
-    return torch.ops.zoo_ggml.ggml_mm(x, [_FORMAT_IDS[scheme]], packed)
+    return torch.ops.zoo_ggml.ggml_mm(_checked_x(x), [_format_id(scheme, packed)], packed)
 
 
 def ggml_mm_joint(x: Tensor, weights: list[tuple[str, list[Tensor]]]) -> Tensor:
@@ -120,13 +124,37 @@ def ggml_mm_joint(x: Tensor, weights: list[tuple[str, list[Tensor]]]) -> Tensor:
         The products, float32, in the order of ``weights``.
 
     Shapes: ``x (rows, in)``, weights with ``out_i`` rows -> ``(rows, sum of out_i)``.
+
+    Raises:
+        ValueError: as ``ggml_mm``, for any of the weights, or no weights.
     """
-    return torch.ops.zoo_ggml.ggml_mm(x, [_FORMAT_IDS[scheme] for scheme, _ in weights],
+    if not weights:
+        raise ValueError("ggml_mm_joint needs at least one (scheme, packed tensors) pair, got none")
+    return torch.ops.zoo_ggml.ggml_mm(_checked_x(x), [_format_id(scheme, packed) for scheme, packed in weights],
                                       [t for _, packed in weights for t in packed])
 
 
 _FORMAT_IDS = {scheme: i for i, scheme in enumerate(FORMATS)}
 _FIELDS = [len(names) for names in FORMATS.values()]
+
+
+def _format_id(scheme: str, packed: list[Tensor]) -> int:
+    """The op's format number of ``scheme``, after its packed tensors are counted (ValueError otherwise)."""
+    format_id = _FORMAT_IDS.get(scheme) if isinstance(scheme, str) else None
+    if format_id is None:
+        raise ValueError(f"scheme={scheme!r}: the GGUF kernels multiply one of {list(FORMATS)}")
+    if len(packed) != _FIELDS[format_id]:
+        raise ValueError(f"scheme {scheme!r} takes {_FIELDS[format_id]} packed tensors "
+                         f"({', '.join(FORMATS[scheme])}), got {len(packed)}")
+    return format_id
+
+
+def _checked_x(x: Tensor) -> Tensor:
+    """``x`` if the op can take it: a 2-d float32 tensor whose width is a multiple of the 32-weight block."""
+    if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] % 32:
+        described = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"x={described}: expected a 2-d float32 tensor whose width is a multiple of 32")
+    return x
 
 
 def _fake(x: Tensor, formats: list[int], packed: list[Tensor]) -> Tensor:

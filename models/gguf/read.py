@@ -209,7 +209,8 @@ def read_gguf_parts(path: str | os.PathLike[str]) -> tuple[list[GGUFFile], dict[
 
 
 def _tokenizer_metadata(metadata: Mapping[str, Any], vocab_size: int) -> dict[str, Any] | None:
-    """The ``tokenizer.*`` keys with arrays decoded, after their lengths are checked against the vocabulary."""
+    """The ``tokenizer.*`` keys with arrays decoded (strings as ``tokenization.StringTable``), after their lengths
+    are checked against the vocabulary."""
     if "tokenizer.ggml.tokens" not in metadata:
         return None
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
@@ -218,7 +219,9 @@ def _tokenizer_metadata(metadata: Mapping[str, Any], vocab_size: int) -> dict[st
             got = f"{len(value)} entries" if isinstance(value, GGUFArray) else repr(value)
             raise ValueError(f"GGUF metadata {key} has {got}; expected an array of one entry per row of "
                              f"token_embd.weight ({vocab_size})")
-    return {key: value.tolist() if isinstance(value, GGUFArray) else value
+    # Arrays of strings (the tokens, the merges) as compact tables: a list of str would cost ~5x their bytes.
+    return {key: (value.strings() if value.holds_strings else value.tolist())
+            if isinstance(value, GGUFArray) else value
             for key, value in metadata.items() if key.startswith("tokenizer.")}
 
 

@@ -127,3 +127,20 @@ def test_joint_linear_declines_what_it_cannot_multiply() -> None:
         handle.remove()
         assert blocks.quantized.joint_linear(x, [q8, q8]) is not None
     assert blocks.quantized.joint_linear(x.requires_grad_(), [q8, q8]) is None  # no backward through the kernel
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, p: cpu_kernels.ggml_mm(x, "q9_0", p), r"scheme='q9_0'.*one of \['q8_0'"),
+    (lambda x, p: cpu_kernels.ggml_mm(x, "q8_0", p[:1]), r"'q8_0' takes 2 packed tensors .*got 1"),
+    (lambda x, p: cpu_kernels.ggml_mm(x, "q4_1", p), r"'q4_1' takes 3 packed tensors .*got 2"),
+    (lambda x, p: cpu_kernels.ggml_mm(x.double(), "q8_0", p), r"x=\(2, 64\) torch.float64: expected a 2-d float32"),
+    (lambda x, p: cpu_kernels.ggml_mm(x[:, :48], "q8_0", p), r"x=\(2, 48\).*multiple of 32"),
+    (lambda x, p: cpu_kernels.ggml_mm(x[0], "q8_0", p), r"x=\(64,\)"),
+    (lambda x, p: cpu_kernels.ggml_mm_joint(x, []), "at least one"),
+    (lambda x, p: cpu_kernels.ggml_mm_joint(x, [("q8_0", p), ("nope", p)]), "scheme='nope'"),
+])
+def test_the_kernel_entry_points_name_bad_input(call, message: str) -> None:
+    layer = blocks.get("quantization", "q8_0").from_float(torch.randn(8, 64))
+    packed = [layer.d, layer.qs]
+    with pytest.raises(ValueError, match=message):
+        call(torch.randn(2, 64), packed)
