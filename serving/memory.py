@@ -13,6 +13,9 @@ burst of requests (activations, logits, gathers) a process can hold hundreds of 
 ``GraphModule`` (its FX graph, the fake example inputs, a stack trace per node: ~30 MiB for the engine's graphs of a
 30-layer model), the serialized cache entries it recorded for ``torch.compiler.save_cache_artifacts`` and the graphs'
 debug text. ``release_compile_state`` drops them; the engine's runner calls it after each step that compiled a graph.
+
+``heap_breakdown`` splits the anonymous memory into Python's object arenas (and the bytes their live objects take:
+an arena stays resident while any object in it lives) and glibc's ``malloc`` bytes in use.
 """
 
 from __future__ import annotations
