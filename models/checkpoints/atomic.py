@@ -18,6 +18,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import blocks
+
+from ..convert.export import FOLDER_WRITER_KIND
 from .files import CONFIG_NAME
 from .folder_locks import flock, folder_lock, fsync, new_locked_folder
 
@@ -68,6 +71,7 @@ def _step(label: str) -> None:
         step_hook(label)
 
 
+@blocks.register(FOLDER_WRITER_KIND, "atomic")  # found there by writers below this package (save_transformers)
 def write_folder(target: Path, write: Callable[[Path], None], *, what: str = "a checkpoint") -> None:
     """Write the folder ``target`` atomically: ``write(staging)`` fills a ``staging_folder`` with plain files, which
     ``publish`` then makes the folder's files (other files already in ``target`` are kept).

@@ -1,0 +1,224 @@
+"""The exporters write atomically, as ``save_pretrained`` does (``tests/models/test_save_kill.py``): killed by
+SIGKILL after every durable step, ``save_transformers`` and ``save_sentence_transformers`` leave the old export or
+the new one, complete, which an independent reader (``transformers``; safetensors and JSON) loads; and every file
+and folder is flushed (``os.fsync``) before the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from tokenizers import Tokenizer as Backend
+from tokenizers import models as tok_models
+from tokenizers import pre_tokenizers
+
+import models
+from models.checkpoints import atomic
+from models.checkpoints.sentence_folder import save_sentence_transformers
+from models.convert import save_transformers
+from tests.models.test_save_kill import hidden, run_killed_at, steps_of, tiny
+from tokenization import Tokenizer
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not os.path.isdir("/proc/self/fd"),
+                                reason="needs os.fork, flock and /proc/self/fd (Linux)")
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "zoo", "cat"]
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative name -> bytes), and every folder (name -> b"<dir>")."""
+    return {str(p.relative_to(folder)): b"<dir>" if p.is_dir() else p.read_bytes() for p in folder.rglob("*")}
+
+
+def fsynced(action: Callable[[], object], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths ``action`` flushed with ``os.fsync``, in order."""
+    paths: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        action()
+    finally:
+        monkeypatch.undo()
+    return paths
+
+
+def staged(paths: list[str], target: Path) -> dict[str, str]:
+    """The fsynced paths inside the staging folder of ``target``, by their name relative to it."""
+    out = {}
+    for path in paths:
+        parts = Path(path).relative_to(target.parent).parts
+        if parts and parts[0].startswith(f".{target.name}.") and parts[0].endswith(".saving"):
+            out[str(Path(*parts[1:]))] = path
+    return out
+
+
+# ------------------------------------------------------------------------------------------ save_transformers
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two gpt2-like models of different shapes, and their exports (bytes)."""
+    old, new = tiny(1), tiny(2, d_ff=48)
+    root = tmp_path_factory.mktemp("exports")
+    save_transformers(old, root / "old")
+    save_transformers(new, root / "new")
+    return {"old": old, "new": new, "old_tree": tree(root / "old"), "new_tree": tree(root / "new"),
+            "old_hf": hf_weight(root / "old"), "new_hf": hf_weight(root / "new")}
+
+
+def hf_weight(folder: Path) -> tuple[int, torch.Tensor]:
+    """``transformers``' own reading of the folder: the FFN width and the first layer's FFN weight."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    return hf.config.n_inner, hf.transformer.h[0].mlp.c_fc.weight.detach()
+
+
+def test_save_transformers_killed_after_every_step(exports: dict, tmp_path: Path) -> None:
+    old, new = exports["old"], exports["new"]
+    probe = tmp_path / "probe" / "export"
+    save_transformers(old, probe)
+    labels = steps_of(lambda: save_transformers(new, probe))
+    commit = labels.index("commit")
+    assert labels[:commit] == ["fsync config.json", "fsync model.safetensors", "fsync staging folder"]
+    assert labels[-1] == "remove commit folder"
+    assert exports["old_hf"][0] != exports["new_hf"][0]
+
+    for k in range(len(labels)):
+        folder = tmp_path / f"k{k}" / "export"
+        save_transformers(old, folder)
+        (folder / "notes.txt").write_text("kept")  # not part of the export
+        run_killed_at(k, lambda: save_transformers(new, folder))  # noqa: B023 - run at once
+        if k < commit:  # before the commit point the folder itself is untouched, for any reader
+            assert {n: b for n, b in tree(folder).items() if n != "notes.txt"} == exports["old_tree"]
+        # what the next save or load of the zoo does first: a dead writer's committed save is finished
+        atomic.recover(folder)
+        state = "old" if k < commit else "new"
+        assert {n: b for n, b in tree(folder).items() if n != "notes.txt"} == exports[f"{state}_tree"], labels[k]
+        width, weight = hf_weight(folder)
+        assert width == exports[f"{state}_hf"][0], f"step {k} ({labels[k]})"
+        assert torch.equal(weight, exports[f"{state}_hf"][1]), f"step {k} ({labels[k]})"
+        assert (folder / "notes.txt").read_text() == "kept"
+        assert hidden(folder.parent) == []
+
+
+def test_save_transformers_first_save_is_one_rename(exports: dict, tmp_path: Path) -> None:
+    new = exports["new"]
+    labels = steps_of(lambda: save_transformers(new, tmp_path / "probe" / "export"))
+    assert labels[-2:] == ["rename staging folder to target", "fsync parent folder"]
+    published = labels.index("rename staging folder to target")
+    for k in range(len(labels)):
+        folder = tmp_path / f"k{k}" / "export"
+        run_killed_at(k, lambda: save_transformers(new, folder))  # noqa: B023 - run at once
+        if k < published:
+            assert not folder.exists()
+        else:
+            assert tree(folder) == exports["new_tree"]
+        atomic.recover(folder)
+        assert hidden(folder.parent) == []
+
+
+def test_save_transformers_flushes_every_file_and_folder(
+    exports: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = (tmp_path / "export").resolve()
+    for _ in ("first save", "save over it"):
+        paths = fsynced(lambda: save_transformers(exports["new"], target), monkeypatch)
+        assert set(staged(paths, target)) >= {"config.json", "model.safetensors", "."}, paths
+        assert str(target.parent) in paths
+    assert str(target) in paths  # the files switched into an existing folder, then the folder flushed
+
+
+def test_save_transformers_refuses_a_file_before_writing(exports: dict, tmp_path: Path) -> None:
+    (tmp_path / "export").write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match="export"):
+        save_transformers(exports["new"], tmp_path / "export")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+# ------------------------------------------------------------------------------------- sentence-transformers
+def sentence_model(seed: int, normalize: bool) -> models.EncoderLM:
+    backend = Backend(tok_models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    torch.manual_seed(seed)
+    model = models.EncoderLM.from_preset("tiny", vocab_size=len(WORDS), max_len=32, head="embedding",
+                                         options={"head": {"pooling": "mean", "normalize": normalize}})
+    model.tokenizer = Tokenizer(backend)
+    return model
+
+
+def read_sentence(folder: Path) -> dict:
+    """An independent reading of a sentence-transformers folder: its modules, pooling and weights."""
+    modules = json.loads((folder / "modules.json").read_text())
+    for module in modules:
+        assert (folder / module["path"]).is_dir()
+    return {"modules": [m["type"].rsplit(".", 1)[-1] for m in modules],
+            "pooling": json.loads((folder / "1_Pooling" / "config.json").read_text()),
+            "weights": load_file(folder / "model.safetensors")}
+
+
+@pytest.fixture(scope="module")
+def sentence_exports(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    old, new = sentence_model(1, normalize=False), sentence_model(2, normalize=True)
+    root = tmp_path_factory.mktemp("sentence")
+    save_sentence_transformers(old, root / "old")
+    save_sentence_transformers(new, root / "new")
+    return {"old": old, "new": new, "old_tree": tree(root / "old"), "new_tree": tree(root / "new")}
+
+
+def test_save_sentence_transformers_killed_after_every_step(sentence_exports: dict, tmp_path: Path) -> None:
+    old, new = sentence_exports["old"], sentence_exports["new"]
+    probe = tmp_path / "probe" / "st"
+    save_sentence_transformers(old, probe)
+    labels = steps_of(lambda: save_sentence_transformers(new, probe))
+    assert labels == ["fsync staging folder", "rename target aside", "rename staging folder to target",
+                      "fsync parent folder", "remove replaced folder"]
+    replaced = labels.index("rename staging folder to target")
+    for k in range(len(labels)):
+        folder = tmp_path / f"k{k}" / "st"
+        save_sentence_transformers(old, folder)
+        (folder / "notes.txt").write_text("kept")
+        run_killed_at(k, lambda: save_sentence_transformers(new, folder))  # noqa: B023 - run at once
+        state = "old" if k < replaced else "new"
+        if labels[k] == "rename target aside":  # between the two renames: no folder (never a partial one)
+            assert not folder.exists()
+        else:
+            assert {n: b for n, b in tree(folder).items() if n != "notes.txt"} == sentence_exports[f"{state}_tree"]
+        atomic.recover(folder)  # what the next save does first: the old folder is put back
+        assert {n: b for n, b in tree(folder).items() if n != "notes.txt"} == sentence_exports[f"{state}_tree"]
+        read = read_sentence(folder)
+        assert read["modules"] == (["Transformer", "Pooling"] + (["Normalize"] if state == "new" else []))
+        assert read["weights"].keys() == read_sentence(probe)["weights"].keys()
+        assert (folder / "notes.txt").read_text() == "kept", f"step {k} ({labels[k]})"
+        assert hidden(folder.parent) == []
+
+
+def test_save_sentence_transformers_flushes_every_file_and_folder(
+    sentence_exports: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = (tmp_path / "st").resolve()
+    for _ in ("first save", "save over it"):
+        paths = fsynced(lambda: save_sentence_transformers(sentence_exports["new"], target), monkeypatch)
+        written = {n for n in sentence_exports["new_tree"]} | {"."}
+        assert set(staged(paths, target)) >= written, sorted(written - set(staged(paths, target)))
+        assert str(target.parent) in paths
+    assert tree(target) == sentence_exports["new_tree"]
+
+
+def test_save_sentence_transformers_refuses_before_writing(sentence_exports: dict, tmp_path: Path) -> None:
+    (tmp_path / "st").write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match="st"):
+        save_sentence_transformers(sentence_exports["new"], tmp_path / "st")
+    model = sentence_model(3, normalize=False)
+    model.tokenizer = None
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        save_sentence_transformers(model, tmp_path / "other")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["st"]
