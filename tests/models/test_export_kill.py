@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -222,3 +223,60 @@ def test_save_sentence_transformers_refuses_before_writing(sentence_exports: dic
     with pytest.raises(ValueError, match="needs the tokenizer"):
         save_sentence_transformers(model, tmp_path / "other")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["st"]
+
+
+# ------------------------------------------------------------------------------------------------------ GGUF
+def run_killed_after_call(k: int, action: Callable[[], object]) -> None:
+    """Run ``action`` in a forked child SIGKILLed right after its k-th (0-based) ``os.fsync`` or ``os.replace``:
+    the durable steps of a single-file save, which has no ``atomic.step_hook`` labels."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            count = iter(range(k + 1))
+            real_fsync, real_replace = os.fsync, os.replace
+
+            def after(call: Callable) -> Callable:
+                def step(*args: object, **kwargs: object) -> None:
+                    call(*args, **kwargs)
+                    if next(count) == k:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return step
+
+            os.fsync, os.replace = after(real_fsync), after(real_replace)
+            action()
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"child was not killed at step {k}"
+
+
+def test_save_gguf_flushes_then_replaces_and_survives_a_kill_after_every_step(
+    exports: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gguf import GGUFReader  # noqa: PLC0415 (an optional dependency, as in models.gguf)
+
+    old, new = exports["old"], exports["new"]
+    target = (tmp_path / "model.gguf").resolve()
+    old.save_gguf(target)
+    old_bytes = target.read_bytes()
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.fspath(b))), real_replace(a, b))[1])
+    new.save_gguf(target)
+    monkeypatch.undo()
+    new_bytes = target.read_bytes()
+    staging = events[0][1]
+    assert Path(staging).name.startswith(".model.gguf.") and staging.endswith(".saving")
+    assert events == [("fsync", staging), ("replace", str(target)), ("fsync", str(tmp_path.resolve()))]
+
+    for k in range(len(events)):
+        path = tmp_path / f"k{k}" / "model.gguf"
+        old.save_gguf(path)
+        run_killed_after_call(k, lambda: new.save_gguf(path))  # noqa: B023 - run at once
+        state = old_bytes if k < 1 else new_bytes  # the replace (step 1) is the commit
+        assert path.read_bytes() == state, f"step {k} ({events[k][0]})"
+        reader = GGUFReader(path)
+        width = reader.fields["gpt2.feed_forward_length"]
+        assert int(width.parts[width.data[0]][0]) == (old if k < 1 else new).config.d_ff
