@@ -97,7 +97,8 @@ def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[di
     raise ValueError(f"no transformers family represents this {type(model).__name__} exactly ({'; '.join(reasons)})")
 
 
-def save_transformers(model: nn.Module, directory: str | os.PathLike[str], model_type: str | None = None) -> Path:
+def save_transformers(model: nn.Module, directory: str | os.PathLike[str], model_type: str | None = None, *,
+                      tokenizer: Any = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads as ``model``'s equivalent.
 
     The folder is written atomically, even if the process is killed (``models.checkpoints.atomic.write_folder``):
@@ -108,6 +109,7 @@ def save_transformers(model: nn.Module, directory: str | os.PathLike[str], model
         directory: the folder to write.
         model_type: the ``transformers`` family to write (default: the first registered one that represents the
             model exactly).
+        tokenizer: a ``tokenization.Tokenizer`` written with the model, in the same atomic save (default: none).
 
     Returns:
         The folder's path.
@@ -124,6 +126,8 @@ def save_transformers(model: nn.Module, directory: str | os.PathLike[str], model
     def write(folder: Path) -> None:
         save_file(state_dict, folder / "model.safetensors", metadata={"format": "pt"})
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(folder / "tokenizer.json")
 
     blocks.get(FOLDER_WRITER_KIND, "atomic")(path, write, what="a transformers export")
     return path

@@ -138,6 +138,20 @@ def test_save_transformers_flushes_every_file_and_folder(
     assert str(target) in paths  # the files switched into an existing folder, then the folder flushed
 
 
+def test_save_transformers_writes_the_tokenizer_in_the_same_save(exports: dict, tmp_path: Path) -> None:
+    """``zoo convert --to transformers`` passes the tokenizer: its files are staged and flushed with the weights,
+    before the one commit, and ``transformers`` reads them."""
+    folder = tmp_path / "export"
+    save_transformers(exports["old"], folder)
+    tokenizer = sentence_model(0, normalize=False).tokenizer
+    labels = steps_of(lambda: save_transformers(exports["new"], folder, tokenizer=tokenizer))
+    assert labels[:labels.index("commit")] == [
+        f"fsync {name}" for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    ] + ["fsync staging folder"]
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    assert hf.convert_tokens_to_ids("cat") == WORDS.index("cat")
+
+
 def test_save_transformers_refuses_a_file_before_writing(exports: dict, tmp_path: Path) -> None:
     (tmp_path / "export").write_text("not a folder")
     with pytest.raises(NotADirectoryError, match="export"):
