@@ -294,3 +294,23 @@ def test_save_gguf_flushes_then_replaces_and_survives_a_kill_after_every_step(
         reader = GGUFReader(path)
         width = reader.fields["gpt2.feed_forward_length"]
         assert int(width.parts[width.data[0]][0]) == (old if k < 1 else new).config.d_ff
+
+
+# ------------------------------------------------------------ one small file (zoo eval --output, zoo finetune)
+def test_write_file_flushes_and_survives_a_kill_after_every_step(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    target = (tmp_path / "probe" / "results.json").resolve()
+    atomic.write_file(target, '{"old": 1}\n')
+    paths = fsynced(lambda: atomic.write_file(target, '{"new": 2}\n'), monkeypatch)
+    assert len(paths) == 2 and Path(paths[0]).name.startswith(".results.json.") and paths[1] == str(target.parent)
+    labels = steps_of(lambda: atomic.write_file(target, '{"new": 2}\n'))
+    assert labels == ["fsync results.json", "replace results.json", "fsync parent folder"]
+    for k in range(len(labels)):
+        path = tmp_path / f"k{k}" / "results.json"
+        atomic.write_file(path, '{"old": 1}\n')
+        run_killed_at(k, lambda: atomic.write_file(path, '{"new": 2}\n'))  # noqa: B023 - run at once
+        assert json.loads(path.read_text()) == ({"old": 1} if k < 1 else {"new": 2}), labels[k]
+        atomic.write_file(path, "{}")  # the next save removes what a killed one left
+        assert sorted(p.name for p in path.parent.iterdir()) == ["results.json"]
+    with pytest.raises(IsADirectoryError, match="probe"):
+        atomic.write_file(tmp_path / "probe", "x")
