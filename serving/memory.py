@@ -21,8 +21,6 @@ an arena stays resident while any object in it lives) and glibc's ``malloc`` byt
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import gc
 import os
 import sys
@@ -30,6 +28,8 @@ import tempfile
 import types
 from pathlib import Path
 from typing import Any
+
+from tokenization.heap import glibc, release_freed_memory
 
 #: The fields of ``process_memory`` (bytes).
 FIELDS = ("rss", "pss", "uss", "anonymous")
@@ -105,24 +105,6 @@ def tree_memory(pid: int) -> dict[str, int]:
     return {**total, "processes": len(pids)}
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-
-
-def release_freed_memory() -> bool:
-    """Return the heap memory this process has freed to the system (glibc's ``malloc_trim(0)``).
-
-    Returns:
-        Whether anything could be released (False without glibc, e.g. on macOS or musl).
-    """
-    libc = _libc()
-    return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
 class _MallInfo2(ctypes.Structure):
@@ -170,7 +152,7 @@ def heap_breakdown() -> dict[str, int]:
         (``malloc_mapped``: blocks ``malloc`` mapped on their own); zeros where a figure is not available.
     """
     found = {**_pymalloc_stats(), "malloc_in_use": 0, "malloc_free": 0, "malloc_mapped": 0}
-    libc = _libc()
+    libc = glibc()
     if libc is not None and hasattr(libc, "mallinfo2"):
         libc.mallinfo2.restype = _MallInfo2
         info = libc.mallinfo2()
