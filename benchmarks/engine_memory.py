@@ -13,7 +13,10 @@ imported, which reading the figures needs):
   safetensors file, file-backed); build the ``Engine``; a first request; ``--concurrency`` requests at once; the
   same again; the freed heap handed back (``release_freed_memory``, what the engine process does when it idles).
 
-Columns: RSS, PSS, USS and the anonymous (heap, not file-backed) part, in MiB; the weights and the KV pools' bytes.
+Columns: RSS, PSS, USS and the anonymous (heap, not file-backed) part, in MiB; the anonymous part split
+(``serving.memory.heap_breakdown``) into Python's object arenas (pymalloc; in brackets the bytes of its live objects:
+the rest is free space in arenas that still hold an object, resident) and glibc's ``malloc`` bytes in use; the
+weights and the KV pools' bytes.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serving.memory import process_memory, release_freed_memory, stop_compile_workers
+from serving.memory import heap_breakdown, process_memory, release_freed_memory, stop_compile_workers
 
 COMPILE = {"eager": False, "attention": "attention", "single": "single", "full": True}
 
 
 def _phase(rows: list[dict[str, Any]], name: str, **extra: Any) -> None:
-    rows.append({"phase": name, **process_memory(), **extra})
+    rows.append({"phase": name, **process_memory(), **heap_breakdown(), **extra})
 
 
 def server_side(folder: str) -> list[dict[str, Any]]:
@@ -87,12 +90,14 @@ def engine_side(folder: str, compile_mode: Any, concurrency: int, prompt_len: in
 
 def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
     print(f"\n#### {title}\n")
-    print("| phase | RSS MiB | PSS MiB | USS MiB | anonymous MiB | notes |")
-    print("|---|---|---|---|---|---|")
+    print("| phase | RSS MiB | PSS MiB | USS MiB | anonymous MiB | Python arenas (objects) MiB | malloc in use MiB "
+          "| notes |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         notes = ", ".join(f"{k} {r[k] / 2**20:.0f} MiB" for k in ("weights", "pools") if k in r)
         print(f"| {r['phase']} | {r['rss'] / 2**20:.0f} | {r['pss'] / 2**20:.0f} | {r['uss'] / 2**20:.0f} | "
-              f"{r['anonymous'] / 2**20:.0f} | {notes} |")
+              f"{r['anonymous'] / 2**20:.0f} | {r['python_arenas'] / 2**20:.0f} ({r['python_objects'] / 2**20:.0f}) | "
+              f"{r['malloc_in_use'] / 2**20:.0f} | {notes} |")
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:

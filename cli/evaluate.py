@@ -70,6 +70,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
+    from models.checkpoints.atomic import write_file
     from serving.lm_eval_model import ZooLM
 
     tasks = [t for t in args.tasks.split(",") if t]
@@ -85,7 +86,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
                                       fewshot_random_seed=args.seed)
     print(make_table(results))
     if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=2, default=str) + "\n")
+        write_file(args.output, json.dumps(results, indent=2, default=str) + "\n")  # atomic: old or new file
     return results
 
 

@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> None:
     Raises:
         SystemExit: ``build`` refused an argument or the data file.
     """
+    from models.checkpoints.atomic import write_file
     from training import list_checkpoints
 
     out = Path(args.out)
@@ -155,5 +156,5 @@ def run(args: argparse.Namespace) -> None:
     metrics = getattr(trainer.loss_fn, "metrics", None)
     if metrics:
         summary.update(metrics)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_file(out / "summary.json", json.dumps(summary, indent=2) + "\n")  # atomic: old or new file
     print(json.dumps(summary))

@@ -86,9 +86,7 @@ def run_convert(args: argparse.Namespace) -> Path:
         if args.to == "gguf":
             target = Path(model.save_gguf(args.out, args.dtype))
         elif args.to == "transformers":
-            target = save_transformers(model, args.out)
-            if tok is not None:
-                tok.save(target / "tokenizer.json")
+            target = save_transformers(model, args.out, tokenizer=tok)  # one atomic save, tokenizer included
         else:
             target = model.save_pretrained(args.out)
     except ValueError as err:

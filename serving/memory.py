@@ -13,18 +13,23 @@ burst of requests (activations, logits, gathers) a process can hold hundreds of 
 ``GraphModule`` (its FX graph, the fake example inputs, a stack trace per node: ~30 MiB for the engine's graphs of a
 30-layer model), the serialized cache entries it recorded for ``torch.compiler.save_cache_artifacts`` and the graphs'
 debug text. ``release_compile_state`` drops them; the engine's runner calls it after each step that compiled a graph.
+
+``heap_breakdown`` splits the anonymous memory into Python's object arenas (and the bytes their live objects take:
+an arena stays resident while any object in it lives) and glibc's ``malloc`` bytes in use.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import gc
+import os
 import sys
+import tempfile
 import types
 from pathlib import Path
 from typing import Any
+
+from tokenization.heap import glibc, release_freed_memory
 
 #: The fields of ``process_memory`` (bytes).
 FIELDS = ("rss", "pss", "uss", "anonymous")
@@ -100,24 +105,59 @@ def tree_memory(pid: int) -> dict[str, int]:
     return {**total, "processes": len(pids)}
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
 
 
-def release_freed_memory() -> bool:
-    """Return the heap memory this process has freed to the system (glibc's ``malloc_trim(0)``).
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+#: The lines of ``sys._debugmallocstats`` that ``heap_breakdown`` reads, and the keys it gives them.
+PYMALLOC_STATS = {"# arenas allocated current": "python_arenas", "# bytes in allocated blocks": "python_objects"}
+
+
+def _pymalloc_stats() -> dict[str, int]:
+    """``sys._debugmallocstats``'s counts of pymalloc (written to the C-level stderr, read back from a file)."""
+    found = dict.fromkeys(PYMALLOC_STATS.values(), 0)
+    if not hasattr(sys, "_debugmallocstats"):
+        return found
+    with tempfile.TemporaryFile() as out:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(out.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    for line in text.splitlines():
+        name, _, value = line.rpartition("=")
+        key = PYMALLOC_STATS.get(name.strip())
+        if key is not None:
+            found[key] = int(value.strip().replace(",", ""))
+    found["python_arenas"] *= 2**20 if sys.version_info >= (3, 10) else 2**18  # pymalloc's arena size
+    return found
+
+
+def heap_breakdown() -> dict[str, int]:
+    """Where this process's heap is: Python's small-object allocator (pymalloc: its arenas, resident until every
+    object in them is freed, and the bytes its live objects take) and glibc's ``malloc`` (bytes in use and free in
+    its arenas; ``malloc_trim`` hands back the free pages, ``mallinfo2`` still counts them free).
 
     Returns:
-        Whether anything could be released (False without glibc, e.g. on macOS or musl).
+        ``{"python_arenas", "python_objects", "malloc_in_use", "malloc_free", "malloc_mapped"}`` in bytes
+        (``malloc_mapped``: blocks ``malloc`` mapped on their own); zeros where a figure is not available.
     """
-    libc = _libc()
-    return bool(libc.malloc_trim(0)) if libc is not None else False
+    found = {**_pymalloc_stats(), "malloc_in_use": 0, "malloc_free": 0, "malloc_mapped": 0}
+    libc = glibc()
+    if libc is not None and hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+        found.update(malloc_in_use=info.uordblks, malloc_free=info.fordblks, malloc_mapped=info.hblkhd)
+    return found
 
 
 def compiled_graph_count() -> int:

@@ -14,7 +14,12 @@ import functools
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
+def glibc() -> ctypes.CDLL | None:
+    """This process's C library, where it is glibc (it has ``malloc_trim``); loaded once.
+
+    Returns:
+        The library, or None (another C library, e.g. on macOS or musl).
+    """
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
@@ -29,5 +34,5 @@ def release_freed_memory() -> bool:
     Returns:
         Whether anything could be released (False without glibc, e.g. on macOS or musl).
     """
-    libc = _libc()
+    libc = glibc()
     return bool(libc.malloc_trim(0)) if libc is not None else False

@@ -18,11 +18,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import blocks
+
+from ..convert.export import FOLDER_WRITER_KIND
+from .file_staging import staging_file
 from .files import CONFIG_NAME
 from .folder_locks import flock, folder_lock, fsync, new_locked_folder
 
 __all__ = ["SHARED_ID", "fsync", "publish", "reading", "recover", "recover_all", "remove_folder", "replace_folder",
-           "shared_staging_folder", "staging_folder", "write_folder"]
+           "shared_staging_folder", "staging_folder", "write_file", "write_folder"]
 
 # How a save survives being killed at any instant (SIGKILL included):
 #
@@ -68,6 +72,7 @@ def _step(label: str) -> None:
         step_hook(label)
 
 
+@blocks.register(FOLDER_WRITER_KIND, "atomic")  # found there by writers below this package (save_transformers)
 def write_folder(target: Path, write: Callable[[Path], None], *, what: str = "a checkpoint") -> None:
     """Write the folder ``target`` atomically: ``write(staging)`` fills a ``staging_folder`` with plain files, which
     ``publish`` then makes the folder's files (other files already in ``target`` are kept).
@@ -98,6 +103,35 @@ def write_folder(target: Path, write: Callable[[Path], None], *, what: str = "a 
                 f"the new files are committed, and the next save or load of {target} finishes moving them in"
             )
             raise OSError(e.errno, f"saving {what} to {target} failed ({e}); {state}", e.filename) from e
+
+
+def write_file(target: str | os.PathLike[str], data: bytes | str) -> Path:
+    """Write one file atomically, even against SIGKILL: ``data`` goes to a hidden staging file beside ``target``
+    (``file_staging.staging_file``), which is flushed, renamed over ``target`` and the folder flushed. A reader sees
+    the old file or the new one; a killed save's staging file is removed by the next save of ``target``.
+
+    Args:
+        target: the file (its folder is created if needed).
+        data: the content; a ``str`` is written as UTF-8.
+
+    Returns:
+        ``target`` as a ``Path``.
+
+    Raises:
+        IsADirectoryError: ``target`` is a folder (nothing is written).
+    """
+    target = Path(target)
+    if target.is_dir():
+        raise IsADirectoryError(f"cannot write the file {target}: it is a folder")
+    with staging_file(target) as staging:
+        staging.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+        fsync(staging)
+        _step(f"fsync {target.name}")
+        os.replace(staging, target)
+        _step(f"replace {target.name}")
+        fsync(staging.parent)
+        _step("fsync parent folder")
+    return target
 
 
 @contextmanager

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch import nn
 
 from ..convert.tasks import export_base
 from ..core.finite import check_finite
+from .atomic import replace_folder, staging_folder
 from .files import MAX_JSON_DEPTH, json_depth
 from .paths import confined
 
@@ -218,9 +220,13 @@ def save_sentence_transformers(model: nn.Module, directory: str | os.PathLike[st
     """Write ``model`` (a text model; its ``embedding`` head's options, or mean pooling) and its tokenizer as a
     sentence-transformers folder that ``SentenceTransformer(directory)`` loads.
 
+    The folder is written atomically, even if the process is killed: it is staged beside ``directory`` and replaces
+    it as a whole (``models.checkpoints.atomic.replace_folder``), so a reader sees the old folder or the new one;
+    the other files of an old folder are carried over (hard links).
+
     Args:
         model: the text model, with its tokenizer attached.
-        directory: the folder to write (created if needed).
+        directory: the folder to write (created with its parents if needed).
 
     Returns:
         The folder's path.
@@ -228,6 +234,7 @@ def save_sentence_transformers(model: nn.Module, directory: str | os.PathLike[st
     Raises:
         ValueError: no tokenizer attached, a base no ``transformers`` family represents, or a tensor holding NaN or
             inf (named); nothing is written then.
+        NotADirectoryError: ``directory`` exists and is not a folder (nothing is written).
     """
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
@@ -236,7 +243,20 @@ def save_sentence_transformers(model: nn.Module, directory: str | os.PathLike[st
     hf_config, state = export_base(model)
     check_finite(state, "sentence-transformers export")
     path = Path(directory)
-    (path / "1_Pooling").mkdir(parents=True, exist_ok=True)
+    target = path.expanduser().resolve()  # leftovers of killed saves are found beside the real folder
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"cannot save a sentence-transformers folder to {target}: it is not a folder")
+    with staging_folder(target) as staging:
+        _write_files(staging, model, tokenizer, options, hf_config, state)
+        keep_other_files(target, staging)
+        replace_folder(staging, target)
+    return path
+
+
+def _write_files(path: Path, model: nn.Module, tokenizer: Any, options: dict[str, Any], hf_config: dict[str, Any],
+                 state: dict[str, Any]) -> None:
+    """Every file of the sentence-transformers folder, written into the (staging) folder ``path``."""
+    (path / "1_Pooling").mkdir()
     save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, path / "model.safetensors",
               metadata={"format": "pt"})
     write(path / "config.json", hf_config)
@@ -251,7 +271,7 @@ def save_sentence_transformers(model: nn.Module, directory: str | os.PathLike[st
                **{key: name == mode for key, name in LEGACY_POOLING_KEYS.items()}}
     write(path / "1_Pooling" / "config.json", pooling)
     if options.get("normalize"):
-        (path / "2_Normalize").mkdir(exist_ok=True)
+        (path / "2_Normalize").mkdir()
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     write(path / "modules.json", modules)
     write(path / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
@@ -259,7 +279,34 @@ def save_sentence_transformers(model: nn.Module, directory: str | os.PathLike[st
         "prompts": dict(options.get("prompts") or {}), "default_prompt_name": options.get("default_prompt_name"),
         "similarity_fn_name": "cosine",
     })
-    return path
+
+
+def keep_other_files(target: Path, staging: Path) -> None:
+    """Hard-link (or copy) into ``staging`` what ``target`` holds that the new folder does not write, so that
+    replacing ``target`` by ``staging`` keeps the user's other files.
+
+    Args:
+        target: the folder being replaced (need not exist).
+        staging: the new folder, complete.
+    """
+    if not target.is_dir():
+        return
+    for entry in sorted(target.iterdir()):
+        if os.path.lexists(staging / entry.name):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), staging / entry.name)
+        elif entry.is_dir():
+            shutil.copytree(entry, staging / entry.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, staging / entry.name)
+
+
+def _link_or_copy(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
 
 
 def write(path: Path, data: Any) -> None:

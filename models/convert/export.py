@@ -28,6 +28,8 @@ from ..core.finite import check_finite
 EXPORTER_KIND = "hf_exporter"
 #: kind of ``models.convert.tasks.export_task`` (models with a task head), looked up so this module imports it not.
 TASK_EXPORT_KIND = "hf_task_export"
+#: kind of ``models.checkpoints.atomic.write_folder`` (name ``"atomic"``), looked up as the package sits above this one.
+FOLDER_WRITER_KIND = "folder_writer"
 
 Exporter = Callable[[nn.Module], tuple[dict[str, Any], dict[str, Tensor]]]
 
@@ -95,27 +97,39 @@ def to_transformers(model: nn.Module, model_type: str | None = None) -> tuple[di
     raise ValueError(f"no transformers family represents this {type(model).__name__} exactly ({'; '.join(reasons)})")
 
 
-def save_transformers(model: nn.Module, directory: str | os.PathLike[str], model_type: str | None = None) -> Path:
+def save_transformers(model: nn.Module, directory: str | os.PathLike[str], model_type: str | None = None, *,
+                      tokenizer: Any = None) -> Path:
     """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads as ``model``'s equivalent.
+
+    The folder is written atomically, even if the process is killed (``models.checkpoints.atomic.write_folder``):
+    a reader sees the old files or the new ones, never a mix; other files already in the folder are kept.
 
     Args:
         model: a zoo model of a family ``models.convert`` exports.
         directory: the folder to write.
         model_type: the ``transformers`` family to write (default: the first registered one that represents the
             model exactly).
+        tokenizer: a ``tokenization.Tokenizer`` written with the model, in the same atomic save (default: none).
 
     Returns:
         The folder's path.
 
     Raises:
         ValueError: as ``to_transformers``, or a tensor holding NaN or inf (named); nothing is written then.
+        NotADirectoryError: ``directory`` exists and is not a folder (nothing is written).
+        OSError: writing failed (a full disk, ...); the message says whether the folder is unchanged.
     """
     config, state_dict = to_transformers(model, model_type)
     check_finite(state_dict, "export to transformers")
     path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(state_dict, path / "model.safetensors", metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    def write(folder: Path) -> None:
+        save_file(state_dict, folder / "model.safetensors", metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(folder / "tokenizer.json")
+
+    blocks.get(FOLDER_WRITER_KIND, "atomic")(path, write, what="a transformers export")
     return path
 
 

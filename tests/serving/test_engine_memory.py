@@ -21,6 +21,7 @@ from serving import Engine
 from serving.memory import (
     compiled_graph_count,
     descendants,
+    heap_breakdown,
     process_memory,
     release_compile_state,
     release_freed_memory,
@@ -70,6 +71,23 @@ def test_release_freed_memory_returns_freed_heap_blocks() -> None:
     assert release_freed_memory()
     assert process_memory()["anonymous"] < held - 32 * 2**20
     assert keep[0] == 1
+
+
+def test_heap_breakdown_tells_python_objects_from_malloc_and_counts_fragmented_arenas() -> None:
+    before = heap_breakdown()
+    assert 0 < before["python_objects"] <= before["python_arenas"] and before["malloc_in_use"] > 0
+    objects = [(i, float(i)) for i in range(300_000)]  # ~30 MB of small objects: pymalloc's arenas
+    grown = heap_breakdown()
+    assert grown["python_objects"] - before["python_objects"] > 20 * 2**20
+    assert grown["python_arenas"] - before["python_arenas"] > 20 * 2**20
+    keep = objects[::2000]  # one object in each arena or so keeps the arena: freed objects' space stays resident
+    del objects
+    fragmented = heap_breakdown()
+    assert fragmented["python_objects"] - before["python_objects"] < 5 * 2**20
+    assert fragmented["python_arenas"] - before["python_arenas"] > 10 * 2**20  # what anonymous memory counts
+    blocks = [bytearray(64 * 1024) for _ in range(256)]  # 16 MiB of heap blocks below malloc's mmap threshold
+    assert heap_breakdown()["malloc_in_use"] - fragmented["malloc_in_use"] > 12 * 2**20
+    assert len(keep) == 150 and len(blocks) == 256
 
 
 def test_memory_figures_of_a_process_tree_add_up() -> None:
