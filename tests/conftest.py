@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +28,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # ``make test`` runs one pytest worker per core (pytest-xdist): one intra-op thread each, so two workers never
     # fight over the cores (a kernel whose second OpenMP thread is descheduled waits at every barrier).
     torch.set_num_threads(1)
+    # Inductor compiles in the worker itself, not in a pool of compile processes (by default one per core, started
+    # at a process's first compile: seconds of CPU to import torch in each, on cores the other worker is using).
+    # The variable reaches the processes a test starts too (servers, scripts); the config is set as well in case
+    # torch._inductor.config was imported before this line.
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    # The processes a test starts (servers, scripts, benchmarks' subprocesses) take one intra-op thread too, unless
+    # told otherwise: two there would share a core with the other worker.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
 
 
 @pytest.fixture(autouse=True)
@@ -43,6 +55,26 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+_KERNEL_BUILD: list[threading.Thread] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(session.config.option, "numprocesses", None):
+        return
+    # xdist's controller runs no test: it builds the GGUF CPU kernels (``blocks.quantized.cpu_kernels``: ~30 s of one
+    # core in a new environment, a cache hit otherwise) while the workers start, instead of the first worker to need
+    # them, with the other worker idle on the build's lock if it needs them meanwhile.
+    from blocks.quantized import cpu_kernels
+
+    _KERNEL_BUILD.append(threading.Thread(target=cpu_kernels.available, name="kernel-build", daemon=True))
+    _KERNEL_BUILD[-1].start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for thread in _KERNEL_BUILD:
+        thread.join()  # an interrupted build would leave its lock file behind
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
