@@ -53,8 +53,10 @@ HOSTILE = {
     "block text": ("{% set b %}{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}{% endset %}",
                    r"made more than \d+ bytes"),
     "output": ("{% for i in range(100000) %}{{ '\U0001F600' * 100000 }}{% endfor %}", r"the rendered text would"),
+    # The clock is read at every loop step and every call: the limit falls on an inner step, or (rarely, on a slow
+    # host) on the range() call that starts the next inner loop.
     "nested loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-                     r"ran past its time limit of 1.0 s \(at a for loop\)"),
+                     r"ran past its time limit of 1.0 s \(at (a for loop|a call of bounded_range)\)"),
     "exponential macro": ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
                           "{{ f(60) }}", r"ran past its time limit"),
     "int text": ("{{ messages[0].content + 5 }}", r"TypeError: can only concatenate str"),
