@@ -225,6 +225,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.shapes, args.tokens = ["tiny"], 8
+    if args.tokens < 2:  # decoding steps are timed as a run of --tokens less a run of one
+        parser.error(f"--tokens={args.tokens}: expected at least 2")
     folder = Path(args.folder) if args.folder else Path(tempfile.mkdtemp(prefix="zoo-quantized-"))
     folder.mkdir(parents=True, exist_ok=True)
     print(f"one thread each; files in {folder}")

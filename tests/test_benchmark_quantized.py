@@ -4,6 +4,7 @@ load (a vocabulary included) that the zoo loads packed."""
 from __future__ import annotations
 
 import gguf
+import pytest
 
 import models
 from benchmarks import quantized, thin
@@ -25,3 +26,10 @@ def test_a_written_file_has_a_vocabulary_and_loads_packed(tmp_path) -> None:
     model = models.from_pretrained(path)
     assert set(quantized_modules(model).values()) == {"q4_0"}
     assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.lm_head is model.embed_tokens.table
+
+
+def test_fewer_than_two_tokens_is_refused_before_anything_runs(monkeypatch, capsys) -> None:
+    monkeypatch.setattr("sys.argv", ["quantized", "--tokens", "1", "--folder", "/nonexistent/never-made"])
+    with pytest.raises(SystemExit) as exit_info:
+        quantized.main()
+    assert exit_info.value.code == 2 and "--tokens=1: expected at least 2" in capsys.readouterr().err
