@@ -68,7 +68,10 @@ class Engine(LoRAEngineMixin, OfflineGenerateMixin):
             ``serving.single_row``, as ``generate(compile=True)``'s, one for several), and the one-token rows'
             attention in the other steps through one compiled graph; ``"attention"``: only that attention graph
             (compiled at the first step with a decoding row); ``"single"``: the single-row graph for a lone
-            decoding row, the other steps as with ``"attention"``; ``False``: nothing compiled.
+            decoding row, the other steps as with ``"attention"``; ``"aot"``: the two graphs of ``True`` compiled
+            ahead of time in a child process (``serving.aot_steps``: the engine's process holds no compiler; the
+            steps run eagerly until the packages are ready, which a later engine of the model loads from disk),
+            the other steps eager; ``False``: nothing compiled.
         max_loras: adapters resident at once (0: no adapters, unless ``loras`` are given: then one slot each);
             each request may name one (``adapter=``), rows of different adapters share a step (docs/multi-lora.md).
         max_lora_rank: the largest adapter rank (default: that of ``loras``, at least 16).
@@ -126,6 +129,7 @@ class Engine(LoRAEngineMixin, OfflineGenerateMixin):
         self._arrivals = itertools.count()
         self.peak_blocks = 0  # most blocks in use at once
         self.enable_loras(max_loras, max_lora_rank, loras, max_num_batched_tokens)
+        self.runner.start_aot()  # compile="aot": the model's structure is final (LoRA slots added)
 
     # ----------------------------------------------------------------------------------------------- requests
     def make_request(self, prompt: Any, sampling: Any = None, *, max_tokens: Any = 16, stop: Any = None,

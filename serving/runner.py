@@ -7,6 +7,10 @@ graph serves every such step, with no padding. Its one-token rows attend without
 (``blocks.paged_attention``: one entry per row and block read). A graph never grows the pools: the runner grows them
 before it runs (``grow_pools``), and their block count is a dynamic input. Steps holding a prefill chunk stay eager.
 
+With ``compile="aot"`` the same two decode-only steps are compiled ahead of time in another process
+(``serving.aot_steps``: no compiler in the engine's process) and run eagerly until their packages are ready; the
+other steps stay eager (a model its config does not describe is compiled as with ``compile=True``).
+
 With ``compile="attention"`` (and in the eager steps of ``compile=True``) only the attention of the one-token rows
 is compiled (``RaggedAttention``): one graph with dynamic counts, so every step, a prefill chunk's included, reads
 each decoding row's keys and values once, in place, instead of gathering padded copies of them for the backend.
@@ -16,6 +20,7 @@ Latent attention (``paged_latent``) attends its own way: its compiled steps take
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,11 +35,14 @@ from models.core import stack
 from models.generation import compiled
 from models.generation.steps import eval_mode
 
+from .aot_steps import AheadOfTimeSteps, PackagedStep, checked, exportable
 from .memory import compiled_graph_count, release_compile_state
 from .single_row import SingleRowStep, mark_pools
 
+log = logging.getLogger(__name__)
+
 #: The values of ``compile`` (``PagedRunner``, ``serving.Engine``).
-COMPILE_MODES = (False, True, "attention", "single")
+COMPILE_MODES = (False, True, "attention", "single", "aot")
 
 
 def check_compile(compile: Any) -> None:  # noqa: A002
@@ -44,9 +52,9 @@ def check_compile(compile: Any) -> None:  # noqa: A002
         compile: the ``compile`` argument to check.
 
     Raises:
-        ValueError: ``compile`` is neither a bool nor ``"attention"`` or ``"single"``.
+        ValueError: ``compile`` is neither a bool nor ``"attention"``, ``"single"`` or ``"aot"``.
     """
-    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile in ("attention", "single"))):
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile in COMPILE_MODES)):
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
 
 
@@ -226,7 +234,8 @@ class PagedRunner:
             (``DynamicStep``), and the attention of one-token rows in the other steps through ``RaggedAttention``;
             ``"attention"``: only the latter (every step stays eager around one compiled attention graph);
             ``"single"``: the single-row graph for a step of one decoding row, the other steps as ``"attention"``
-            runs them; ``False``: nothing compiled.
+            runs them; ``"aot"``: the two graphs of ``True`` compiled ahead of time in another process
+            (``serving.aot_steps``; started by ``start_aot``), the other steps eager; ``False``: nothing compiled.
 
     Raises:
         NotImplementedError: a positional encoding with an attention bias (ALiBi, T5's relative bias).
@@ -248,13 +257,26 @@ class PagedRunner:
         for cache in self.caches:
             cache.self_attn.workspace = workspace
         plain = all(paged_kind(layer) == "paged" for layer in model.layers)  # no latent cache
-        # How one-token rows are attended in eager steps (PagedBatch's decode), and in compiled decode-only steps.
-        self.decode = "ragged" if compile and plain else "split"
-        self.compiled_decode = "ragged" if plain else "one"
-        self.step: DynamicStep | None = None
-        self.single: SingleRowStep | None = None  # a step of one decoding row (a lone request), compiled apart
+        self.decode = "split"  # how eager steps attend one-token rows (``compile_steps`` may change it)
+        self.compiled_decode = "ragged" if plain else "one"  # ... and compiled decode-only steps
+        self.step: DynamicStep | PackagedStep | None = None
+        self.single: SingleRowStep | PackagedStep | None = None  # a step of one decoding row (a lone request)
         self.like, self.attentions = like, [layer.self_attn for layer in model.layers]
         self.modules = list(model.modules())
+        self.mode, self.aot = compile, None
+        self.graphs_seen: int | None = None
+        if compile != "aot":
+            self.compile_steps(compile)
+
+    def compile_steps(self, compile: bool | str) -> None:  # noqa: A002
+        """Set up the in-process compiled steps of a ``compile`` mode (``torch.compile``; none for ``False``).
+
+        Args:
+            compile: ``True``, ``"attention"``, ``"single"`` or ``False``.
+        """
+        plain = all(paged_kind(layer) == "paged" for layer in self.model.layers)  # no latent cache
+        # How one-token rows are attended in eager steps (PagedBatch's decode), and in compiled decode-only steps.
+        self.decode = "ragged" if compile and plain else "split"
         if compile and plain:
             attention = RaggedAttention()
             for cache in self.caches:
@@ -266,6 +288,24 @@ class PagedRunner:
             self.single = SingleRowStep(regions=plain)
         # After a step that compiled a graph, what the compile kept and running never reads is freed.
         self.graphs_seen = compiled_graph_count() if compile else None
+
+    def start_aot(self) -> None:
+        """With ``compile="aot"``, start compiling the packages (or load them from disk): called once the model's
+        structure is final (after the engine adds its LoRA slots), else at the first step. A model that cannot be
+        exported (``serving.aot_steps.exportable``) is compiled in-process as with ``compile=True``."""
+        if self.mode != "aot" or self.aot is not None or self.step is not None or self.single is not None:
+            return
+        reason = exportable(self.model)
+        if reason is not None:
+            log.info("compile='aot': %s; compiling in this process instead (compile=True)", reason)
+            self.compile_steps(True)
+            return
+        self.aot = AheadOfTimeSteps(self.model, self.block_size, self.like.dtype)
+
+    def close(self) -> None:
+        """Stop a running ahead-of-time compile process (``compile="aot"``)."""
+        if self.aot is not None:
+            self.aot.close()
 
     @torch.inference_mode()
     def scrub(self, blocks: Sequence[int]) -> None:
@@ -288,7 +328,8 @@ class PagedRunner:
         """
         for attention, cache in zip(self.attentions, self.caches, strict=True):
             cache.self_attn.grow(attention, self.like, needed)
-        mark_pools(self.caches)
+        if self.aot is None:  # (a package takes any block count; marking would import the compiler)
+            mark_pools(self.caches)
 
     @property
     def nbytes(self) -> int:
@@ -317,6 +358,14 @@ class PagedRunner:
         Shapes: -> ``(R, V)``, one row per entry of ``rows``.
         """
         device = self.device
+        if self.mode == "aot":
+            self.start_aot()
+            if self.aot is not None:  # the packages loaded so far (none while compiling, or after a failure)
+                loaded = self.aot.poll()
+                self.single, self.step = loaded.get("single"), loaded.get("batch")
+                if self.aot.unexportable:  # its config does not rebuild it: compiled here instead
+                    self.aot = None
+                    self.compile_steps(True)
         step, decode = packed_logits, self.decode
         graph = self.step if len(rows) > 1 else self.single
         if graph is not None and all(n_query == 1 for n_query, _, _ in rows):
@@ -329,8 +378,13 @@ class PagedRunner:
         # eval_mode sets and restores every submodule's flag (a tenth of a small step): only when one is training.
         training = any(m.training for m in self.modules)  # a list kept: walking a 30-layer tree costs a millisecond
         with eval_mode(self.model) if training else contextlib.nullcontext():
-            logits = step(self.model, torch.tensor([list(ids)], device=device), batch.positions[None], self.caches,
-                          batch.last)
+            tokens = torch.tensor([list(ids)], device=device)
+            logits = step(self.model, tokens, batch.positions[None], self.caches, batch.last)
+            if isinstance(step, PackagedStep) and not step.checked:  # a package's first step: against eager's
+                reference = packed_logits(self.model, tokens, batch.positions[None], self.caches, batch.last)
+                if not checked(step, self.aot, logits, reference):
+                    self.single = self.step = None
+                    logits = reference
         for cache in self.caches:
             cache.self_attn.batch = None
         if self.graphs_seen is not None and compiled_graph_count() != self.graphs_seen:

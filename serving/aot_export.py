@@ -1,0 +1,237 @@
+"""Exporting and compiling the engine's decode-only steps ahead of time: the work of the compile process that
+``serving.aot_steps`` starts (``python -m serving.aot_export SPEC``).
+
+A step of ``serving.runner`` reads its rows through the ``PagedBatch`` set on every layer's cache; ``StepModule``
+takes that batch's tensors and the pools as flat inputs instead, so ``torch.export`` can trace it with the row,
+entry and pool-block counts dynamic (``backed_size_oblivious``: a count of 1 is not specialised). The model is
+rebuilt from its class and config with uninitialised weights (their values are never read: the engine hands its own
+to the package) and the engine model's buffers (rotary frequencies, which the graph may fold).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch import Tensor, nn
+
+from blocks.paged_attention import RaggedRows
+from blocks.paged_cache import PagedBatch, PagedLayerCache
+
+from .single_row import one_row_mode
+
+#: The steps compiled: one decoding row, and several.
+KINDS = ("single", "batch")
+#: Inputs of a step before its pools: ids, positions, keep, slots and the ``RaggedRows`` tensors.
+N_BATCH_INPUTS = 10
+#: The compile process's exit status for a model its config does not rebuild (the runner then compiles in-process).
+NOT_EXPORTABLE = 3
+
+
+def tensor_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """Every parameter and buffer of ``model`` (tied ones under each name) as ``(name, shape, dtype)``.
+
+    Args:
+        model: the model.
+
+    Returns:
+        The sorted list.
+    """
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return sorted((name, tuple(t.shape), str(t.dtype)) for name, t in named)
+
+
+def rebuilt(model_class: type, config: Any, dtype: torch.dtype, device: str = "meta") -> nn.Module:
+    """``model_class(config)`` built on ``device`` (``"meta"``: no memory) in ``dtype``, in eval mode.
+
+    Args:
+        model_class: the model's class.
+        config: its config.
+        dtype: the float dtype of the engine's model.
+        device: ``"meta"``, or ``"cpu"`` for uninitialised storage (what export traces).
+
+    Returns:
+        The model.
+    """
+    with torch.device("meta"):
+        model = model_class(config)
+    if device != "meta":
+        model = model.to_empty(device=device)
+    return model.to(dtype).eval()
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is True inside (non-strict ``torch.export`` does not set it): the model
+    skips the checks that read tensor data, as it does under ``torch.compile``."""
+    previous = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
+
+
+class StepModule(nn.Module):
+    """A decode-only step of ``serving.runner`` as a module of flat tensors (what ``torch.export`` takes): the
+    packed batch's tensors, then every layer's key and value pools, in layer order.
+
+    Args:
+        model: the ``DecoderLM``.
+        caches: its per-layer paged caches.
+        block_size: positions per block.
+        single: one decoding row (its products as 1-row reductions, ``serving.single_row``).
+    """
+
+    def __init__(self, model: nn.Module, caches: list[PagedLayerCache], block_size: int, single: bool) -> None:
+        super().__init__()
+        self.model, self.caches, self.block_size, self.single = model, caches, block_size, single
+
+    def forward(self, ids: Tensor, positions: Tensor, keep: Tensor, slots: Tensor, query: Tensor, q_pos: Tensor,
+                block: Tensor, row: Tensor, start: Tensor, layout: Tensor, *pools: Tensor) -> Tensor:
+        """The rows' next-token logits; the new keys and values are written into ``pools`` in place.
+
+        Shapes: ids ``(1, R)``, positions ``(1, R)``, keep ``(R,)``, slots ``(R,)``, the ``RaggedRows`` tensors
+        (``whole``), pools ``(Hkv, blocks, block_size, D)`` -> ``(R, V)``.
+        """
+        batch = PagedBatch.__new__(PagedBatch)
+        batch.block_size, batch.n_tokens, batch.max_block, batch.groups = self.block_size, ids.shape[1], 0, []
+        batch.positions, batch.slots, batch.last = positions[0], slots, keep
+        batch.ragged = RaggedRows(query, q_pos, block, row, start, layout, whole=True)
+        for i, cache in enumerate(self.caches):
+            cache.self_attn.k, cache.self_attn.v, cache.self_attn.batch = pools[2 * i], pools[2 * i + 1], batch
+        with one_row_mode() if self.single else contextlib.nullcontext():
+            return self.model(ids, positions=positions, cache=self.caches, logits_to_keep=keep).logits[0]
+
+
+def step_inputs(ids: Tensor, positions: Tensor, keep: Tensor, caches: list[PagedLayerCache]) -> list[Tensor]:
+    """The flat inputs of ``StepModule`` for a runner's step (its batch set on the caches, built with
+    ``decode="ragged"``, every row decoding one token).
+
+    Args:
+        ids: ``(1, R)`` the rows' tokens.
+        positions: ``(1, R)`` their positions.
+        keep: ``(R,)`` the packed index of each row.
+        caches: the per-layer caches, their batch set and pools grown.
+
+    Returns:
+        The inputs in ``StepModule.forward``'s order.
+    """
+    batch = caches[0].self_attn.batch
+    rows = batch.ragged
+    pools = [pool for cache in caches for pool in (cache.self_attn.k, cache.self_attn.v)]
+    return [ids, positions, keep, batch.slots, rows.query, rows.q_pos, rows.block, rows.row, rows.start,
+            rows.layout, *pools]
+
+
+def export_step(model: nn.Module, block_size: int, kind: str) -> torch.export.ExportedProgram:
+    """Export one decode-only step of ``model`` with its row, entry and pool-block counts dynamic.
+
+    Args:
+        model: the ``DecoderLM`` (its tensors' values are not read).
+        block_size: positions per block.
+        kind: ``"single"`` (one row) or ``"batch"`` (several rows).
+
+    Returns:
+        The exported program.
+    """
+    from torch.export import Dim
+
+    contexts = [40] if kind == "single" else [40, 70, 20]  # sizes of 2 and more: nothing specialises on 1
+    caches = [PagedLayerCache(1 << 20, block_size, "paged") for _ in model.layers]
+    like = next(p for p in model.parameters() if p.is_floating_point())
+    tables, first = [], 0
+    for context in contexts:
+        used = -(-context // block_size)
+        tables.append((1, context, list(range(first, first + used))))
+        first += used
+    for layer, cache in zip(model.layers, caches, strict=True):
+        cache.self_attn.grow(layer.self_attn, torch.empty(0, dtype=like.dtype), first)
+    batch = PagedBatch(tables, block_size, "cpu", decode="ragged")
+    for cache in caches:
+        cache.self_attn.batch = batch
+    n = len(contexts)
+    args = step_inputs(torch.zeros(1, n, dtype=torch.long), batch.positions[None], batch.last, caches)
+    rows, entries = Dim("rows", min=2) if n > 1 else None, Dim("entries", min=1)
+    width, pool = Dim("width", min=1), Dim("pool_blocks", min=1)
+    one = {0: rows} if rows else None
+    shapes = ({1: rows} if rows else None, {1: rows} if rows else None, one, one, one, one,
+              {0: entries}, {0: entries}, {0: entries}, {0: rows, 1: width} if rows else {1: width})
+    module = StepModule(model, caches, block_size, single=kind == "single").eval()
+    with torch.no_grad(), tracing(), fx_config.patch(backed_size_oblivious=True):
+        pools = tuple({1: pool} for _ in args[N_BATCH_INPUTS:])
+        return torch.export.export(module, tuple(args), dynamic_shapes=(*shapes, pools), strict=False)
+
+
+def compile_packages(spec: dict[str, Any]) -> None:
+    """Build the packages of ``spec`` (the child's work): rebuild the model, check its tensors, export and compile
+    each step, and move each package into place whole (written to a temporary name, then renamed).
+
+    Args:
+        spec: ``model_class``, ``config``, ``dtype``, ``signature``, ``buffers`` (the engine model's, by name),
+            ``block_size``, ``folder``.
+
+    Raises:
+        TypeError: the rebuilt model's tensors are not the engine model's.
+    """
+    import torch._inductor
+
+    torch._inductor.config.compile_threads = 1
+    model = rebuilt(spec["model_class"], spec["config"], spec["dtype"], device="cpu")
+    if tensor_signature(model) != spec["signature"]:
+        raise TypeError("the model rebuilt from its config does not have the engine model's tensors")
+    with torch.no_grad():  # the buffers' values (rotary frequencies) may be folded into the graph: the engine's
+        for name, buffer in model.named_buffers(remove_duplicate=False):
+            buffer.copy_(spec["buffers"][name])
+    folder = Path(spec["folder"])
+    folder.mkdir(parents=True, exist_ok=True)
+    for kind in KINDS:
+        final = folder / f"{kind}.pt2"
+        if final.exists():
+            continue
+        program = export_step(model, spec["block_size"], kind)
+        handle, staging = tempfile.mkstemp(suffix=".pt2", dir=folder)
+        os.close(handle)
+        try:
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=staging,
+                inductor_configs={"aot_inductor.package_constants_in_so": False, "size_asserts": False})
+            with open(staging, "rb") as file:
+                os.fsync(file.fileno())
+            os.replace(staging, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m serving.aot_steps SPEC``: compile the packages a pickled spec describes (the spec file is
+    removed).
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
+    (spec_path,) = sys.argv[1:] if argv is None else argv
+    torch.set_num_threads(1)
+    spec = torch.load(spec_path, weights_only=False)  # written by the engine's own process just before
+    os.unlink(spec_path)
+    try:
+        compile_packages(spec)
+    except TypeError as err:
+        print(f"not exportable: {err}", flush=True)
+        return NOT_EXPORTABLE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
