@@ -12,7 +12,8 @@ Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread c
 - **zoo serve (MODE)**: the server's application (``serving.openai_api.create_app``) in a child process with the
   engine in its own process (``zoo serve``'s default), driven by the ``openai`` client with token-id prompts and
   greedy decoding: requests one at a time, then ``--concurrency`` in flight at once. MODE is the engine's
-  ``compile`` (eager, attention, compile);
+  ``compile`` (eager, attention, single, compile, aot); for aot the packages are compiled in this process before
+  the server starts (``prebuild``, its seconds printed), so the server measured runs them from its first request;
 - **llama-server** (``find_llama_server``: ``--llama-server PATH``, else ``$LLAMA_SERVER``, else ``llama-server`` on
   ``PATH``; ``--no-peer`` skips it): ``-np`` ``--concurrency`` on the model written as an F32 GGUF file (a filler
   tokenizer of the model's vocabulary), its end-of-text token ignored (``ignore_eos``) as the zoo's model has none.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import multiprocessing
 import os
 import platform
@@ -50,11 +52,12 @@ import torch
 
 from benchmarks.quantized import FAMILY, SHAPES, filler_tokenizer
 from models import DecoderLM, DecoderLMConfig
-from serving.engine import kv_block_nbytes
+from serving.aot_steps import AheadOfTimeSteps
+from serving.engine import Engine, kv_block_nbytes
 from serving.engine_process import ModelSource
 from serving.memory import process_memory, tree_memory
 
-MODES = {"eager": False, "attention": "attention", "compile": True, "single": "single"}
+MODES = {"eager": False, "attention": "attention", "compile": True, "single": "single", "aot": "aot"}
 #: The modules each of ``zoo serve``'s processes imports: the runtime every server holds whatever its model.
 RUNTIME = ("import torch, uvicorn, models, serving.openai_api", "import torch, models, serving.engine_worker")
 
@@ -221,6 +224,16 @@ def measure_server(url: str, pid: int, prompts: list[list[int]], gen_len: int, s
                 pss=memory["pss"], tokens=outs)
 
 
+def prebuild(model: DecoderLM) -> float:
+    """Compile ``Engine(compile="aot")``'s packages of ``model`` (the engine's block size) before its server starts,
+    so that the server's first use loads them (a server compiles them in the background, serving eagerly until
+    then); the seconds it took (0 when they were on disk)."""
+    start = time.perf_counter()
+    block_size = inspect.signature(Engine).parameters["block_size"].default
+    AheadOfTimeSteps(model, block_size, torch.float32).wait()
+    return time.perf_counter() - start
+
+
 def generate_speed(model: DecoderLM, prompts: list[list[int]], gen_len: int, singles: int) -> float:
     model.generate(torch.tensor([prompts[0]]), max_new_tokens=gen_len, compile=True)  # warm-up (compiles)
     start = time.perf_counter()
@@ -269,9 +282,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 rows = {"generate(compile=True)": {"single": generate_speed(model, prompts, args.gen_len,
                                                                             args.singles)}}
                 for mode in args.modes:
+                    built = prebuild(model) if mode == "aot" else None
                     with zoo_server(folder, threads, args.concurrency, MODES[mode]) as (url, pid):
                         rows[f"zoo serve ({mode})"] = row = measure_server(url, pid, prompts, args.gen_len,
                                                                            args.singles)
+                    if built is not None:
+                        row["compile_s"] = built
+                        print(f"zoo serve (aot): packages compiled in {built:.0f} s before the server started")
                     print(f"zoo serve ({mode}): {row['single']:.2f} tok/s alone, {row['concurrent']:.2f} tok/s with "
                           f"{args.concurrency} in flight, PSS {row['pss'] / 2**20:.0f} MiB", flush=True)
                 if gguf is not None:

@@ -11,6 +11,7 @@ to the package) and the engine model's buffers (rotary frequencies, which the gr
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sys
 import tempfile
@@ -181,9 +182,6 @@ def compile_packages(spec: dict[str, Any]) -> None:
     Raises:
         TypeError: the rebuilt model's tensors are not the engine model's.
     """
-    import torch._inductor
-
-    torch._inductor.config.compile_threads = 1
     model = rebuilt(spec["model_class"], spec["config"], spec["dtype"], device="cpu")
     if tensor_signature(model) != spec["signature"]:
         raise TypeError("the model rebuilt from its config does not have the engine model's tensors")
@@ -192,28 +190,50 @@ def compile_packages(spec: dict[str, Any]) -> None:
             buffer.copy_(spec["buffers"][name])
     folder = Path(spec["folder"])
     folder.mkdir(parents=True, exist_ok=True)
-    for kind in KINDS:
-        final = folder / f"{kind}.pt2"
-        if final.exists():
-            continue
-        program = export_step(model, spec["block_size"], kind)
-        handle, staging = tempfile.mkstemp(suffix=".pt2", dir=folder)
-        os.close(handle)
+    with open(folder / "compile.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another engine's process compiling the same packages: wait for it
+        for kind in KINDS:
+            if not (folder / f"{kind}.pt2").exists():
+                compile_package(model, spec["block_size"], kind, folder)
+
+
+def compile_package(model: nn.Module, block_size: int, kind: str, folder: Path) -> None:
+    """Export and compile one step into ``folder / f"{kind}.pt2"``, written whole: compiled to a temporary name,
+    flushed to disk, then renamed (a process killed meanwhile leaves no package, only the temporary file).
+
+    Args:
+        model: the rebuilt model.
+        block_size: positions per block.
+        kind: ``"single"`` or ``"batch"``.
+        folder: the packages' folder.
+    """
+    import torch._inductor  # (here: the engine's process imports this module, never the compiler)
+
+    final = folder / f"{kind}.pt2"
+    program = export_step(model, block_size, kind)
+    handle, staging = tempfile.mkstemp(suffix=".pt2", dir=folder)
+    os.close(handle)
+    try:
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=staging,
+            inductor_configs={"aot_inductor.package_constants_in_so": False, "size_asserts": False})
+        with open(staging, "rb") as file:
+            os.fsync(file.fileno())
+        os.replace(staging, final)
+        directory = os.open(folder, os.O_RDONLY)
         try:
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=staging,
-                inductor_configs={"aot_inductor.package_constants_in_so": False, "size_asserts": False})
-            with open(staging, "rb") as file:
-                os.fsync(file.fileno())
-            os.replace(staging, final)
+            os.fsync(directory)  # the rename itself
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(staging)
+            os.close(directory)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m serving.aot_steps SPEC``: compile the packages a pickled spec describes (the spec file is
-    removed).
+    """``python -m serving.aot_export SPEC``: compile the packages a spec describes (a ``torch.save`` file the
+    engine's process wrote; removed once read). Exits with ``NOT_EXPORTABLE`` for a model its config does not
+    rebuild.
 
     Args:
         argv: the arguments (default ``sys.argv[1:]``).
@@ -222,7 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         The exit status.
     """
     (spec_path,) = sys.argv[1:] if argv is None else argv
+    from torch._inductor import config
+
     torch.set_num_threads(1)
+    config.compile_threads = 1  # one core: the engine's process runs beside it
     spec = torch.load(spec_path, weights_only=False)  # written by the engine's own process just before
     os.unlink(spec_path)
     try:
