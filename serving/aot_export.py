@@ -1,5 +1,5 @@
 """Exporting and compiling the engine's decode-only steps ahead of time: the work of the compile process that
-``serving.aot_steps`` starts (``python -m serving.aot_export SPEC``).
+``serving.aot_steps`` starts (``main``).
 
 A step of ``serving.runner`` reads its rows through the ``PagedBatch`` set on every layer's cache; ``StepModule``
 takes that batch's tensors and the pools as flat inputs instead, so ``torch.export`` can trace it with the row,
@@ -172,7 +172,7 @@ def export_step(model: nn.Module, block_size: int, kind: str) -> torch.export.Ex
 
 
 def compile_packages(spec: dict[str, Any]) -> None:
-    """Build the packages of ``spec`` (the child's work): rebuild the model, check its tensors, export and compile
+    """Build the packages of ``spec``: rebuild the model, check its tensors, export and compile
     each step, and move each package into place whole (written to a temporary name, then renamed).
 
     Args:
@@ -219,6 +219,9 @@ def compile_package(model: nn.Module, block_size: int, kind: str, folder: Path) 
             inductor_configs={"aot_inductor.package_constants_in_so": False, "size_asserts": False})
         with open(staging, "rb") as file:
             os.fsync(file.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o644 & ~umask)  # (mkstemp's file is the owner's only)
         os.replace(staging, final)
         directory = os.open(folder, os.O_RDONLY)
         try:
@@ -231,7 +234,7 @@ def compile_package(model: nn.Module, block_size: int, kind: str, folder: Path) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m serving.aot_export SPEC``: compile the packages a spec describes (a ``torch.save`` file the
+    """The compile process: compile the packages a spec describes (a ``torch.save`` file the
     engine's process wrote; removed once read). Exits with ``NOT_EXPORTABLE`` for a model its config does not
     rebuild.
 
@@ -255,6 +258,3 @@ def main(argv: list[str] | None = None) -> int:
         return NOT_EXPORTABLE
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 #: Modules whose tensors a model's config does not describe (LoRA slots, adapters, quantized layers).
 OWN_TENSORS = ("blocks.multi_lora", "blocks.adapters", "blocks.quantized", "blocks.lora_kernels")
+#: The module whose ``main`` the compile process runs.
+COMPILER = "serving.aot_export"
 #: How close a package's logits must be to the eager step's on its first step (float32 reordering is ~1e-5).
 TOLERANCE = 1e-3
 
@@ -68,7 +70,7 @@ def cache_dir() -> Path:
 def exportable(model: nn.Module) -> str | None:
     """Why ``model`` cannot be compiled ahead of time, found without building anything (the compile process checks
     the rest: ``tensor_signature``), or None: on the CPU, every layer's attention on the plain paged cache, no LoRA
-    slots, adapters or quantized layers.
+    slots (forward hooks), adapters or quantized layers.
 
     Args:
         model: the engine's ``DecoderLM`` (after any LoRA slots were added).
@@ -80,9 +82,11 @@ def exportable(model: nn.Module) -> str | None:
         return "the model is not on the CPU"
     if any(getattr(layer.self_attn, "paged_cache_kind", "paged") != "paged" for layer in model.layers):
         return "latent attention has its own paged cache"
-    for module in model.modules():
+    for name, module in model.named_modules():
         if type(module).__module__.startswith(OWN_TENSORS):
             return f"its {type(module).__name__} layers are not built from its config"
+        if module._forward_hooks or module._forward_pre_hooks:  # LoRA slot banks hook the layers they adapt
+            return f"{name or 'the model'} has forward hooks (LoRA slots), which its config does not build"
     return None
 
 
@@ -182,7 +186,8 @@ class AheadOfTimeSteps:
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(p for p in [str(Path(__file__).parents[1]), *sys.path] if p)}
         with open(self.log_path, "wb") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "serving.aot_export", spec_path], env=env,
+            command = f"import sys; from {COMPILER} import main; sys.exit(main(sys.argv[1:]))"
+            self.process = subprocess.Popen([sys.executable, "-c", command, spec_path], env=env,
                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 

@@ -50,11 +50,14 @@ def engine_stats(engine: Engine) -> dict[str, int]:
         engine: the engine to read.
 
     Returns:
-        ``running``, ``waiting``, ``blocks_total``, ``blocks_used`` and ``prefix_hits`` counts.
+        ``running``, ``waiting``, ``blocks_total``, ``blocks_used`` and ``prefix_hits`` counts, and ``compiling``:
+        1 while ``compile="aot"``'s packages are being compiled (the steps they will run are eager until then).
     """
     scheduler, allocator = engine.scheduler, engine.allocator
+    aot = engine.runner.aot
     return {"running": len(scheduler.running), "waiting": len(scheduler.waiting), "blocks_total": allocator.n_blocks,
-            "blocks_used": allocator.n_blocks - allocator.num_free, "prefix_hits": scheduler.prefix_hits}
+            "blocks_used": allocator.n_blocks - allocator.num_free, "prefix_hits": scheduler.prefix_hits,
+            "compiling": int(aot is not None and aot.pending)}
 
 
 class DeltaStreams:

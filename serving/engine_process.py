@@ -76,7 +76,8 @@ class ProcessEngine(DeltaStreams):
         self.max_waiting = max_waiting
         self.context = 0  # the engine's context, once it is ready
         self.ready, self.alive, self.failure = False, True, None
-        self._stats = {"running": 0, "waiting": 0, "blocks_total": 0, "blocks_used": 0, "prefix_hits": 0}
+        self._stats = {"running": 0, "waiting": 0, "blocks_total": 0, "blocks_used": 0, "prefix_hits": 0,
+                       "compiling": 0}
         self._acks: dict[str, asyncio.Future[Any]] = {}
         self._outbox: list[tuple] = []
         self._ids = itertools.count()

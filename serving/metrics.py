@@ -1,7 +1,8 @@
 """Prometheus metrics of the server (``prometheus_client``), one registry per application.
 
 Gauges read from the engine at each scrape: requests running and waiting, KV blocks in use and in all, the
-prefix-cache hit rate (prompt tokens taken from the cache over prompt tokens received). Histograms, in seconds, each
+prefix-cache hit rate (prompt tokens taken from the cache over prompt tokens received), whether ahead-of-time
+compiled steps are still being compiled (``zoo_compiling``). Histograms, in seconds, each
 clock started when the request arrived (the server's first middleware): time to first token, queue time (until the
 engine accepted the request), end-to-end latency; and the inter-token latency. Counters: prompt and generated tokens.
 """
@@ -29,6 +30,8 @@ class ServerMetrics:
         self.blocks_total = Gauge("zoo_kv_blocks_total", "KV cache blocks in the cache", registry=r)
         self.prefix_hit_rate = Gauge("zoo_prefix_cache_hit_rate",
                                      "Prompt tokens taken from the prefix cache / prompt tokens received", registry=r)
+        self.compiling = Gauge("zoo_compiling", "1 while the engine's ahead-of-time compiled steps are being "
+                               "compiled (zoo serve --compile-aot; those steps run eagerly until then)", registry=r)
         self.ttft = Histogram("zoo_time_to_first_token_seconds",
                               "Time from the request's arrival to its first token", buckets=_BUCKETS, registry=r)
         self.queue_time = Histogram("zoo_request_queue_time_seconds",
@@ -91,6 +94,7 @@ class ServerMetrics:
             self.waiting.set(stats["waiting"])
             self.blocks_total.set(stats["blocks_total"])
             self.blocks_used.set(stats["blocks_used"])
+            self.compiling.set(stats["compiling"])
             received = self.received_tokens
             self.prefix_hit_rate.set(stats["prefix_hits"] / received if received else 0.0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -302,6 +302,19 @@ class PagedRunner:
             return
         self.aot = AheadOfTimeSteps(self.model, self.block_size, self.like.dtype)
 
+    def refresh_aot(self) -> None:
+        """With ``compile="aot"``, take the packages loaded so far as the decode-only steps (none while compiling,
+        or after a failure); a model the compile process found its config does not rebuild is compiled in-process
+        from now on (``compile=True``)."""
+        self.start_aot()
+        if self.aot is None:
+            return
+        loaded = self.aot.poll()
+        self.single, self.step = loaded.get("single"), loaded.get("batch")
+        if self.aot.unexportable:
+            self.aot = None
+            self.compile_steps(True)
+
     def close(self) -> None:
         """Stop a running ahead-of-time compile process (``compile="aot"``)."""
         if self.aot is not None:
@@ -359,13 +372,7 @@ class PagedRunner:
         """
         device = self.device
         if self.mode == "aot":
-            self.start_aot()
-            if self.aot is not None:  # the packages loaded so far (none while compiling, or after a failure)
-                loaded = self.aot.poll()
-                self.single, self.step = loaded.get("single"), loaded.get("batch")
-                if self.aot.unexportable:  # its config does not rebuild it: compiled here instead
-                    self.aot = None
-                    self.compile_steps(True)
+            self.refresh_aot()
         step, decode = packed_logits, self.decode
         graph = self.step if len(rows) > 1 else self.single
         if graph is not None and all(n_query == 1 for n_query, _, _ in rows):
