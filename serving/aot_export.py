@@ -32,6 +32,11 @@ from .single_row import one_row_mode
 KINDS = ("single", "batch")
 #: Inputs of a step before its pools: ids, positions, keep, slots and the ``RaggedRows`` tensors.
 N_BATCH_INPUTS = 10
+#: AOTInductor's options: the weights are not put in the package (the engine hands over its own), and none is
+#: inlined into a kernel as numbers (inductor inlines 1-d tensors of up to 8 elements, such as a small model's
+#: qk-norm weights, by default: the values of the rebuilt model, not the engine's); no debug size asserts.
+PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True,
+                   "size_asserts": False}
 #: The compile process's exit status for a model its config does not rebuild (the runner then compiles in-process).
 NOT_EXPORTABLE = 3
 
@@ -216,7 +221,7 @@ def compile_package(model: nn.Module, block_size: int, kind: str, folder: Path) 
     try:
         torch._inductor.aoti_compile_and_package(
             program, package_path=staging,
-            inductor_configs={"aot_inductor.package_constants_in_so": False, "size_asserts": False})
+            inductor_configs=PACKAGE_OPTIONS)
         with open(staging, "rb") as file:
             os.fsync(file.fileno())
         umask = os.umask(0)

@@ -153,16 +153,20 @@ def test_the_package_key_follows_what_the_graphs_depend_on(run: dict[str, Any]) 
     assert package_key(deeper, 4, torch.float32) != key
 
 
+@pytest.mark.parametrize(("change", "message"), [(0.5, "by 0.5 (non-finite where eager's are finite: 0)"),
+                                                  (float("nan"), "by nan (non-finite where eager's are finite: 97)")],
+                         ids=["off-by-0.5", "nan"])
 def test_a_package_whose_logits_differ_is_dropped_and_the_steps_stay_eager(
-        run: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        run: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, change: float,
+        message: str) -> None:
     monkeypatch.setenv("ZOO_AOT_CACHE", str(run["cache"]))
     original = PackagedStep.__call__
-    monkeypatch.setattr(PackagedStep, "__call__", lambda self, *args: original(self, *args) + 0.5)
+    monkeypatch.setattr(PackagedStep, "__call__", lambda self, *args: original(self, *args) + change)
     engine = Engine(run["model"], compile="aot", **LIMITS)
     assert engine.runner.aot.process is None  # loaded from disk
     with caplog.at_level(logging.WARNING, logger="serving.aot_steps"):
         outputs = run_staggered(engine, arrivals(run["prompts"]))
-    assert "differ from the eager step's by 0.5" in caplog.text
+    assert f"differ from the eager step's {message}" in caplog.text
     assert engine.runner.aot.failed and engine.runner.single is None and engine.runner.step is None
     assert_same_outputs(outputs, run["eager"])
 
