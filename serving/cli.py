@@ -158,6 +158,11 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     compiled.add_argument("--compile-single", action="store_true",
                           help="a lone decoding request through the single-row graph, as generate(compile=True), and "
                                "the other steps eager with a compiled attention (Engine(compile=\"single\"))")
+    compiled.add_argument("--compile-aot", action="store_true",
+                          help="the two graphs of --compile compiled ahead of time by AOTInductor in a child process "
+                               "(Engine(compile=\"aot\")): the engine's process holds no compiler (less memory); "
+                               "the steps run eagerly until the packages are ready (minutes, once per model and "
+                               "machine: kept in $ZOO_AOT_CACHE, default ~/.cache/transformer-zoo/aot)")
     compiled.add_argument("--eager", action="store_true",
                           help="compile nothing (Engine(compile=False)); the default is the mode measured fastest on "
                                f"CPU: {SERVE_COMPILE!r} (docs/engine-performance.md)")
@@ -285,9 +290,10 @@ def serve_compile(args: argparse.Namespace) -> bool | str:
         args: the parsed ``zoo serve`` options.
 
     Returns:
-        ``True``, ``"attention"``, ``"single"`` or ``False``.
+        ``True``, ``"attention"``, ``"single"``, ``"aot"`` or ``False``.
     """
-    flags = {"compile": True, "compile_attention": "attention", "compile_single": "single", "eager": False}
+    flags = {"compile": True, "compile_attention": "attention", "compile_single": "single", "compile_aot": "aot",
+             "eager": False}
     return next((mode for flag, mode in flags.items() if getattr(args, flag, False)), SERVE_COMPILE)
 
 

@@ -652,6 +652,8 @@ def test_zoo_serve_hands_its_engine_options_to_the_engine(monkeypatch: pytest.Mo
     assert seen["compile"] is True
     cli.main(["serve", str(folder), "--compile-single"])
     assert seen["compile"] == "single"
+    cli.main(["serve", str(folder), "--compile-aot"])
+    assert seen["compile"] == "aot"
     cli.main(["serve", str(folder), "--eager"])
     assert seen["compile"] is False
     cli.main(["serve", str(folder)])
