@@ -76,7 +76,11 @@ def rebuilt(model_class: type, config: Any, dtype: torch.dtype, device: str = "m
 @contextlib.contextmanager
 def tracing() -> Iterator[None]:
     """``torch.compiler.is_compiling()`` is True inside (non-strict ``torch.export`` does not set it): the model
-    skips the checks that read tensor data, as it does under ``torch.compile``."""
+    skips the checks that read tensor data, as it does under ``torch.compile``.
+
+    Yields:
+        None, with the flag set (restored after).
+    """
     previous = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
@@ -104,6 +108,22 @@ class StepModule(nn.Module):
                 block: Tensor, row: Tensor, start: Tensor, layout: Tensor, *pools: Tensor) -> Tensor:
         """The rows' next-token logits; the new keys and values are written into ``pools`` in place.
 
+        Args:
+            ids: the rows' tokens.
+            positions: their positions.
+            keep: the packed index of each row.
+            slots: the pool slot each new key and value is written to.
+            query: ``RaggedRows.query``.
+            q_pos: ``RaggedRows.q_pos``.
+            block: ``RaggedRows.block``.
+            row: ``RaggedRows.row``.
+            start: ``RaggedRows.start``.
+            layout: ``RaggedRows.layout``.
+            *pools: every layer's key pool, then its value pool, in layer order.
+
+        Returns:
+            The logits.
+
         Shapes: ids ``(1, R)``, positions ``(1, R)``, keep ``(R,)``, slots ``(R,)``, the ``RaggedRows`` tensors
         (``whole``), pools ``(Hkv, blocks, block_size, D)`` -> ``(R, V)``.
         """
@@ -129,6 +149,8 @@ def step_inputs(ids: Tensor, positions: Tensor, keep: Tensor, caches: list[Paged
 
     Returns:
         The inputs in ``StepModule.forward``'s order.
+
+    Shapes: ids ``(1, R)``, positions ``(1, R)``, keep ``(R,)`` -> ``StepModule.forward``'s inputs.
     """
     batch = caches[0].self_attn.batch
     rows = batch.ragged
@@ -197,6 +219,8 @@ def compile_packages(spec: dict[str, Any]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "compile.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another engine's process compiling the same packages: wait for it
+        for staging in folder.glob("tmp*.pt2"):  # what a compile process killed midway left (none runs now)
+            staging.unlink()
         for kind in KINDS:
             if not (folder / f"{kind}.pt2").exists():
                 compile_package(model, spec["block_size"], kind, folder)

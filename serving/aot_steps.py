@@ -264,6 +264,8 @@ def checked(step: PackagedStep, steps: AheadOfTimeSteps, logits: Tensor, referen
 
     Returns:
         Whether they agree.
+
+    Shapes: logits ``(R, V)``, reference ``(R, V)``.
     """
     step.checked = True
     finite = reference.isfinite()
