@@ -45,10 +45,12 @@ from .cli_options import (
 from .cli_stream import cut_note, stream_reply
 from .startup import startup_line
 
-#: ``zoo serve``'s ``Engine(compile=...)`` without a flag: the mode measured fastest on CPU with one request and with
-#: 16 in flight (``python -m benchmarks.serve_peer`` on an idle machine, SmolLM2-135M's shape: 21.4 and 120.7 tok/s
-#: against 20.1 / 102.1 for "single" and 14.7 / 99.5 for eager; docs/engine-performance.md).
-SERVE_COMPILE: bool | str = True
+#: ``zoo serve``'s ``Engine(compile=...)`` without a flag: the compiled steps of ``True``, compiled ahead of time in a
+#: child process. Measured (``python -m benchmarks.serve_peer --modes aot compile eager``, SmolLM2-135M's shape, one
+#: run against llama-server): 17.6 tok/s alone and 98.4 with 16 in flight against 14.5 / 93.2 for ``True`` and
+#: 10.8 / 70.9 for eager (an earlier run: 19.2 / 107.5 against 19.4 / 114.9), at the eager engine's memory plus 41
+#: MiB against ``True``'s 258 (docs/engine-performance.md).
+SERVE_COMPILE: bool | str = "aot"
 
 
 def _load(path: str, quantize: str | None = None, dequantize: bool = False, *, prepare: bool = True,
@@ -165,7 +167,8 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
                                "machine: kept in $ZOO_AOT_CACHE, default ~/.cache/transformer-zoo/aot)")
     compiled.add_argument("--eager", action="store_true",
                           help="compile nothing (Engine(compile=False)); the default is the mode measured fastest on "
-                               f"CPU: {SERVE_COMPILE!r} (docs/engine-performance.md)")
+                               f"CPU, with the least memory of the compiled ones: {SERVE_COMPILE!r} "
+                               "(docs/engine-performance.md)")
     serve_parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                               help="run the engine in its own process, which loads the model, so that HTTP never "
                                    "competes with it for the GIL; --no-engine-process steps it in a thread")

@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 
@@ -23,6 +26,12 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, max_examples=25)
 settings.register_profile("thorough", deadline=None, max_examples=500)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# Packages an engine compiles ahead of time (``Engine(compile="aot")``) go to a folder of this process, removed at exit,
+# never to the user's cache.
+if not os.environ.get("ZOO_AOT_CACHE"):
+    os.environ["ZOO_AOT_CACHE"] = tempfile.mkdtemp(prefix="zoo-aot-test-")
+    atexit.register(shutil.rmtree, os.environ["ZOO_AOT_CACHE"], ignore_errors=True)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # ``make test`` runs one pytest worker per core (pytest-xdist): one intra-op thread each, so two workers never
