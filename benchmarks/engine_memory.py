@@ -2,6 +2,7 @@
 
     python -m benchmarks.engine_memory                     # eager engine
     python -m benchmarks.engine_memory --compile single    # the compiled single-row step (and "full": True)
+    python -m benchmarks.engine_memory --compile aot       # the steps compiled ahead of time in a child process
 
 Each process is a fresh interpreter doing what its side of ``zoo serve`` does, its memory read from
 ``/proc/self/smaps_rollup`` (``serving.memory``) after each phase (the first: torch and ``serving``'s engine
@@ -34,7 +35,7 @@ from typing import Any
 
 from serving.memory import heap_breakdown, process_memory, release_freed_memory, stop_compile_workers
 
-COMPILE = {"eager": False, "attention": "attention", "single": "single", "full": True}
+COMPILE = {"eager": False, "attention": "attention", "single": "single", "full": True, "aot": "aot"}
 
 
 def _phase(rows: list[dict[str, Any]], name: str, **extra: Any) -> None:
@@ -74,6 +75,10 @@ def engine_side(folder: str, compile_mode: Any, concurrency: int, prompt_len: in
     _phase(rows, "checkpoint loaded", weights=weights)
     engine = Engine(model, max_num_seqs=concurrency, compile=compile_mode)
     _phase(rows, "engine built")
+    if engine.runner.aot is not None:  # "aot": the packages compiled in a child process (or on disk), then loaded
+        start = time.perf_counter()
+        engine.runner.aot.wait()
+        _phase(rows, f"packages compiled and loaded ({time.perf_counter() - start:.0f} s)")
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.config.vocab_size, (prompt_len,), generator=generator).tolist()
                for _ in range(concurrency)]

@@ -1,6 +1,6 @@
 """``zoo serve`` on real-model shapes beside ``generate(compile=True)`` and, when built, llama.cpp's ``llama-server``.
 
-    python -m benchmarks.serve_peer                          # SmolLM2-135M's shape, 1 thread, eager and compiled
+    python -m benchmarks.serve_peer                          # SmolLM2-135M's shape, 1 thread: eager, compile, aot
     python -m benchmarks.serve_peer --shapes smollm2 qwen3 --threads 1 2
     python -m benchmarks.serve_peer --llama-server /path/to/llama-server   # + the peer on the same weights (F32 GGUF)
     LLAMA_SERVER=/path/to/llama-server python -m benchmarks.serve_peer     # the same (or llama-server on PATH)
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2"], choices=sorted(SHAPES))
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
-    parser.add_argument("--modes", nargs="+", default=["eager", "compile", "single"], choices=sorted(MODES))
+    parser.add_argument("--modes", nargs="+", default=["eager", "compile", "aot"], choices=sorted(MODES))
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)

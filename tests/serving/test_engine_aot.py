@@ -117,7 +117,8 @@ def test_the_pools_grow_with_the_blocks_in_use(run: dict[str, Any]) -> None:
 
 def test_a_process_loading_the_packages_imports_no_compiler(run: dict[str, Any], tmp_path: Path) -> None:
     """A second engine of the same model loads the packages from disk (no compile process) and runs them in a
-    process where neither ``torch._dynamo`` nor ``torch._inductor`` is ever imported."""
+    process where neither ``torch._dynamo`` nor ``torch._inductor`` is ever imported, nor sympy (which the eager
+    engine does not import either: 25 MiB of objects)."""
     script = tmp_path / "serve.py"
     script.write_text(MODEL_SOURCE + f"""
 import json, sys
@@ -128,7 +129,8 @@ prompts = json.loads(sys.argv[1])
 outputs = engine.generate(prompts, max_tokens=8)
 print(json.dumps(dict(tokens=[list(o.token_ids) for o in outputs],
                       calls={{k: s.calls for k, s in engine.runner.aot.steps.items()}},
-                      modules=sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))))))
+                      modules=sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor",
+                                                                             "sympy"))))))
 """)
     prompts = run["prompts"][:3]
     env = {**os.environ, "ZOO_AOT_CACHE": str(run["cache"]), "PYTHONPATH": str(Path(__file__).parents[2])}
