@@ -315,11 +315,6 @@ class PagedRunner:
             self.aot = None
             self.compile_steps(True)
 
-    def close(self) -> None:
-        """Stop a running ahead-of-time compile process (``compile="aot"``)."""
-        if self.aot is not None:
-            self.aot.close()
-
     @torch.inference_mode()
     def scrub(self, blocks: Sequence[int]) -> None:
         """Zero ``blocks`` in every layer's pools (what a failed request wrote must not be read again: a masked
