@@ -209,6 +209,29 @@ class PagedBatch:
             self.ragged = self._ragged([m[0] for m in one_token], starts, n_context, tables, used, device,
                                        whole=len(one_token) == len(rows))
 
+    @classmethod
+    def of_decoding_rows(cls, positions: Tensor, slots: Tensor, last: Tensor, ragged: RaggedRows,
+                         block_size: int) -> PagedBatch:
+        """A batch of one-token rows only, from its tensors (what ``decode="ragged"`` builds when every row decodes):
+        for a traced step that takes them as inputs (``serving.aot_export``).
+
+        Args:
+            positions: ``(R,)`` long, each row's position.
+            slots: ``(R,)`` long, the pool slot each row's new key/value is written to.
+            last: ``(R,)`` long, the packed index of each row.
+            ragged: the rows as ``RaggedRows`` (``whole``).
+            block_size: positions per block.
+
+        Returns:
+            The batch (``max_block`` 0: the pools were grown before).
+
+        Shapes: positions, slots, last ``(R,)``.
+        """
+        batch = cls.__new__(cls)
+        batch.block_size, batch.n_tokens, batch.max_block, batch.groups = block_size, positions.shape[0], 0, []
+        batch.positions, batch.slots, batch.last, batch.ragged = positions, slots, last, ragged
+        return batch
+
     def _ragged(self, members: list[int], starts: Tensor, n_context: Tensor, tables: Tensor, used: list[int],
                 device: torch.device | str, whole: bool) -> RaggedRows:
         index = torch.tensor(members, dtype=torch.long)

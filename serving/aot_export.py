@@ -14,7 +14,6 @@ import contextlib
 import fcntl
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,8 @@ from torch import Tensor, nn
 
 from blocks.paged_attention import RaggedRows
 from blocks.paged_cache import PagedBatch, PagedLayerCache
+from models.checkpoints.file_staging import staging_file
+from models.checkpoints.folder_locks import fsync
 
 from .single_row import one_row_mode
 
@@ -54,23 +55,21 @@ def tensor_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]
     return sorted((name, tuple(t.shape), str(t.dtype)) for name, t in named)
 
 
-def rebuilt(model_class: type, config: Any, dtype: torch.dtype, device: str = "meta") -> nn.Module:
-    """``model_class(config)`` built on ``device`` (``"meta"``: no memory) in ``dtype``, in eval mode.
+def rebuilt(model_class: type, config: Any, dtype: torch.dtype) -> nn.Module:
+    """``model_class(config)`` in ``dtype`` and eval mode, its storage uninitialised (built on the meta device, then
+    given empty CPU storage): what export traces, its values never read.
 
     Args:
         model_class: the model's class.
         config: its config.
         dtype: the float dtype of the engine's model.
-        device: ``"meta"``, or ``"cpu"`` for uninitialised storage (what export traces).
 
     Returns:
         The model.
     """
     with torch.device("meta"):
         model = model_class(config)
-    if device != "meta":
-        model = model.to_empty(device=device)
-    return model.to(dtype).eval()
+    return model.to_empty(device="cpu").to(dtype).eval()
 
 
 @contextlib.contextmanager
@@ -127,10 +126,8 @@ class StepModule(nn.Module):
         Shapes: ids ``(1, R)``, positions ``(1, R)``, keep ``(R,)``, slots ``(R,)``, the ``RaggedRows`` tensors
         (``whole``), pools ``(Hkv, blocks, block_size, D)`` -> ``(R, V)``.
         """
-        batch = PagedBatch.__new__(PagedBatch)
-        batch.block_size, batch.n_tokens, batch.max_block, batch.groups = self.block_size, ids.shape[1], 0, []
-        batch.positions, batch.slots, batch.last = positions[0], slots, keep
-        batch.ragged = RaggedRows(query, q_pos, block, row, start, layout, whole=True)
+        rows = RaggedRows(query, q_pos, block, row, start, layout, whole=True)
+        batch = PagedBatch.of_decoding_rows(positions[0], slots, keep, rows, self.block_size)
         for i, cache in enumerate(self.caches):
             cache.self_attn.k, cache.self_attn.v, cache.self_attn.batch = pools[2 * i], pools[2 * i + 1], batch
         with one_row_mode() if self.single else contextlib.nullcontext():
@@ -209,7 +206,7 @@ def compile_packages(spec: dict[str, Any]) -> None:
     Raises:
         TypeError: the rebuilt model's tensors are not the engine model's.
     """
-    model = rebuilt(spec["model_class"], spec["config"], spec["dtype"], device="cpu")
+    model = rebuilt(spec["model_class"], spec["config"], spec["dtype"])
     if tensor_signature(model) != spec["signature"]:
         raise TypeError("the model rebuilt from its config does not have the engine model's tensors")
     with torch.no_grad():  # the buffers' values (rotary frequencies) may be folded into the graph: the engine's
@@ -219,16 +216,15 @@ def compile_packages(spec: dict[str, Any]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "compile.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another engine's process compiling the same packages: wait for it
-        for staging in folder.glob("tmp*.pt2"):  # what a compile process killed midway left (none runs now)
-            staging.unlink()
         for kind in KINDS:
             if not (folder / f"{kind}.pt2").exists():
                 compile_package(model, spec["block_size"], kind, folder)
 
 
 def compile_package(model: nn.Module, block_size: int, kind: str, folder: Path) -> None:
-    """Export and compile one step into ``folder / f"{kind}.pt2"``, written whole: compiled to a temporary name,
-    flushed to disk, then renamed (a process killed meanwhile leaves no package, only the temporary file).
+    """Export and compile one step into ``folder / f"{kind}.pt2"``, written whole: compiled into a staging file
+    (``models.checkpoints.file_staging``: a killed compile's is removed by the next), flushed, renamed into place,
+    the folder flushed.
 
     Args:
         model: the rebuilt model.
@@ -240,26 +236,12 @@ def compile_package(model: nn.Module, block_size: int, kind: str, folder: Path) 
 
     final = folder / f"{kind}.pt2"
     program = export_step(model, block_size, kind)
-    handle, staging = tempfile.mkstemp(suffix=".pt2", dir=folder)
-    os.close(handle)
-    try:
-        torch._inductor.aoti_compile_and_package(
-            program, package_path=staging,
-            inductor_configs=PACKAGE_OPTIONS)
-        with open(staging, "rb") as file:
-            os.fsync(file.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o644 & ~umask)  # (mkstemp's file is the owner's only)
+    with staging_file(final) as staging:
+        with open(staging, "r+b") as out:  # (a file object: a path must end in .pt2)
+            torch._inductor.aoti_compile_and_package(program, package_path=out, inductor_configs=PACKAGE_OPTIONS)
+        fsync(staging)
         os.replace(staging, final)
-        directory = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # the rename itself
-        finally:
-            os.close(directory)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(staging)
+        fsync(folder)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,7 +212,7 @@ def test_a_compile_process_killed_midway_leaves_no_package(run: dict[str, Any], 
     time.sleep(3)  # importing torch, rebuilding the model, exporting
     steps.close()
     assert not steps.wait(10)
-    assert list(tmp_path.rglob("*.pt2")) == [] or all(p.name.startswith("tmp") for p in tmp_path.rglob("*.pt2"))
+    assert list(tmp_path.rglob("*.pt2")) == []  # (a staging file, if the kill came during the compile, is not one)
     again = AheadOfTimeSteps(run["model"], 4, torch.float32)
     assert again.process is not None  # not taken for compiled
     again.close()
