@@ -2,8 +2,9 @@
 
 ``torch.compile`` in the engine process costs memory that stays: the compiler's modules (dynamo, inductor, sympy:
 ~110 MiB), what the compiled graphs keep (guards, shape environments, generated code: ~76 MiB on a 30-layer model),
-and the fragmented arenas of a cold compile (docs/engine-performance.md). Here the two decode-only steps of
-``serving.runner`` (one decoding row: ``serving.single_row``; several: ``serving.runner.DynamicStep``) are exported
+and the fragmented arenas of a cold compile (docs/engine-performance.md). Here the decode-only steps of
+``serving.runner`` (one decoding row: ``serving.single_row``; several: ``serving.runner.DynamicStep``; and
+``serving.aot_export.WIDE_ROWS`` or more, their products through oneDNN: ``serving.aot_export``) are exported
 (``torch.export``, their row, entry and pool-block counts dynamic) and compiled by AOTInductor
 (``torch._inductor.aoti_compile_and_package``) in a child process (``serving.aot_export``).
 The engine process loads the packages through ``torch._C._aoti.AOTIModelPackageLoader`` (C++: no compiler imported)

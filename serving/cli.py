@@ -161,7 +161,8 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
                           help="a lone decoding request through the single-row graph, as generate(compile=True), and "
                                "the other steps eager with a compiled attention (Engine(compile=\"single\"))")
     compiled.add_argument("--compile-aot", action="store_true",
-                          help="the two graphs of --compile compiled ahead of time by AOTInductor in a child process "
+                          help="the two graphs of --compile, and one for 4 or more rows whose products run through "
+                               "oneDNN, compiled ahead of time by AOTInductor in a child process "
                                "(Engine(compile=\"aot\")): the engine's process holds no compiler (less memory); "
                                "the steps run eagerly until the packages are ready (minutes, once per model and "
                                "machine: kept in $ZOO_AOT_CACHE, default ~/.cache/transformer-zoo/aot)")

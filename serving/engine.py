@@ -69,9 +69,10 @@ class Engine(LoRAEngineMixin, OfflineGenerateMixin):
             attention in the other steps through one compiled graph; ``"attention"``: only that attention graph
             (compiled at the first step with a decoding row); ``"single"``: the single-row graph for a lone
             decoding row, the other steps as with ``"attention"``; ``"aot"``: the two graphs of ``True`` compiled
-            ahead of time in a child process (``serving.aot_steps``: the engine's process holds no compiler; the
-            steps run eagerly until the packages are ready, which a later engine of the model loads from disk),
-            the other steps eager; ``False``: nothing compiled.
+            ahead of time in a child process, and a third for steps of 4 or more decoding rows whose products run
+            through oneDNN (``serving.aot_steps``: the engine's process holds no compiler; the steps run eagerly
+            until the packages are ready, which a later engine of the model loads from disk), the other steps
+            eager; ``False``: nothing compiled.
         max_loras: adapters resident at once (0: no adapters, unless ``loras`` are given: then one slot each);
             each request may name one (``adapter=``), rows of different adapters share a step (docs/multi-lora.md).
         max_lora_rank: the largest adapter rank (default: that of ``loras``, at least 16).

@@ -8,8 +8,9 @@ graph serves every such step, with no padding. Its one-token rows attend without
 before it runs (``grow_pools``), and their block count is a dynamic input. Steps holding a prefill chunk stay eager.
 
 With ``compile="aot"`` the same two decode-only steps are compiled ahead of time in another process
-(``serving.aot_steps``: no compiler in the engine's process) and run eagerly until their packages are ready; the
-other steps stay eager (a model its config does not describe is compiled as with ``compile=True``).
+(``serving.aot_steps``: no compiler in the engine's process), and a third for ``WIDE_ROWS`` or more rows whose
+products run through oneDNN (``serving.aot_export``); they run eagerly until their packages are ready; the other
+steps stay eager (a model its config does not describe is compiled as with ``compile=True``).
 
 With ``compile="attention"`` (and in the eager steps of ``compile=True``) only the attention of the one-token rows
 is compiled (``RaggedAttention``): one graph with dynamic counts, so every step, a prefill chunk's included, reads
@@ -35,6 +36,7 @@ from models.core import stack
 from models.generation import compiled
 from models.generation.steps import eval_mode
 
+from .aot_export import WIDE_ROWS
 from .aot_steps import AheadOfTimeSteps, PackagedStep, checked, exportable
 from .memory import compiled_graph_count, release_compile_state
 from .single_row import SingleRowStep, mark_pools
@@ -234,8 +236,9 @@ class PagedRunner:
             (``DynamicStep``), and the attention of one-token rows in the other steps through ``RaggedAttention``;
             ``"attention"``: only the latter (every step stays eager around one compiled attention graph);
             ``"single"``: the single-row graph for a step of one decoding row, the other steps as ``"attention"``
-            runs them; ``"aot"``: the two graphs of ``True`` compiled ahead of time in another process
-            (``serving.aot_steps``; started by ``start_aot``), the other steps eager; ``False``: nothing compiled.
+            runs them; ``"aot"``: the two graphs of ``True`` compiled ahead of time in another process, and one
+            for ``WIDE_ROWS`` or more rows through oneDNN (``serving.aot_steps``; started by ``start_aot``), the
+            other steps eager; ``False``: nothing compiled.
 
     Raises:
         NotImplementedError: a positional encoding with an attention bias (ALiBi, T5's relative bias).
@@ -261,6 +264,7 @@ class PagedRunner:
         self.compiled_decode = "ragged" if plain else "one"  # ... and compiled decode-only steps
         self.step: DynamicStep | PackagedStep | None = None
         self.single: SingleRowStep | PackagedStep | None = None  # a step of one decoding row (a lone request)
+        self.wide: PackagedStep | None = None  # with compile="aot": a step of WIDE_ROWS or more decoding rows
         self.like, self.attentions = like, [layer.self_attn for layer in model.layers]
         self.modules = list(model.modules())
         self.mode, self.aot = compile, None
@@ -310,7 +314,7 @@ class PagedRunner:
         if self.aot is None:
             return
         loaded = self.aot.poll()
-        self.single, self.step = loaded.get("single"), loaded.get("batch")
+        self.single, self.step, self.wide = loaded.get("single"), loaded.get("batch"), loaded.get("wide")
         if self.aot.unexportable:
             self.aot = None
             self.compile_steps(True)
@@ -369,7 +373,7 @@ class PagedRunner:
         if self.mode == "aot":
             self.refresh_aot()
         step, decode = packed_logits, self.decode
-        graph = self.step if len(rows) > 1 else self.single
+        graph = self.single if len(rows) == 1 else self.wide if len(rows) >= WIDE_ROWS and self.wide else self.step
         if graph is not None and all(n_query == 1 for n_query, _, _ in rows):
             step, decode = graph, self.compiled_decode
         batch = PagedBatch(rows, self.block_size, device, decode=decode)
@@ -385,7 +389,7 @@ class PagedRunner:
             if isinstance(step, PackagedStep) and not step.checked:  # a package's first step: against eager's
                 reference = packed_logits(self.model, tokens, batch.positions[None], self.caches, batch.last)
                 if not checked(step, self.aot, logits, reference):
-                    self.single = self.step = None
+                    self.single = self.step = self.wide = None
                     logits = reference
         for cache in self.caches:
             cache.self_attn.batch = None

@@ -3,8 +3,9 @@
 the compiler.
 
 Checked: the tokens and step logits of a staggered run (a lone request, then batches whose rows, blocks and pools
-grow) equal the eager engine's and each request's alone, with both packages run; a process that loads the packages
-from disk imports neither dynamo nor inductor; the package key follows what the graphs depend on; a model its config
+grow) equal the eager engine's and each request's alone, with every package run (one row, 2–3 rows, 4 rows); the
+4-row package multiplies through oneDNN and the others through BLAS; a process that loads the packages from disk
+imports neither dynamo nor inductor; the package key follows what the graphs depend on; a model its config
 does not rebuild is compiled in-process instead; a failed compile or a package whose logits differ leaves the steps
 eager with the same tokens; a compile process killed midway leaves no package behind.
 """
@@ -17,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,8 @@ from .test_engine import alone, run_staggered
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: Prompt lengths and output lengths; a lone request first, then arrivals while others decode.
-LENGTHS = [(5, 9), (13, 14), (3, 6), (22, 11), (9, 12)]
-ARRIVALS = {0: [0], 12: [1, 2], 15: [3], 20: [4]}
+LENGTHS = [(5, 9), (13, 14), (3, 10), (22, 11), (9, 12)]
+ARRIVALS = {0: [0], 12: [1, 2], 14: [3], 16: [4]}
 LIMITS = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4, num_blocks=64)
 #: The model, written out for the child process of ``test_a_process_loading_the_packages_imports_no_compiler``.
 MODEL_SOURCE = """
@@ -99,9 +101,11 @@ def test_tokens_and_step_logits_equal_the_eager_engine_and_each_request_alone(ru
     assert run["process"] is not None and run["process"].returncode == 0  # compiled in a child process
     assert set(runner.aot.steps) == set(KINDS) and runner.aot.failed is None
     assert runner.single is runner.aot.steps["single"] and runner.step is runner.aot.steps["batch"]
+    assert runner.wide is runner.aot.steps["wide"]
     assert runner.single.calls >= LENGTHS[0][1] - 1  # the lone request's every decode step
-    assert runner.step.calls > 0  # and the steps of several decoding rows
-    assert runner.single.checked and runner.step.checked  # each against the eager step at its first use
+    assert runner.step.calls > 0  # the steps of 2 or 3 decoding rows
+    assert runner.wide.calls > 0  # and of WIDE_ROWS (the engine's max_num_seqs)
+    assert runner.single.checked and runner.step.checked and runner.wide.checked  # against eager at first use
     assert_same_outputs(run["outputs"], run["eager"])
     order = [i for step in sorted(ARRIVALS) for i in ARRIVALS[step]]
     for i, out in zip(order, run["outputs"], strict=True):
@@ -142,6 +146,17 @@ print(json.dumps(dict(tokens=[list(o.token_ids) for o in outputs],
     assert report["calls"]["batch"] > 0
     want = [o.token_ids for o in Engine(run["model"], compile=False, **LIMITS).generate(prompts, max_tokens=8)]
     assert report["tokens"] == want
+
+
+def test_the_wide_package_multiplies_through_onednn_the_others_through_blas(run: dict[str, Any]) -> None:
+    """The generated code of each package: oneDNN's linear in the wide one only, aten's mm in the others."""
+    folder = run["engine"].runner.aot.folder
+    for kind in KINDS:
+        with zipfile.ZipFile(folder / f"{kind}.pt2") as package:
+            code = "".join(package.read(name).decode() for name in package.namelist()
+                           if name.endswith(".wrapper.cpp"))
+        assert ("aoti_torch_cpu__linear_pointwise(" in code) == (kind == "wide"), kind
+        assert ("aoti_torch_cpu_mm_out(" in code or "aoti_torch_cpu_addmm_out(" in code) == (kind == "batch"), kind
 
 
 def test_the_package_key_follows_what_the_graphs_depend_on(run: dict[str, Any]) -> None:
