@@ -1,0 +1,105 @@
+"""BLAS against oneDNN on a batched decoding step's products: why ``zoo serve``'s wide package uses oneDNN.
+
+    python -m benchmarks.decode_products                     # SmolLM2-135M's and Qwen3-0.6B's shapes, one thread
+    python -m benchmarks.decode_products --rows 2 16 --shapes qwen3
+    python -m benchmarks.decode_products --quick             # tiny shapes: checks that the script runs
+
+A step of ``R`` decoding rows multiplies ``R`` rows by every weight of the model. For each shape and row count, one
+process times the products of ``--layers`` copies of a layer's weights (distinct tensors, so the weights are read
+from memory as a deep model's are) and of the head, interleaved A B A B over ``--rounds`` rounds, float32:
+
+- **BLAS**: ``F.linear(x, weight)`` (aten's ``mm``: what inductor lowers a product to by default);
+- **oneDNN**: ``torch.ops.mkldnn._linear_pointwise(x, weight, ...)`` on the same ``(out, in)`` weight, unpacked
+  (what ``serving.aot_export.OneDNNLinears`` traces a product as in the ``"wide"`` package).
+
+It prints GFLOP/s (2 x rows x weights per step) and oneDNN's speed as a ratio to BLAS's in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.compare import Table
+
+#: (in, out) of each product of one decoder layer (q, k, v, o, gate, up, down), and the head's.
+SHAPES = {
+    "smollm2": dict(layer=[(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)],
+                    head=(576, 49152)),
+    "qwen3": dict(layer=[(1024, 2048), (1024, 1024), (1024, 1024), (2048, 1024), (1024, 3072), (1024, 3072),
+                         (3072, 1024)], head=(1024, 151936)),
+    "tiny": dict(layer=[(64, 64), (64, 128), (128, 64)], head=(64, 512)),
+}
+
+
+def blas(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def measure(shape: str, rows: int, layers: int, rounds: int) -> dict[str, float]:
+    """Seconds per step of each library (the best round), and the step's FLOP count.
+
+    Args:
+        shape: a key of ``SHAPES``.
+        rows: rows multiplied.
+        layers: copies of the layer's weights.
+        rounds: interleaved rounds timed.
+
+    Returns:
+        ``{"BLAS": s, "oneDNN": s, "flop": n}``.
+    """
+    spec = SHAPES[shape]
+    weights = [torch.randn(n_out, n_in) * 0.02 for _ in range(layers) for n_in, n_out in spec["layer"]]
+    weights.append(torch.randn(spec["head"][1], spec["head"][0]) * 0.02)
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    kernels: dict[str, Callable] = {"BLAS": blas, "oneDNN": onednn}
+    for kernel in kernels.values():  # warm-up, and the two agree
+        torch.testing.assert_close(kernel(inputs[weights[-1].shape[1]], weights[-1]),
+                                   blas(inputs[weights[-1].shape[1]], weights[-1]), rtol=1e-4, atol=1e-4)
+    best = dict.fromkeys(kernels, float("inf"))
+    for _ in range(rounds):
+        for name, kernel in kernels.items():
+            start = time.perf_counter()
+            for w in weights:
+                kernel(inputs[w.shape[1]], w)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {**best, "flop": 2.0 * rows * sum(w.numel() for w in weights)}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["smollm2", "qwen3"], choices=sorted(SHAPES))
+    parser.add_argument("--rows", type=int, nargs="+", default=[2, 3, 4, 8, 16])
+    parser.add_argument("--layers", type=int, default=6, help="copies of a layer's weights per step")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one round")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.shapes, args.rows, args.layers, args.rounds = ["tiny"], [2, 4], 2, 1
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), float32, oneDNN built in: "
+          f"{torch.backends.mkldnn.is_available()}")
+    report = []
+    table = Table(f"A decoding step's products, {args.layers} layers and the head, best of {args.rounds} rounds",
+                  ["shape", "rows", "BLAS GFLOP/s", "oneDNN GFLOP/s", "oneDNN vs BLAS"])
+    for shape in args.shapes:
+        for rows in args.rows:
+            got = measure(shape, rows, args.layers, args.rounds)
+            report.append(dict(shape=shape, rows=rows, **got))
+            table.rows.append([shape, str(rows), f"{got['flop'] / got['BLAS'] / 1e9:.1f}",
+                               f"{got['flop'] / got['oneDNN'] / 1e9:.1f}", f"{got['BLAS'] / got['oneDNN']:.2f}x"])
+    print(table.render())
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""``benchmarks.decode_products``: its shapes are the real models' products, and a quick run times both libraries
+on the same products (they agree, which the script checks before timing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import decode_products
+from benchmarks.thin import SHAPES as REAL
+from models import DecoderLM, DecoderLMConfig
+
+
+@pytest.mark.parametrize(("shape", "real"), [("smollm2", "smollm2-135m"), ("qwen3", "qwen3-0.6b")])
+def test_shapes_are_the_real_models_products(shape: str, real: str) -> None:
+    with torch.device("meta"):
+        model = DecoderLM(DecoderLMConfig.from_dict({**REAL[real], "max_len": 64}))
+    linears = [m for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(decode_products.SHAPES[shape]["layer"]) == sorted((m.in_features, m.out_features) for m in linears)
+    assert decode_products.SHAPES[shape]["head"] == (model.lm_head.in_features, model.lm_head.out_features)
+
+
+def test_a_quick_run_reports_both_libraries(capsys: pytest.CaptureFixture[str]) -> None:
+    report = decode_products.main(["--quick"])
+    assert [(r["shape"], r["rows"]) for r in report] == [("tiny", 2), ("tiny", 4)]
+    weights = sum(i * o for i, o in decode_products.SHAPES["tiny"]["layer"]) * 2 + 64 * 512
+    assert [r["flop"] for r in report] == [2.0 * 2 * weights, 2.0 * 4 * weights]
+    assert all(r["BLAS"] > 0 and r["oneDNN"] > 0 for r in report)
+    assert "oneDNN vs BLAS" in capsys.readouterr().out
