@@ -230,7 +230,7 @@ def compile_packages(spec: dict[str, Any]) -> None:
 
     Args:
         spec: ``model_class``, ``config``, ``dtype``, ``signature``, ``buffers`` (the engine model's, by name),
-            ``block_size``, ``folder``.
+            ``block_size``, ``folder``, ``threads`` (the engine's thread count, read by ``main``).
 
     Raises:
         TypeError: the rebuilt model's tensors are not the engine model's.
@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     config.compile_threads = 1  # one core: the engine's process runs beside it
     spec = torch.load(spec_path, weights_only=False)  # written by the engine's own process just before
     os.unlink(spec_path)
+    config.cpp.threads = spec["threads"]  # the kernels' parallel loops: for the engine's threads, not this one's
     try:
         compile_packages(spec)
     except TypeError as err:

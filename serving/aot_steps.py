@@ -109,7 +109,8 @@ def source_digest() -> str:
 
 def package_key(model: nn.Module, block_size: int, float_dtype: torch.dtype) -> str:
     """The key of a model's packages: what the graphs depend on (the code, torch's version and the CPU's vector
-    ISA, the model's class, config and tensors, the block size).
+    ISA, the model's class, config and tensors, the block size, and the thread count: inductor writes its kernels'
+    parallel loops for the threads of the process they are compiled for).
 
     Args:
         model: the engine's model.
@@ -122,7 +123,7 @@ def package_key(model: nn.Module, block_size: int, float_dtype: torch.dtype) -> 
     config = model.config.to_dict() if hasattr(model.config, "to_dict") else repr(model.config)
     parts = [source_digest(), torch.__version__, torch.backends.cpu.get_cpu_capability(),
              f"{type(model).__module__}.{type(model).__qualname__}", json.dumps(config, sort_keys=True, default=str),
-             repr(tensor_signature(model)), block_size, str(float_dtype)]
+             repr(tensor_signature(model)), block_size, str(float_dtype), torch.get_num_threads()]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
@@ -178,6 +179,7 @@ class AheadOfTimeSteps:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         spec = {"model_class": type(model), "config": model.config, "dtype": float_dtype, "block_size": block_size,
+                "threads": torch.get_num_threads(),
                 "signature": tensor_signature(model), "folder": str(self.folder),
                 "buffers": {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)}}
         handle, spec_path = tempfile.mkstemp(suffix=".spec", dir=self.folder)

@@ -5,7 +5,7 @@ the compiler.
 Checked: the tokens and step logits of a staggered run (a lone request, then batches whose rows, blocks and pools
 grow) equal the eager engine's and each request's alone, with every package run (one row, 2–3 rows, 4 rows); the
 4-row package multiplies through oneDNN and the others through BLAS; a process that loads the packages from disk
-imports neither dynamo nor inductor; the package key follows what the graphs depend on; a model its config
+imports neither dynamo nor inductor; the packages are compiled for the engine's thread count; the package key follows what the graphs depend on; a model its config
 does not rebuild is compiled in-process instead; a failed compile or a package whose logits differ leaves the steps
 eager with the same tokens; a compile process killed midway leaves no package behind.
 """
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from models import DecoderLM
-from serving import Engine, aot_steps
+from serving import Engine, aot_export, aot_steps
 from serving.aot_export import KINDS, NOT_EXPORTABLE
 from serving.aot_steps import AheadOfTimeSteps, PackagedStep, package_key
 from serving.runner import DynamicStep
@@ -199,6 +199,38 @@ def test_a_failed_compile_leaves_the_steps_eager(run: dict[str, Any], monkeypatc
     assert "the compile process exited with 1" in caplog.text and "no_such_module" in caplog.text
     assert engine.runner.single is None and engine.runner.step is None
     assert_same_outputs(outputs, run["eager"])
+
+
+def test_the_packages_are_compiled_for_the_engines_thread_count(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """Inductor writes its kernels' parallel loops for a thread count: the engine's goes into the key and the spec,
+    and the compile process compiles for it (running on one thread itself)."""
+    from torch._inductor import config
+
+    model = thin_model()
+    threads = torch.get_num_threads()
+    key = package_key(model, 4, torch.float32)
+    specs: list[dict] = []
+    save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, file: (specs.append(obj), save(obj, file))[1])
+    monkeypatch.setenv("ZOO_AOT_CACHE", str(tmp_path))
+    try:
+        torch.set_num_threads(threads + 1)
+        assert package_key(model, 4, torch.float32) != key
+        AheadOfTimeSteps(model, 4, torch.float32).close()
+    finally:
+        torch.set_num_threads(threads)
+    assert specs[0]["threads"] == threads + 1
+    monkeypatch.setattr(config.cpp, "threads", config.cpp.threads)  # restored after
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setattr(aot_export, "compile_packages",
+                        lambda spec: seen.append((config.cpp.threads, torch.get_num_threads())))
+    save(specs[0], tmp_path / "again.spec")
+    try:
+        assert aot_export.main([str(tmp_path / "again.spec")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [(threads + 1, 1)]
 
 
 def test_a_model_its_config_does_not_rebuild_is_compiled_in_process(monkeypatch: pytest.MonkeyPatch,
