@@ -4,10 +4,11 @@ the compiler.
 
 Checked: the tokens and step logits of a staggered run (a lone request, then batches whose rows, blocks and pools
 grow) equal the eager engine's and each request's alone, with every package run (one row, 2–3 rows, 4 rows); the
-4-row package multiplies through oneDNN and the others through BLAS; a process that loads the packages from disk
-imports neither dynamo nor inductor; the packages are compiled for the engine's thread count; the package key follows what the graphs depend on; a model its config
-does not rebuild is compiled in-process instead; a failed compile or a package whose logits differ leaves the steps
-eager with the same tokens; a compile process killed midway leaves no package behind.
+4-row package multiplies through oneDNN and the others through BLAS (the one-row package through neither); a
+process that loads the packages from disk imports neither dynamo nor inductor; the packages are compiled for the
+engine's thread count; the package key follows what the graphs depend on; a model its config does not rebuild is
+compiled in-process instead; a failed compile or a package whose logits differ leaves the steps eager with the same
+tokens; a compile process killed midway leaves no package behind.
 """
 
 from __future__ import annotations
