@@ -222,16 +222,19 @@ def test_the_packages_are_compiled_for_the_engines_thread_count(monkeypatch: pyt
     finally:
         torch.set_num_threads(threads)
     assert specs[0]["threads"] == threads + 1
-    monkeypatch.setattr(config.cpp, "threads", config.cpp.threads)  # restored after
     seen: list[tuple[int, int]] = []
     monkeypatch.setattr(aot_export, "compile_packages",
                         lambda spec: seen.append((config.cpp.threads, torch.get_num_threads())))
     save(specs[0], tmp_path / "again.spec")
-    try:
-        assert aot_export.main([str(tmp_path / "again.spec")]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    before = config.cpp.threads
+    # (config.patch, not monkeypatch: its undo deletes a sub-config's setting, which inductor then cannot read)
+    with config.patch({"cpp.threads": config.cpp.threads, "compile_threads": config.compile_threads}):
+        try:
+            assert aot_export.main([str(tmp_path / "again.spec")]) == 0
+        finally:
+            torch.set_num_threads(threads)
     assert seen == [(threads + 1, 1)]
+    assert config.cpp.threads == before
 
 
 def test_a_model_its_config_does_not_rebuild_is_compiled_in_process(monkeypatch: pytest.MonkeyPatch,
