@@ -9,8 +9,8 @@ process times the products of ``--layers`` copies of a layer's weights (distinct
 from memory as a deep model's are) and of the head, interleaved A B A B over ``--rounds`` rounds, float32:
 
 - **BLAS**: ``F.linear(x, weight)`` (aten's ``mm``: what inductor lowers a product to by default);
-- **oneDNN**: ``torch.ops.mkldnn._linear_pointwise(x, weight, ...)`` on the same ``(out, in)`` weight, unpacked
-  (what ``serving.aot_export.OneDNNLinears`` traces a product as in the ``"wide"`` package).
+- **oneDNN**: ``serving.aot_export.onednn_linear`` on the same ``(out, in)`` weight, unpacked (what
+  ``OneDNNLinears`` traces a product as in the ``"wide"`` package).
 
 It prints GFLOP/s (2 x rows x weights per step) and oneDNN's speed as a ratio to BLAS's in the same run.
 """
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.compare import Table
+from serving.aot_export import onednn_linear
 
 #: (in, out) of each product of one decoder layer (q, k, v, o, gate, up, down), and the head's.
 SHAPES = {
@@ -34,14 +35,6 @@ SHAPES = {
                          (3072, 1024)], head=(1024, 151936)),
     "tiny": dict(layer=[(64, 64), (64, 128), (128, 64)], head=(64, 512)),
 }
-
-
-def blas(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
-
-
-def onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 def measure(shape: str, rows: int, layers: int, rounds: int) -> dict[str, float]:
@@ -60,10 +53,10 @@ def measure(shape: str, rows: int, layers: int, rounds: int) -> dict[str, float]
     weights = [torch.randn(n_out, n_in) * 0.02 for _ in range(layers) for n_in, n_out in spec["layer"]]
     weights.append(torch.randn(spec["head"][1], spec["head"][0]) * 0.02)
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-    kernels: dict[str, Callable] = {"BLAS": blas, "oneDNN": onednn}
+    kernels: dict[str, Callable] = {"BLAS": F.linear, "oneDNN": onednn_linear}
+    head, x = weights[-1], inputs[weights[-1].shape[1]]
     for kernel in kernels.values():  # warm-up, and the two agree
-        torch.testing.assert_close(kernel(inputs[weights[-1].shape[1]], weights[-1]),
-                                   blas(inputs[weights[-1].shape[1]], weights[-1]), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kernel(x, head), F.linear(x, head), rtol=1e-4, atol=1e-4)
     best = dict.fromkeys(kernels, float("inf"))
     for _ in range(rounds):
         for name, kernel in kernels.items():
@@ -83,6 +76,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one round")
     args = parser.parse_args(argv)
+    for flag in ("rows", "layers", "rounds", "threads"):
+        values = getattr(args, flag)
+        if any(v < 1 for v in (values if isinstance(values, list) else [values])):
+            parser.error(f"--{flag} must be positive integers, got {values}")
     if args.quick:
         args.shapes, args.rows, args.layers, args.rounds = ["tiny"], [2, 4], 2, 1
     torch.set_num_threads(args.threads)

@@ -9,9 +9,9 @@ to the package) and the engine model's buffers (rotary frequencies, which the gr
 
 Three steps are compiled: one decoding row (``"single"``, its products as 1-row reductions), 2 or more rows
 (``"batch"``, its products through aten's ``mm``: BLAS) and ``WIDE_ROWS`` or more rows (``"wide"``, its products
-through oneDNN's linear, ``onednn_linears``, where the CPU build has oneDNN). On one core, float32, oneDNN multiplies
-16 rows by Qwen3-0.6B's 1024-wide weights 1.2–1.5× faster than BLAS and 2 rows 0.75× as fast; both read the weights
-in their own layout, so neither holds a second copy.
+through oneDNN's linear, ``OneDNNLinears``, where the CPU build has oneDNN). On one core, float32, oneDNN multiplies
+4–16 rows by Qwen3-0.6B's weights 1.3–1.7× faster than BLAS and 2–3 rows 0.7–0.8× as fast
+(``benchmarks.decode_products``); both read the weights in their own layout, so neither holds a second copy.
 """
 
 from __future__ import annotations
@@ -97,6 +97,23 @@ def tracing() -> Iterator[None]:
         torch.compiler._is_compiling_flag = previous
 
 
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` through oneDNN (``torch.ops.mkldnn._linear_pointwise``), the weight read in its
+    ``(out, in)`` layout, not packed.
+
+    Args:
+        x: the input.
+        weight: the weight.
+        bias: the bias, or None.
+
+    Returns:
+        The product.
+
+    Shapes: x ``(..., in)``, weight ``(out, in)``, bias ``(out,)`` -> ``(..., out)``.
+    """
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 class OneDNNLinears(TorchFunctionMode):
     """``nn.functional.linear`` of a float32 CPU input and a float32 contiguous 2-d weight traced as oneDNN's
     linear (``torch.ops.mkldnn._linear_pointwise``, its weight in its own layout, not packed); any other call as
@@ -109,7 +126,7 @@ class OneDNNLinears(TorchFunctionMode):
             bias = rest[0] if rest else kwargs.get("bias")
             if (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"
                     and weight.dim() == 2 and weight.is_contiguous() and x.dim() >= 2):
-                return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+                return onednn_linear(x, weight, bias)
         return func(*args, **kwargs)
 
 

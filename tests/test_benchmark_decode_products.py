@@ -1,5 +1,5 @@
-"""``benchmarks.decode_products``: its shapes are the real models' products, and a quick run times both libraries
-on the same products (they agree, which the script checks before timing)."""
+"""``benchmarks.decode_products``: its shapes are the real models' products, a quick run times both libraries on the
+same products (they agree, which the script checks before timing), and bad flags are refused."""
 
 from __future__ import annotations
 
@@ -27,3 +27,10 @@ def test_a_quick_run_reports_both_libraries(capsys: pytest.CaptureFixture[str]) 
     assert [r["flop"] for r in report] == [2.0 * 2 * weights, 2.0 * 4 * weights]
     assert all(r["BLAS"] > 0 and r["oneDNN"] > 0 for r in report)
     assert "oneDNN vs BLAS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", [["--rows", "2", "0"], ["--layers", "0"], ["--rounds", "-1"], ["--threads", "0"]])
+def test_bad_flags_are_refused(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        decode_products.main(flag)
+    assert flag[0] in capsys.readouterr().err

@@ -128,6 +128,7 @@ def test_a_process_loading_the_packages_imports_no_compiler(run: dict[str, Any],
     script.write_text(MODEL_SOURCE + f"""
 import json, sys
 from serving import Engine
+torch.set_num_threads({torch.get_num_threads()})  # the packages were compiled for this count (part of their key)
 engine = Engine(thin_model(), compile="aot", **{LIMITS!r})
 assert engine.runner.aot.process is None, "compiled again"
 prompts = json.loads(sys.argv[1])
