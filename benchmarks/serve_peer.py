@@ -4,6 +4,7 @@
     python -m benchmarks.serve_peer --shapes smollm2 qwen3 --threads 1 2
     python -m benchmarks.serve_peer --llama-server /path/to/llama-server   # + the peer on the same weights (F32 GGUF)
     LLAMA_SERVER=/path/to/llama-server python -m benchmarks.serve_peer     # the same (or llama-server on PATH)
+    python -m benchmarks.serve_peer --kv-cache-dtypes auto float16   # each mode with float32 and float16 KV caches
     python -m benchmarks.serve_peer --quick                  # a tiny model, few tokens: checks that the script runs
 
 Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread count, one run:
@@ -14,6 +15,8 @@ Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread c
   greedy decoding: requests one at a time, then ``--concurrency`` in flight at once. MODE is the engine's
   ``compile`` (eager, attention, single, compile, aot); for aot the packages are compiled in this process before
   the server starts (``prebuild``, its seconds printed), so the server measured runs them from its first request;
+  with ``--kv-cache-dtypes``, each mode once per cache dtype (``Engine(kv_cache_dtype=...)``; llama-server's cache is
+  float16 by default);
 - **llama-server** (``find_llama_server``: ``--llama-server PATH``, else ``$LLAMA_SERVER``, else ``llama-server`` on
   ``PATH``; ``--no-peer`` skips it): ``-np`` ``--concurrency`` on the model written as an F32 GGUF file (a filler
   tokenizer of the model's vocabulary), its end-of-text token ignored (``ignore_eos``) as the zoo's model has none.
@@ -23,7 +26,8 @@ and its ratio to llama-server's (goal >= 1.0) or, without the peer, to the serve
 (goal >= 5), the first use's seconds (the compiles), and the memory of the server's processes (their PSS summed,
 ``serving.memory``: shared library pages counted once; the RSS sum beside it) against the weights plus the KV cache
 the concurrent requests hold (goal <= 1.3), also less the runtime two idle processes with the server's and the
-engine's imports hold (``runtime_baseline``: the floor before any model). Whether every mode produced the same tokens.
+engine's imports hold (``runtime_baseline``: the floor before any model). Whether every mode produced the same tokens
+(per cache dtype).
 The machine is shared and noisy: compare figures of one run only.
 """
 
@@ -53,6 +57,7 @@ import torch
 from benchmarks.quantized import FAMILY, SHAPES, filler_tokenizer
 from models import DecoderLM, DecoderLMConfig
 from serving.aot_steps import AheadOfTimeSteps
+from serving.cache_size import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 from serving.engine import Engine, kv_block_nbytes
 from serving.engine_process import ModelSource
 from serving.memory import process_memory, tree_memory
@@ -96,7 +101,7 @@ def runtime_baseline() -> int:
             child.wait(60)
 
 
-def _serve(folder: str, port: int, threads: int, concurrency: int, compile_mode: Any) -> None:
+def _serve(folder: str, port: int, threads: int, concurrency: int, compile_mode: Any, kv_cache_dtype: str) -> None:
     """The child process: ``zoo serve``'s application, the engine in its own process loading the saved weights."""
     import uvicorn
 
@@ -105,7 +110,7 @@ def _serve(folder: str, port: int, threads: int, concurrency: int, compile_mode:
     torch.set_num_threads(threads)  # the engine process takes as many
     model = DecoderLM.from_pretrained(folder, device="meta")  # this process holds the config only
     app = create_app(model, None, model_name="peer", engine_process=ModelSource(path=folder),
-                     max_num_seqs=concurrency, compile=compile_mode)
+                     max_num_seqs=concurrency, compile=compile_mode, kv_cache_dtype=kv_cache_dtype)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -150,10 +155,11 @@ def wait_healthy(url: str, alive: Any, seconds: float = 600) -> None:
 
 
 @contextlib.contextmanager
-def zoo_server(folder: str, threads: int, concurrency: int, compile_mode: Any) -> Iterator[tuple[str, int]]:
+def zoo_server(folder: str, threads: int, concurrency: int, compile_mode: Any,
+               kv_cache_dtype: str = "auto") -> Iterator[tuple[str, int]]:
     port = free_port()
     child = multiprocessing.get_context("spawn").Process(
-        target=_serve, args=(folder, port, threads, concurrency, compile_mode))
+        target=_serve, args=(folder, port, threads, concurrency, compile_mode, kv_cache_dtype))
     child.start()
     try:
         wait_healthy(f"http://127.0.0.1:{port}", child.is_alive)
@@ -224,13 +230,13 @@ def measure_server(url: str, pid: int, prompts: list[list[int]], gen_len: int, s
                 pss=memory["pss"], tokens=outs)
 
 
-def prebuild(model: DecoderLM) -> float:
+def prebuild(model: DecoderLM, kv_cache_dtype: str = "auto") -> float:
     """Compile ``Engine(compile="aot")``'s packages of ``model`` (the engine's block size) before its server starts,
     so that the server's first use loads them (a server compiles them in the background, serving eagerly until
     then); the seconds it took (0 when they were on disk)."""
     start = time.perf_counter()
     block_size = inspect.signature(Engine).parameters["block_size"].default
-    AheadOfTimeSteps(model, block_size, torch.float32).wait()
+    AheadOfTimeSteps(model, block_size, torch.float32, resolve_kv_cache_dtype(kv_cache_dtype)).wait()
     return time.perf_counter() - start
 
 
@@ -247,6 +253,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--shapes", nargs="+", default=["smollm2"], choices=sorted(SHAPES))
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--modes", nargs="+", default=["eager", "compile", "aot"], choices=sorted(MODES))
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
+                        help="run each mode with each KV cache dtype (default: the model's)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
@@ -270,7 +278,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=generator).tolist()
                    for _ in range(args.concurrency)]
         weights = sum(p.nbytes for p in model.parameters())
-        kv = args.concurrency * (args.prompt_len + args.gen_len) * kv_block_nbytes(model, 1)
+        positions = args.concurrency * (args.prompt_len + args.gen_len)
+        kv = positions * kv_block_nbytes(model, 1)
         with tempfile.TemporaryDirectory() as folder:
             model.save_pretrained(folder)
             gguf = None
@@ -281,15 +290,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 torch.set_num_threads(threads)
                 rows = {"generate(compile=True)": {"single": generate_speed(model, prompts, args.gen_len,
                                                                             args.singles)}}
-                for mode in args.modes:
-                    built = prebuild(model) if mode == "aot" else None
-                    with zoo_server(folder, threads, args.concurrency, MODES[mode]) as (url, pid):
-                        rows[f"zoo serve ({mode})"] = row = measure_server(url, pid, prompts, args.gen_len,
-                                                                           args.singles)
+                for mode, kv_dtype in [(m, d) for m in args.modes for d in args.kv_cache_dtypes]:
+                    name = f"zoo serve ({mode})" if kv_dtype == "auto" else f"zoo serve ({mode}, kv {kv_dtype})"
+                    built = prebuild(model, kv_dtype) if mode == "aot" else None
+                    with zoo_server(folder, threads, args.concurrency, MODES[mode], kv_dtype) as (url, pid):
+                        rows[name] = row = measure_server(url, pid, prompts, args.gen_len, args.singles)
+                    row["kv"] = positions * kv_block_nbytes(model, 1, resolve_kv_cache_dtype(kv_dtype))
+                    row["kv_dtype"] = kv_dtype
                     if built is not None:
                         row["compile_s"] = built
-                        print(f"zoo serve (aot): packages compiled in {built:.0f} s before the server started")
-                    print(f"zoo serve ({mode}): {row['single']:.2f} tok/s alone, {row['concurrent']:.2f} tok/s with "
+                        print(f"{name}: packages compiled in {built:.0f} s before the server started")
+                    print(f"{name}: {row['single']:.2f} tok/s alone, {row['concurrent']:.2f} tok/s with "
                           f"{args.concurrency} in flight, PSS {row['pss'] / 2**20:.0f} MiB", flush=True)
                 if gguf is not None:
                     with llama_server(peer, gguf, threads, args.concurrency,
@@ -307,7 +318,6 @@ def print_table(entry: dict[str, Any]) -> None:
     rows = entry["rows"]
     reference = rows["generate(compile=True)"]["single"]
     peer = rows.get("llama-server")
-    budget = entry["weights"] + entry["kv"]
     runtime = entry["runtime"]
     print(f"\n#### {entry['shape']}, {entry['threads']} thread(s): weights {entry['weights'] / 2**20:.0f} MiB, "
           f"KV of the concurrent requests {entry['kv'] / 2**20:.0f} MiB, runtime of two idle processes "
@@ -320,12 +330,18 @@ def print_table(entry: dict[str, Any]) -> None:
             print(f"| {name} | {r['single']:.2f} | 1.00x | | | | | | | | |")
             continue
         versus_peer = f"{r['concurrent'] / peer['concurrent']:.2f}x" if peer else "n/a"
+        budget = entry["weights"] + r.get("kv", entry["kv"])  # the weights and the KV cache in its dtype
         beyond = f"{(r['pss'] - runtime) / budget:.2f}x" if name.startswith("zoo") else ""
         print(f"| {name} | {r['single']:.2f} | {r['single'] / reference:.2f}x | {r['concurrent']:.2f} | "
               f"{versus_peer} | {r['concurrent'] / r['single']:.2f}x | {r['first_use']:.0f} | "
               f"{r['pss'] / 2**20:.0f} | {r['rss'] / 2**20:.0f} | {r['pss'] / budget:.2f}x | {beyond} |")
-    zoo = [r["tokens"] for name, r in rows.items() if name.startswith("zoo")]
-    print(f"\nsame tokens in every zoo mode: {all(t == zoo[0] for t in zoo)}")
+    by_dtype: dict[str, list] = {}
+    for name, r in rows.items():
+        if name.startswith("zoo"):
+            by_dtype.setdefault(r["kv_dtype"], []).append(r["tokens"])
+    for kv_dtype, outs in by_dtype.items():
+        print(f"\nsame tokens in every zoo mode (KV cache {kv_dtype}): {all(t == outs[0] for t in outs)}")
+    zoo = next(iter(by_dtype.values()), [])
     if peer and zoo:
         pairs = [(a, b) for a, b in zip(peer["tokens"], zoo[0], strict=True) if a]  # ids llama-server reported
         same = sum(a == b for a, b in pairs)

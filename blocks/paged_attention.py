@@ -69,14 +69,14 @@ def ragged_decode_attention(k_pool: Tensor, v_pool: Tensor, q: Tensor, rows: Rag
         sinks: one extra logit per query head, or None.
 
     Returns:
-        Each row's attention output, in ``q``'s dtype.
+        Each row's attention output, in ``q``'s dtype (pools of another dtype are read into it).
 
     Shapes: pools ``(Hkv, blocks, block_size, D)``, q ``(R, Hkv, rep, D)`` (query head ``h·rep + r`` at ``[:, h,
     r]``) -> ``(R, Hkv, rep, Dv)``.
     """
     heads, _, bs, d = k_pool.shape
     n_rows, _, rep, _ = q.shape
-    k = k_pool[:, rows.block].transpose(0, 1)  # (E, Hkv, bs, D), left to the compiler to fuse
+    k = k_pool[:, rows.block].transpose(0, 1).to(q.dtype)  # (E, Hkv, bs, D), left to the compiler to fuse
     scores = (q[rows.row][:, :, :, None, :] * k[:, :, None]).sum(-1).float()  # (E, Hkv, rep, bs)
     scores = soft_cap(scores * (d ** -0.5 if scale is None else scale), softcap)
     distance = rows.q_pos[rows.row][:, None] - (rows.start[:, None] + torch.arange(bs, device=q.device))  # (E, bs)
@@ -88,7 +88,7 @@ def ragged_decode_attention(k_pool: Tensor, v_pool: Tensor, q: Tensor, rows: Rag
     top = torch.where(torch.isinf(top), 0.0, top)
     weights = torch.exp(scores - top[..., None])
     total = weights.sum(-1)  # (E, Hkv, rep)
-    v = v_pool[:, rows.block].transpose(0, 1)  # (E, Hkv, bs, Dv)
+    v = v_pool[:, rows.block].transpose(0, 1).to(q.dtype)  # (E, Hkv, bs, Dv)
     values = (weights.to(v.dtype)[..., None] * v[:, :, None]).sum(-2).float()  # (E, Hkv, rep, Dv)
     # Per row: the entries side by side, (R, W, Hkv, rep); a missing entry gets -inf (weight 0).
     present = rows.layout < rows.block.shape[0]

@@ -47,23 +47,30 @@ class PagedKVCache:
     contiguous ``(K, D)`` matrix; the query heads sharing a key/value head (GQA) are folded into the query length, so
     the keys need no second copy.
 
+    The pools may hold another float dtype than the model computes in (``dtype``: float16 keys and values under a
+    float32 model, as llama.cpp's default cache and vLLM's ``kv_cache_dtype``): new keys and values are rounded to it
+    when written, and read back into the queries' dtype, so attention still computes in the model's.
+
     Args:
         n_blocks: blocks the pool may grow to.
         block_size: positions per block.
+        dtype: the pools' float dtype, or None for the dtype of the first keys written (the model's).
 
     Shapes: pools ``(Hkv, blocks, block_size, D)``.
 
     Raises:
-        ValueError: ``n_blocks`` or ``block_size`` is not a positive integer.
+        ValueError: ``n_blocks`` or ``block_size`` is not a positive integer, or ``dtype`` is not a float dtype.
     """
 
     length = 0
 
-    def __init__(self, n_blocks: int, block_size: int) -> None:
+    def __init__(self, n_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> None:
         for name, value in (("n_blocks", n_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.n_blocks, self.block_size = n_blocks, block_size
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"a paged cache's dtype must be a float torch.dtype or None, got {dtype!r}")
+        self.n_blocks, self.block_size, self.dtype = n_blocks, block_size, dtype
         self.k: Tensor | None = None
         self.v: Tensor | None = None
         self.batch: PagedBatch | None = None
@@ -87,19 +94,19 @@ class PagedKVCache:
         return attention.n_kv_heads * (attention.d_head + attention.d_value)
 
     def reserve(self, attention: Any, like: Tensor, blocks: int | None = None) -> None:
-        """Allocate the pools of ``blocks`` blocks (default: all ``n_blocks``) now, zeroed, in ``like``'s dtype and
-        device (what they held is dropped: ``grow`` keeps it).
+        """Allocate the pools of ``blocks`` blocks (default: all ``n_blocks``) now, zeroed, in the cache's ``dtype``
+        (else ``like``'s) on ``like``'s device (what they held is dropped: ``grow`` keeps it).
 
         Args:
             attention: the layer's attention module (its ``n_kv_heads``, ``d_head`` and ``d_value``).
-            like: a tensor of the pools' dtype and device.
+            like: a tensor of the model's float dtype and the pools' device.
             blocks: the blocks to allocate, or None for ``n_blocks``.
 
         Shapes: pools ``(Hkv, blocks, block_size, D)`` (values ``D = d_value``).
         """
-        n = self.n_blocks if blocks is None else blocks
-        self.k = like.new_zeros((attention.n_kv_heads, n, self.block_size, attention.d_head))
-        self.v = like.new_zeros((attention.n_kv_heads, n, self.block_size, attention.d_value))
+        n, dtype = self.n_blocks if blocks is None else blocks, self.dtype or like.dtype
+        self.k = like.new_zeros((attention.n_kv_heads, n, self.block_size, attention.d_head), dtype=dtype)
+        self.v = like.new_zeros((attention.n_kv_heads, n, self.block_size, attention.d_value), dtype=dtype)
 
     def grow(self, attention: Any, like: Tensor, needed: int) -> None:
         """Make the pools hold at least ``needed`` blocks (doubling, at most ``n_blocks``), their contents kept, the
@@ -108,7 +115,7 @@ class PagedKVCache:
 
         Args:
             attention: the layer's attention module (its key/value head count and head sizes).
-            like: a tensor of the pools' dtype and device.
+            like: a tensor of the model's float dtype and the pools' device.
             needed: blocks the pools must hold.
 
         Shapes: pools ``(Hkv, blocks, block_size, D)``.
@@ -154,8 +161,8 @@ class PagedKVCache:
         size = min(self.n_blocks, max(needed, 2 * have))
         # The old blocks copied, the new ones zeroed (not left as they come: the masked slots of a gathered block
         # are still multiplied, and 0 · NaN = NaN); each part written once.
-        grown_k = k.new_empty((k.shape[1], size, self.block_size, k.shape[-1]))
-        grown_v = v.new_empty((v.shape[1], size, self.block_size, v.shape[-1]))
+        grown_k = k.new_empty((k.shape[1], size, self.block_size, k.shape[-1]), dtype=self.dtype or k.dtype)
+        grown_v = v.new_empty((v.shape[1], size, self.block_size, v.shape[-1]), dtype=self.dtype or v.dtype)
         for grown, old in ((grown_k, self.k), (grown_v, self.v)):
             if old is not None:
                 grown[:, :have] = old
@@ -163,8 +170,8 @@ class PagedKVCache:
         self.k, self.v = grown_k, grown_v
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write the packed new keys/values at the batch's slots (growing the pools first when a slot lies beyond
-        them, outside a compiled graph); return them unchanged.
+        """Write the packed new keys/values at the batch's slots, in the pools' dtype (growing the pools first when
+        a slot lies beyond them, outside a compiled graph); return them unchanged.
 
         Args:
             k: the new keys of every row of the batch, packed along the token axis.
@@ -187,8 +194,8 @@ class PagedKVCache:
             )
         if not torch.compiler.is_compiling():  # a graph's pools were grown before it runs (``grow``)
             self._grow(k, v, batch.max_block)
-        self.k.view(self.k.shape[0], -1, self.k.shape[-1]).index_copy_(1, batch.slots, k[0])
-        self.v.view(self.v.shape[0], -1, self.v.shape[-1]).index_copy_(1, batch.slots, v[0])
+        self.k.view(self.k.shape[0], -1, self.k.shape[-1]).index_copy_(1, batch.slots, k[0].to(self.k.dtype))
+        self.v.view(self.v.shape[0], -1, self.v.shape[-1]).index_copy_(1, batch.slots, v[0].to(self.v.dtype))
         return k, v
 
     def attend(
@@ -245,7 +252,7 @@ class PagedKVCache:
             if group.row is not None:
                 k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (1, Hkv, K, D)
                 start, n_query, n_context = group.row
-                k, v = k[:, :, :n_context], v[:, :, :n_context]  # (1, Hkv, n_context, D)
+                k, v = k[:, :, :n_context].to(q.dtype), v[:, :, :n_context].to(q.dtype)  # (1, Hkv, n_context, D)
                 mask = None if window is None else group.mask(window, self.block_size)[..., :n_context]
                 og = backend(q[:, :, start:start + n_query], k, v, mask=mask, is_causal=mask is None, scale=scale,
                              softcap=softcap, **({} if sinks is None else {"sinks": sinks}))  # (1, H, Lq, Dv)
@@ -255,8 +262,8 @@ class PagedKVCache:
             # (H, G, Lq, D) -> (G, Hkv, rep·Lq, D): the query heads of one key/value head side by side.
             qg = q[0][:, group.q_index].view(n_kv, rep, g, lq, -1).permute(2, 0, 1, 3, 4).reshape(g, n_kv, rep * lq, -1)
             mask = group.mask(window, self.block_size, rep)  # (G, 1, rep·Lq, K)
-            k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (G, Hkv, K, D)
-            bias = None
+            k, v = self._gather(self.k, group, "k").to(q.dtype), self._gather(self.v, group, "v").to(q.dtype)
+            bias = None  # (k, v: (G, Hkv, K, D))
             if sinks is not None:
                 k, v, mask, bias = _with_sink_key(k, v, mask, sinks, lq)
             og = backend(qg, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)  # (G, Hkv, rep·Lq, Dv)
@@ -317,12 +324,13 @@ class PagedLayerCache:
         n_blocks: blocks the pool may grow to.
         block_size: positions per block.
         kind: the registered ``kv_cache`` kind of the pool.
+        dtype: the pool's float dtype (``PagedKVCache``'s), or None for the model's.
     """
 
     cross_attn = None
 
-    def __init__(self, n_blocks: int, block_size: int, kind: str = "paged") -> None:
-        self.self_attn = get("kv_cache", kind)(n_blocks, block_size)
+    def __init__(self, n_blocks: int, block_size: int, kind: str = "paged", dtype: torch.dtype | None = None) -> None:
+        self.self_attn = get("kv_cache", kind)(n_blocks, block_size, **({} if dtype is None else {"dtype": dtype}))
 
     def reorder(self, index: Tensor) -> None:
         """Refused: beam search reorders contiguous caches; a paged cache shares blocks through its allocator.

@@ -33,7 +33,16 @@ class PagedLatentCache(PagedKVCache):
         block_size: positions per block.
 
     Shapes: pool ``(1, blocks, block_size, kv_lora_rank + d_rope)`` (``k``; there is no separate value pool).
+
+    Raises:
+        NotImplementedError: a ``dtype`` is given: the latents are kept in the model's dtype.
     """
+
+    def __init__(self, n_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> None:
+        if dtype is not None:
+            raise NotImplementedError(f"a paged latent cache keeps the model's dtype; got dtype={dtype!r} (a "
+                                      "cache dtype of its own is for standard attention's paged cache)")
+        super().__init__(n_blocks, block_size)
 
     @staticmethod
     def numbers_per_position(attention: Any) -> int:

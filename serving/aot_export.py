@@ -198,7 +198,8 @@ def step_inputs(ids: Tensor, positions: Tensor, keep: Tensor, caches: list[Paged
             rows.layout, *pools]
 
 
-def export_step(model: nn.Module, block_size: int, kind: str) -> torch.export.ExportedProgram:
+def export_step(model: nn.Module, block_size: int, kind: str,
+                kv_dtype: torch.dtype | None = None) -> torch.export.ExportedProgram:
     """Export one decode-only step of ``model`` with its row, entry and pool-block counts dynamic.
 
     Args:
@@ -206,6 +207,7 @@ def export_step(model: nn.Module, block_size: int, kind: str) -> torch.export.Ex
         block_size: positions per block.
         kind: ``"single"`` (one row), ``"batch"`` (2 or more rows) or ``"wide"`` (``WIDE_ROWS`` or more, through
             oneDNN's linear).
+        kv_dtype: the pools' dtype, or None for the model's.
 
     Returns:
         The exported program.
@@ -214,7 +216,7 @@ def export_step(model: nn.Module, block_size: int, kind: str) -> torch.export.Ex
 
     # Sizes of 2 and more: nothing specialises on 1.
     contexts = {"single": [40], "batch": [40, 70, 20], "wide": [20 + 15 * i for i in range(WIDE_ROWS)]}[kind]
-    caches = [PagedLayerCache(1 << 20, block_size, "paged") for _ in model.layers]
+    caches = [PagedLayerCache(1 << 20, block_size, "paged", kv_dtype) for _ in model.layers]
     like = next(p for p in model.parameters() if p.is_floating_point())
     tables, first = [], 0
     for context in contexts:
@@ -247,7 +249,8 @@ def compile_packages(spec: dict[str, Any]) -> None:
 
     Args:
         spec: ``model_class``, ``config``, ``dtype``, ``signature``, ``buffers`` (the engine model's, by name),
-            ``block_size``, ``folder``, ``threads`` (the engine's thread count, read by ``main``).
+            ``block_size``, ``kv_dtype`` (the pools', None for the model's), ``folder``, ``threads`` (the engine's
+            thread count, read by ``main``).
 
     Raises:
         TypeError: the rebuilt model's tensors are not the engine model's.
@@ -264,10 +267,11 @@ def compile_packages(spec: dict[str, Any]) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another engine's process compiling the same packages: wait for it
         for kind in KINDS:
             if not (folder / f"{kind}.pt2").exists():
-                compile_package(model, spec["block_size"], kind, folder)
+                compile_package(model, spec["block_size"], kind, folder, spec.get("kv_dtype"))
 
 
-def compile_package(model: nn.Module, block_size: int, kind: str, folder: Path) -> None:
+def compile_package(model: nn.Module, block_size: int, kind: str, folder: Path,
+                    kv_dtype: torch.dtype | None = None) -> None:
     """Export and compile one step into ``folder / f"{kind}.pt2"``, written whole: compiled into a staging file
     (``models.checkpoints.file_staging``: a killed compile's is removed by the next), flushed, renamed into place,
     the folder flushed.
@@ -277,11 +281,12 @@ def compile_package(model: nn.Module, block_size: int, kind: str, folder: Path) 
         block_size: positions per block.
         kind: one of ``KINDS``.
         folder: the packages' folder.
+        kv_dtype: the pools' dtype, or None for the model's.
     """
     import torch._inductor  # (here: the engine's process imports this module, never the compiler)
 
     final = folder / f"{kind}.pt2"
-    program = export_step(model, block_size, kind)
+    program = export_step(model, block_size, kind, kv_dtype)
     with staging_file(final) as staging:
         with open(staging, "r+b") as out:  # (a file object: a path must end in .pt2)
             torch._inductor.aoti_compile_and_package(program, package_path=out, inductor_configs=PACKAGE_OPTIONS)

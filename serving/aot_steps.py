@@ -107,15 +107,17 @@ def source_digest() -> str:
     return digest.hexdigest()
 
 
-def package_key(model: nn.Module, block_size: int, float_dtype: torch.dtype) -> str:
+def package_key(model: nn.Module, block_size: int, float_dtype: torch.dtype,
+                kv_dtype: torch.dtype | None = None) -> str:
     """The key of a model's packages: what the graphs depend on (the code, torch's version and the CPU's vector
-    ISA, the model's class, config and tensors, the block size, and the thread count: inductor writes its kernels'
-    parallel loops for the threads of the process they are compiled for).
+    ISA, the model's class, config and tensors, the block size, the pools' dtype, and the thread count: inductor
+    writes its kernels' parallel loops for the threads of the process they are compiled for).
 
     Args:
         model: the engine's model.
         block_size: positions per block.
         float_dtype: its float dtype.
+        kv_dtype: the pools' dtype, or None for the model's.
 
     Returns:
         A hex key (a folder name).
@@ -124,6 +126,8 @@ def package_key(model: nn.Module, block_size: int, float_dtype: torch.dtype) -> 
     parts = [source_digest(), torch.__version__, torch.backends.cpu.get_cpu_capability(),
              f"{type(model).__module__}.{type(model).__qualname__}", json.dumps(config, sort_keys=True, default=str),
              repr(tensor_signature(model)), block_size, str(float_dtype), torch.get_num_threads()]
+    if kv_dtype is not None:
+        parts.append(str(kv_dtype))
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
@@ -165,11 +169,13 @@ class AheadOfTimeSteps:
         model: the engine's ``DecoderLM``.
         block_size: positions per block.
         float_dtype: its float dtype.
+        kv_dtype: the pools' dtype, or None for the model's.
     """
 
-    def __init__(self, model: nn.Module, block_size: int, float_dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, block_size: int, float_dtype: torch.dtype,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
-        self.folder = cache_dir() / package_key(model, block_size, float_dtype)
+        self.folder = cache_dir() / package_key(model, block_size, float_dtype, kv_dtype)
         self.steps: dict[str, PackagedStep] = {}
         self.failed: str | None = None
         #: the compile process found the model's tensors are not those its config builds
@@ -179,6 +185,7 @@ class AheadOfTimeSteps:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         spec = {"model_class": type(model), "config": model.config, "dtype": float_dtype, "block_size": block_size,
+                "kv_dtype": kv_dtype,
                 "threads": torch.get_num_threads(),
                 "signature": tensor_signature(model), "folder": str(self.folder),
                 "buffers": {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)}}

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .runner import block_nbytes
+from .runner import block_nbytes, float_like, paged_kind
 
 #: The share of the available memory a default cache may take (CPU, CUDA).
 CPU_SHARE, CUDA_SHARE = 0.5, 0.9
@@ -134,21 +134,57 @@ def memory_device(model: Any) -> torch.device:
     return torch.device("cpu") if param is None else param.device
 
 
-def kv_block_nbytes(model: Any, block_size: int) -> int:
+def kv_block_nbytes(model: Any, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
     """Bytes of one paged-cache block of ``model``: what ``block_size`` positions hold in every layer (keys and
     values, or latent attention's latents and rotary keys).
 
     Args:
         model: the ``DecoderLM``.
         block_size: positions per block.
+        kv_dtype: the cache's dtype, or None for the model's float dtype.
 
     Returns:
-        The block's bytes, in the model's float dtype.
+        The block's bytes.
     """
-    return block_nbytes(model, block_size)
+    return block_nbytes(model, block_size, kv_dtype)
 
 
-def blocks_in_memory(model: Any, nbytes: Any, block_size: int, num_blocks: int | None) -> int:
+#: ``Engine``'s ``kv_cache_dtype`` values by name ("auto": the model's float dtype).
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(value: Any, model: Any = None) -> torch.dtype | None:
+    """``Engine``'s ``kv_cache_dtype``: a name of ``KV_CACHE_DTYPES`` or one of its torch dtypes.
+
+    Args:
+        value: ``"auto"``, ``"float32"``, ``"float16"``, ``"bfloat16"``, or ``torch.float32`` / ``float16`` /
+            ``bfloat16``.
+        model: the ``DecoderLM`` it is for, or None (not checked).
+
+    Returns:
+        The dtype, or None for ``"auto"`` (the model's).
+
+    Raises:
+        ValueError: any other value.
+        NotImplementedError: a dtype other than ``model``'s for a latent-attention model (its cache keeps the
+            model's dtype).
+    """
+    if isinstance(value, torch.dtype) and value in KV_CACHE_DTYPES.values():
+        dtype = value
+    elif isinstance(value, str) and value in KV_CACHE_DTYPES:
+        dtype = KV_CACHE_DTYPES[value]
+    else:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))} (or that torch "
+                         f"dtype), got {value!r}")
+    if (model is not None and dtype not in (None, float_like(model).dtype)
+            and any(paged_kind(layer) != "paged" for layer in model.layers)):
+        raise NotImplementedError(f"kv_cache_dtype={value!r}: a latent-attention model's cache keeps the model's "
+                                  "dtype; expected 'auto'")
+    return dtype
+
+
+def blocks_in_memory(model: Any, nbytes: Any, block_size: int, num_blocks: int | None,
+                     kv_dtype: torch.dtype | None = None) -> int:
     """How many blocks ``nbytes`` of KV cache hold (``Engine``'s ``kv_cache_bytes``).
 
     Args:
@@ -156,6 +192,7 @@ def blocks_in_memory(model: Any, nbytes: Any, block_size: int, num_blocks: int |
         nbytes: the cache's bytes.
         block_size: positions per block.
         num_blocks: the blocks asked for besides (must be None).
+        kv_dtype: the cache's dtype, or None for the model's float dtype.
 
     Returns:
         The number of whole blocks that fit.
@@ -167,7 +204,7 @@ def blocks_in_memory(model: Any, nbytes: Any, block_size: int, num_blocks: int |
         raise ValueError(f"kv_cache_bytes must be a positive integer, got {nbytes!r}")
     if num_blocks is not None:
         raise ValueError(f"give num_blocks={num_blocks} or kv_cache_bytes={nbytes}, not both")
-    per_block = kv_block_nbytes(model, block_size)
+    per_block = kv_block_nbytes(model, block_size, kv_dtype)
     if nbytes < per_block:
         raise ValueError(f"kv_cache_bytes={nbytes} holds no block: one block of {block_size} positions takes "
                          f"{per_block} bytes")

@@ -145,6 +145,9 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     kv.add_argument("--kv-blocks", type=positive_int, default=None,
                     help="KV cache size in blocks of --block-size positions instead of --kv-cache-memory")
     serve_parser.add_argument("--block-size", type=positive_int, default=16, help="positions per KV cache block")
+    serve_parser.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                              help="the KV cache's dtype (default auto: the model's); float16 under a float32 model "
+                                   "halves the cache, as llama.cpp's default (Engine(kv_cache_dtype=...))")
     serve_parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve_parser.add_argument("--served-model-name", "--alias", dest="served_model_name", default=None,
                               help="the model's name in the API (default: the folder's or file's name, or the Hub id)")
@@ -277,7 +280,7 @@ def serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or served_name(args.model)
     limits = dict(max_num_seqs=args.max_batch, num_blocks=args.kv_blocks, block_size=args.block_size,
                   kv_cache_bytes=args.kv_cache_memory, max_model_len=args.ctx_size,
-                  compile=serve_compile(args))
+                  compile=serve_compile(args), kv_cache_dtype=args.kv_cache_dtype)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     logging.getLogger("zoo").info(startup_line(name, model, args, limits))
     app = create_app(model, model.tokenizer, model_name=name, api_key=args.api_key, engine_process=source, **limits,

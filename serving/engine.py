@@ -20,7 +20,14 @@ from models.generation.requests import check_token_head
 from models.generation.sampling import has_nan, nan_rows
 from models.generation.steps import refuse_longrope_switch
 
-from .cache_size import blocks_in_memory, check_num_blocks, default_num_blocks, kv_block_nbytes, memory_device
+from .cache_size import (
+    blocks_in_memory,
+    check_num_blocks,
+    default_num_blocks,
+    kv_block_nbytes,
+    memory_device,
+    resolve_kv_cache_dtype,
+)
 from .guided import guided_logits, guided_spec
 from .lora_registry import LoRAEngineMixin
 from .offline import OfflineGenerateMixin
@@ -57,7 +64,11 @@ class Engine(LoRAEngineMixin, OfflineGenerateMixin):
             the cache holds; ``serving.cache_size``); the pools grow as blocks are first used, up to this many, in
             compiled steps too.
         kv_cache_bytes: the cache's memory instead of ``num_blocks``: as many blocks as fit in this many bytes
-            (``kv_block_nbytes``: keys and values of every layer, in the model's dtype).
+            (``kv_block_nbytes``: keys and values of every layer, in ``kv_cache_dtype``).
+        kv_cache_dtype: the cache's float dtype: ``"auto"`` (the model's), ``"float32"``, ``"float16"`` or
+            ``"bfloat16"`` (or the torch dtype): new keys and values are rounded to it when written and attention
+            computes in the model's dtype (float16 under a float32 model: half the cache's bytes, as llama.cpp's
+            default cache; latent attention's cache keeps the model's dtype).
         max_num_seqs: sequences in one step at most.
         max_num_batched_tokens: tokens in one step at most (prefill chunks are cut to fit).
         max_waiting: requests ``add_request`` queues at most (``QueueFullError`` beyond).
@@ -79,10 +90,10 @@ class Engine(LoRAEngineMixin, OfflineGenerateMixin):
         loras: adapters to load now, name -> ``peft`` folder or Hub repo (more with ``add_lora``).
 
     Raises:
-        NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``) or one
-            with attention biases.
-        ValueError: a limit that is not a positive integer, or ``num_blocks`` more than the device's whole memory
-            holds.
+        NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``), one
+            with attention biases, or a ``kv_cache_dtype`` other than a latent-attention model's own.
+        ValueError: a limit that is not a positive integer, ``num_blocks`` more than the device's whole memory
+            holds, or an unknown ``kv_cache_dtype``.
     """
 
     def __init__(
@@ -90,7 +101,7 @@ class Engine(LoRAEngineMixin, OfflineGenerateMixin):
         max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 1024,
         max_model_len: int | None = None, prefix_caching: bool = True, compile: bool | str = False,  # noqa: A002
         kv_cache_bytes: int | None = None, max_loras: int = 0, max_lora_rank: int | None = None,
-        loras: Any = None,
+        loras: Any = None, kv_cache_dtype: Any = "auto",
     ) -> None:
 
 
@@ -109,9 +120,10 @@ class Engine(LoRAEngineMixin, OfflineGenerateMixin):
         for name, value in limits.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model)
         if kv_cache_bytes is not None:
-            num_blocks = blocks_in_memory(model, kv_cache_bytes, block_size, num_blocks)
-        device, per_block = memory_device(model), kv_block_nbytes(model, block_size)
+            num_blocks = blocks_in_memory(model, kv_cache_bytes, block_size, num_blocks, kv_dtype)
+        device, per_block = memory_device(model), kv_block_nbytes(model, block_size, kv_dtype)
         if num_blocks is None:  # max_num_seqs full contexts, within what the machine holds
             num_blocks = default_num_blocks(per_block, block_size, max_num_seqs, context, device)
             if max_model_len is None:  # a context the cache cannot hold is not the default
@@ -124,7 +136,7 @@ class Engine(LoRAEngineMixin, OfflineGenerateMixin):
         self.context, self.max_waiting = context, max_waiting
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, prefix_caching)
-        self.runner = PagedRunner(model, num_blocks, block_size, compile)
+        self.runner = PagedRunner(model, num_blocks, block_size, compile, kv_dtype)
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()

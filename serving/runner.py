@@ -116,17 +116,19 @@ def float_like(model: Any) -> Tensor:
     return torch.empty(0, dtype=max(set(dtypes), key=dtypes.count), device=floats[0].device)
 
 
-def block_nbytes(model: Any, block_size: int) -> int:
-    """Bytes one paged block of ``block_size`` positions takes over every layer of ``model``, in its float dtype.
+def block_nbytes(model: Any, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
+    """Bytes one paged block of ``block_size`` positions takes over every layer of ``model``, in ``kv_dtype`` (or
+    its float dtype).
 
     Args:
         model: the ``DecoderLM``.
         block_size: positions per block.
+        kv_dtype: the pools' dtype, or None for the model's float dtype.
 
     Returns:
         The block's size in bytes.
     """
-    element = float_like(model).element_size()
+    element = (kv_dtype or float_like(model).dtype).itemsize
     return block_size * element * sum(get("kv_cache", paged_kind(layer)).numbers_per_position(layer.self_attn)
                                       for layer in model.layers)
 
@@ -239,12 +241,16 @@ class PagedRunner:
             runs them; ``"aot"``: the two graphs of ``True`` compiled ahead of time in another process, and one
             for ``WIDE_ROWS`` or more rows through oneDNN (``serving.aot_steps``; started by ``start_aot``), the
             other steps eager; ``False``: nothing compiled.
+        kv_dtype: the pools' float dtype (``PagedKVCache``'s ``dtype``: float16 keys and values under a float32
+            model), or None for the model's.
 
     Raises:
-        NotImplementedError: a positional encoding with an attention bias (ALiBi, T5's relative bias).
+        NotImplementedError: a positional encoding with an attention bias (ALiBi, T5's relative bias), or a
+            ``kv_dtype`` other than the model's for latent attention's cache.
     """
 
-    def __init__(self, model: Any, n_blocks: int, block_size: int, compile: bool | str = False) -> None:  # noqa: A002
+    def __init__(self, model: Any, n_blocks: int, block_size: int, compile: bool | str = False,  # noqa: A002
+                 kv_dtype: torch.dtype | None = None) -> None:
         check_compile(compile)
         probe = torch.zeros(1, 1, dtype=torch.long)
         for positional in (model.positional, *model.layer_positionals.values()):
@@ -255,7 +261,9 @@ class PagedRunner:
         self.model, self.block_size, self.n_blocks = model, block_size, n_blocks
         like = float_like(model)  # not embed_tokens.weight: a quantized embedding's packed table is int8
         self.device = like.device
-        self.caches = [PagedLayerCache(n_blocks, block_size, paged_kind(layer)) for layer in model.layers]
+        self.kv_dtype = None if kv_dtype == like.dtype else kv_dtype  # None: the model's
+        self.caches = [PagedLayerCache(n_blocks, block_size, paged_kind(layer), self.kv_dtype)
+                       for layer in model.layers]
         workspace: dict[str, Tensor] = {}  # each layer's gathers are consumed before the next layer's
         for cache in self.caches:
             cache.self_attn.workspace = workspace
@@ -304,7 +312,7 @@ class PagedRunner:
             log.info("compile='aot': %s; compiling in this process instead (compile=True)", reason)
             self.compile_steps(True)
             return
-        self.aot = AheadOfTimeSteps(self.model, self.block_size, self.like.dtype)
+        self.aot = AheadOfTimeSteps(self.model, self.block_size, self.like.dtype, self.kv_dtype)
 
     def refresh_aot(self) -> None:
         """With ``compile="aot"``, take the packages loaded so far as the decode-only steps (none while compiling,

@@ -15,14 +15,14 @@ def startup_line(name: str, model: Any, args: argparse.Namespace, limits: dict[s
         model: the loaded model (its weights may be on the meta device).
         args: the parsed ``zoo serve`` options (``model``, ``device``, ``threads``).
         limits: the ``Engine`` arguments (``max_num_seqs``, ``num_blocks``, ``block_size``, ``kv_cache_bytes``,
-            ``max_model_len``, ``compile``).
+            ``max_model_len``, ``compile``, ``kv_cache_dtype``).
 
     Returns:
         The line.
     """
     import torch
 
-    from .cache_size import default_num_blocks
+    from .cache_size import default_num_blocks, resolve_kv_cache_dtype
     from .engine import blocks_in_memory, kv_block_nbytes
 
     dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
@@ -34,14 +34,17 @@ def startup_line(name: str, model: Any, args: argparse.Namespace, limits: dict[s
     block = limits["block_size"]
     blocks = limits.get("num_blocks")
     try:
+        kv_dtype = resolve_kv_cache_dtype(limits.get("kv_cache_dtype", "auto"))
+        per_block = kv_block_nbytes(model, block, kv_dtype)
         if limits.get("kv_cache_bytes") is not None:
-            blocks = blocks_in_memory(model, limits["kv_cache_bytes"], block, blocks)
+            blocks = blocks_in_memory(model, limits["kv_cache_bytes"], block, blocks, kv_dtype)
         elif blocks is None:  # as the engine sizes its default cache (within the device's share of its memory)
             device = torch.device(getattr(args, "device", None) or "cpu")
-            blocks = default_num_blocks(kv_block_nbytes(model, block), block, limits["max_num_seqs"], context, device)
+            blocks = default_num_blocks(per_block, block, limits["max_num_seqs"], context, device)
             if not limits.get("max_model_len"):
                 context = min(context, blocks * block)
-        kv = f"KV cache {blocks} blocks of {block} positions ({blocks * kv_block_nbytes(model, block) / 2**20:.1f} MiB)"
+        kv = f"KV cache {blocks} blocks of {block} positions ({blocks * per_block / 2**20:.1f} MiB"
+        kv += ")" if kv_dtype is None else f", {str(kv_dtype).removeprefix('torch.')})"
     except (ValueError, NotImplementedError, AttributeError):
         kv = "KV cache: see the engine's error"
     compiled = {True: "on", False: "off"}.get(limits.get("compile"), limits.get("compile"))
