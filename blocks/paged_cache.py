@@ -250,9 +250,9 @@ class PagedKVCache:
             out[:, ragged.query] = og
         for group in batch.groups:
             if group.row is not None:
-                k, v = self._gather(self.k, group, "k"), self._gather(self.v, group, "v")  # (1, Hkv, K, D)
+                k, v = self._gather(self.k, group, "k", q.dtype), self._gather(self.v, group, "v", q.dtype)
                 start, n_query, n_context = group.row
-                k, v = k[:, :, :n_context].to(q.dtype), v[:, :, :n_context].to(q.dtype)  # (1, Hkv, n_context, D)
+                k, v = k[:, :, :n_context], v[:, :, :n_context]  # (1, Hkv, n_context, D)
                 mask = None if window is None else group.mask(window, self.block_size)[..., :n_context]
                 og = backend(q[:, :, start:start + n_query], k, v, mask=mask, is_causal=mask is None, scale=scale,
                              softcap=softcap, **({} if sinks is None else {"sinks": sinks}))  # (1, H, Lq, Dv)
@@ -262,7 +262,7 @@ class PagedKVCache:
             # (H, G, Lq, D) -> (G, Hkv, rep·Lq, D): the query heads of one key/value head side by side.
             qg = q[0][:, group.q_index].view(n_kv, rep, g, lq, -1).permute(2, 0, 1, 3, 4).reshape(g, n_kv, rep * lq, -1)
             mask = group.mask(window, self.block_size, rep)  # (G, 1, rep·Lq, K)
-            k, v = self._gather(self.k, group, "k").to(q.dtype), self._gather(self.v, group, "v").to(q.dtype)
+            k, v = self._gather(self.k, group, "k", q.dtype), self._gather(self.v, group, "v", q.dtype)
             bias = None  # (k, v: (G, Hkv, K, D))
             if sinks is not None:
                 k, v, mask, bias = _with_sink_key(k, v, mask, sinks, lq)
@@ -271,28 +271,34 @@ class PagedKVCache:
             out[:, group.flat] = og.flatten(1, 2) if group.dense else og[:, group.valid]
         return out[None]
 
-    def _gather(self, pool: Tensor, group: AttentionGroup, name: str) -> Tensor:
+    def _gather(self, pool: Tensor, group: AttentionGroup, name: str, dtype: torch.dtype | None = None) -> Tensor:
         """A group's blocks, ``(G, Hkv, K, D)``: one ``index_select`` along dim 0 of the pool viewed as
-        ``(Hkv·blocks, block_size·D)`` (``AttentionGroup.gather_index``), into a reused buffer; the result is
-        contiguous per row and key/value head."""
+        ``(Hkv·blocks, block_size·D)`` (``AttentionGroup.gather_index``), into a reused buffer, read back into
+        ``dtype`` (another reused buffer) when the pool holds another; the result is contiguous per row and
+        key/value head."""
         heads, n, bs, d = pool.shape
         g, nb = group.tables.shape
         index = group.gather_index(heads, n)
         flat = pool.view(heads * n, bs * d)
+        convert = dtype is not None and dtype != pool.dtype
         if torch.compiler.is_compiling():
             rows = flat.index_select(0, index)
+            rows = rows.to(dtype) if convert else rows
         else:
-            rows = torch.index_select(flat, 0, index, out=self._buffer(name, index.numel() * bs * d, pool))
+            numel = index.numel() * bs * d
+            rows = torch.index_select(flat, 0, index, out=self._buffer(name, numel, pool))
+            rows = self._buffer(f"{name}:{dtype}", numel, pool, dtype).copy_(rows) if convert else rows
         return rows.view(g, heads, nb * bs, d)
 
-    def _buffer(self, name: str, numel: int, like: Tensor) -> Tensor:
-        """``(numel / row, row)`` view of the reusable buffer ``name`` (grown by half again when too small)."""
-        buffer = self.workspace.get(name)
+    def _buffer(self, name: str, numel: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """``(numel / row, row)`` view of the reusable buffer ``name`` in ``dtype`` (default ``like``'s), rows of
+        ``like``'s last two sizes (grown by half again when too small)."""
+        buffer, dtype = self.workspace.get(name), dtype or like.dtype
         inference = torch.is_inference_mode_enabled()
-        if (buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device
+        if (buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != like.device
                 or buffer.is_inference() != inference):
             size = numel if buffer is None else max(numel, buffer.numel() * 3 // 2)
-            buffer = self.workspace[name] = like.new_empty(size)
+            buffer = self.workspace[name] = like.new_empty(size, dtype=dtype)
         return buffer[:numel].view(-1, like.shape[2] * like.shape[3])
 
     def _current(self) -> PagedBatch:

@@ -52,7 +52,7 @@ def staggered(engine: Engine, ps: list[list[int]]) -> list:
                                   for step, items in arrivals.items()})
 
 
-@pytest.mark.parametrize("compile_mode", [False, "attention"])
+@pytest.mark.parametrize("compile_mode", [False, "attention", True])
 def test_a_float16_cache_gives_a_forward_pass_over_rounded_keys(monkeypatch: pytest.MonkeyPatch,
                                                                compile_mode: bool | str) -> None:
     monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
