@@ -184,6 +184,8 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
                         "single-row graph for a lone request), full (True), aot (\"aot\": compiled ahead of time in "
                         "a child process, waited for before measuring; its seconds are reported)")
     p.add_argument("--block-size", type=_positive, default=16)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                   help="the KV cache's dtype (Engine(kv_cache_dtype=...); default auto: the model's)")
     return {"bench": bench}
 
 
@@ -204,7 +206,8 @@ def bench(args: argparse.Namespace) -> None:
     context = min(model.config.max_len, args.prompt_len + args.gen_len)
     start = time.perf_counter()
     engine = Engine(model, block_size=args.block_size, max_num_seqs=max(args.concurrency, 3),
-                    max_model_len=max(context, 2), compile=BENCH_COMPILE[args.compile])
+                    max_model_len=max(context, 2), compile=BENCH_COMPILE[args.compile],
+                    kv_cache_dtype=args.kv_cache_dtype)
     aot = engine.runner.aot
     if aot is not None and not aot.wait():  # the steps stay eager (or compile in this process): said, then measured
         print(f"zoo bench: the ahead-of-time compiled steps are not used: {aot.failed.splitlines()[0]}",
@@ -218,6 +221,8 @@ def bench(args: argparse.Namespace) -> None:
     params = sum(p.numel() for p in model.parameters())
     header = {"model": str(args.model), "params": f"{params / 1e6:.1f}M", "threads": str(torch.get_num_threads()),
               "compile": args.compile}
+    if args.kv_cache_dtype != "auto":
+        header["kv cache"] = args.kv_cache_dtype
     if aot is not None:
         header["aot compile s"] = f"{compiled_s:.0f}"
     print(result.table(header))

@@ -10,7 +10,7 @@ import torch
 
 from cli.main import main
 from models import DecoderLM
-from serving import Engine
+from serving import Engine, bench
 from serving.bench import measure
 from tokenization import train_byte_level_bpe
 
@@ -47,3 +47,25 @@ def test_zoo_bench_prints_one_table(model: DecoderLM, tmp_path: Path, capsys: py
     assert lines[0] == "| model | params | threads | compile | test | value | unit |"
     assert [line.split(" | ")[4] for line in lines[2:5]] == ["pp6", "tg3", "tg3 x2"]
     assert all(line.split(" | ")[3] == "none" for line in lines[2:])
+
+
+def test_zoo_bench_takes_the_cache_dtype(model: DecoderLM, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = train_byte_level_bpe(["the quick brown fox jumps over the lazy dog"] * 4, vocab_size=300, min_frequency=1)
+    model.save_pretrained(tmp_path, tokenizer=tok)
+    engines = []
+
+    def kept(*args: object, **kwargs: object) -> Engine:
+        engines.append(Engine(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(bench, "Engine", kept)
+    main(["bench", str(tmp_path), "--prompt-len", "6", "--gen-len", "3", "--concurrency", "2", "--repetitions", "1",
+          "--kv-cache-dtype", "float16"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| model | params | threads | compile | kv cache | test | value | unit |"
+    assert all(line.split(" | ")[4] == "float16" for line in lines[2:])
+    assert {cache.self_attn.k.dtype for cache in engines[0].runner.caches} == {torch.float16}
+    with pytest.raises(SystemExit):
+        main(["bench", str(tmp_path), "--kv-cache-dtype", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
