@@ -23,6 +23,7 @@ import torch
 from benchmarks.quantized import SHAPES
 from benchmarks.serve_peer import MODES, shaped_model
 from serving import Engine
+from serving.cli_options import positive_int
 
 DTYPES = ("auto", "float16")
 
@@ -58,16 +59,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3", choices=sorted(SHAPES))
     parser.add_argument("--mode", default="aot", choices=sorted(MODES), help="the engines' compile mode")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--gen-len", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--concurrency", type=positive_int, default=16)
+    parser.add_argument("--prompt-len", type=positive_int, default=64)
+    parser.add_argument("--gen-len", type=positive_int, default=64)
+    parser.add_argument("--rounds", type=positive_int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--quick", action="store_true", help="a tiny model, eager, few tokens")
     args = parser.parse_args(argv)
-    for flag in ("concurrency", "prompt_len", "gen_len", "rounds", "threads"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     if args.quick:
         args.shape, args.mode, args.concurrency, args.prompt_len, args.gen_len, args.rounds = \
             "tiny", "eager", 4, 8, 8, 1

@@ -117,7 +117,7 @@ def package_key(model: nn.Module, block_size: int, float_dtype: torch.dtype,
         model: the engine's model.
         block_size: positions per block.
         float_dtype: its float dtype.
-        kv_dtype: the pools' dtype, or None for the model's.
+        kv_dtype: the pools' dtype, or None (or ``float_dtype``) for the model's.
 
     Returns:
         A hex key (a folder name).
@@ -126,7 +126,7 @@ def package_key(model: nn.Module, block_size: int, float_dtype: torch.dtype,
     parts = [source_digest(), torch.__version__, torch.backends.cpu.get_cpu_capability(),
              f"{type(model).__module__}.{type(model).__qualname__}", json.dumps(config, sort_keys=True, default=str),
              repr(tensor_signature(model)), block_size, str(float_dtype), torch.get_num_threads()]
-    if kv_dtype is not None:
+    if kv_dtype not in (None, float_dtype):  # pools in the model's own dtype: the graphs of None
         parts.append(str(kv_dtype))
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 

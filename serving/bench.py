@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .cache_size import KV_CACHE_DTYPES
 from .engine import Engine
 
 _MIB = 2**20
@@ -184,7 +185,7 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
                         "single-row graph for a lone request), full (True), aot (\"aot\": compiled ahead of time in "
                         "a child process, waited for before measuring; its seconds are reported)")
     p.add_argument("--block-size", type=_positive, default=16)
-    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                    help="the KV cache's dtype (Engine(kv_cache_dtype=...); default auto: the model's)")
     return {"bench": bench}
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .cache_size import KV_CACHE_DTYPES
 from .cli_chat import ChatSession, run_chat
 from .cli_options import (
     LLAMA_CPP_SAMPLING,
@@ -145,7 +146,7 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     kv.add_argument("--kv-blocks", type=positive_int, default=None,
                     help="KV cache size in blocks of --block-size positions instead of --kv-cache-memory")
     serve_parser.add_argument("--block-size", type=positive_int, default=16, help="positions per KV cache block")
-    serve_parser.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+    serve_parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                               help="the KV cache's dtype (default auto: the model's); float16 under a float32 model "
                                    "halves the cache, as llama.cpp's default (Engine(kv_cache_dtype=...))")
     serve_parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")

@@ -168,6 +168,7 @@ def test_the_package_key_follows_what_the_graphs_depend_on(run: dict[str, Any]) 
     assert package_key(model, 8, torch.float32) != key  # another block size
     assert package_key(model, 4, torch.bfloat16) != key
     assert package_key(model, 4, torch.float32, torch.float16) != key  # float16 pools
+    assert package_key(model, 4, torch.float32, torch.float32) == key  # the model's own dtype, named
     deeper = DecoderLM.from_preset("qwen3-tiny", n_layers=3, d_model=16, n_heads=2, n_kv_heads=1, d_head=8, d_ff=32,
                                    vocab_size=97)
     assert package_key(deeper, 4, torch.float32) != key
