@@ -1,7 +1,8 @@
-"""BLAS against oneDNN on a batched decoding step's products: why ``zoo serve``'s wide package uses oneDNN.
+"""BLAS against oneDNN on a batched decoding step's products: why ``zoo serve``'s wide package uses oneDNN, and
+prepacks the weights.
 
     python -m benchmarks.decode_products                     # SmolLM2-135M's and Qwen3-0.6B's shapes, one thread
-    python -m benchmarks.decode_products --rows 2 16 --shapes qwen3
+    python -m benchmarks.decode_products --rows 1 16 --shapes qwen3
     python -m benchmarks.decode_products --quick             # tiny shapes: checks that the script runs
 
 A step of ``R`` decoding rows multiplies ``R`` rows by every weight of the model. For each shape and row count, one
@@ -10,9 +11,12 @@ from memory as a deep model's are) and of the head, interleaved A B A B over ``-
 
 - **BLAS**: ``F.linear(x, weight)`` (aten's ``mm``: what inductor lowers a product to by default);
 - **oneDNN**: ``serving.aot_export.onednn_linear`` on the same ``(out, in)`` weight, unpacked (what
-  ``OneDNNLinears`` traces a product as in the ``"wide"`` package).
+  ``OneDNNLinears`` traces a product as in the ``"wide"`` package);
+- **prepacked**: ``blocks.prepacked_linear.PrepackedLinear`` layers of the same weights, reordered once into
+  oneDNN's blocked layout (``Engine(prepack_weights=True)``, ``zoo serve``'s default), called as modules.
 
-It prints GFLOP/s (2 x rows x weights per step) and oneDNN's speed as a ratio to BLAS's in the same run.
+It prints GFLOP/s (2 x rows x weights per step) and oneDNN's and the prepacked layers' speed as ratios to BLAS's in
+the same run.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.compare import Table
+from blocks.prepacked_linear import PrepackedLinear
 from serving.aot_export import onednn_linear
+
+#: The products timed, in the table's order.
+KERNELS = ("BLAS", "oneDNN", "prepacked")
 
 #: (in, out) of each product of one decoder layer (q, k, v, o, gate, up, down), and the head's.
 SHAPES = {
@@ -47,30 +55,40 @@ def measure(shape: str, rows: int, layers: int, rounds: int) -> dict[str, float]
         rounds: interleaved rounds timed.
 
     Returns:
-        ``{"BLAS": s, "oneDNN": s, "flop": n}``.
+        ``{"BLAS": s, "oneDNN": s, "prepacked": s, "flop": n}``.
     """
     spec = SHAPES[shape]
     weights = [torch.randn(n_out, n_in) * 0.02 for _ in range(layers) for n_in, n_out in spec["layer"]]
     weights.append(torch.randn(spec["head"][1], spec["head"][0]) * 0.02)
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-    kernels: dict[str, Callable] = {"BLAS": F.linear, "oneDNN": onednn_linear}
+    layers_of = {id(w): prepacked(w) for w in weights}
+    kernels: dict[str, Callable] = {"BLAS": F.linear, "oneDNN": onednn_linear,
+                                    "prepacked": lambda x, w: layers_of[id(w)](x)}
     head, x = weights[-1], inputs[weights[-1].shape[1]]
-    for kernel in kernels.values():  # warm-up, and the two agree
+    for kernel in kernels.values():  # warm-up, and the three agree
         torch.testing.assert_close(kernel(x, head), F.linear(x, head), rtol=1e-4, atol=1e-4)
     best = dict.fromkeys(kernels, float("inf"))
-    for _ in range(rounds):
-        for name, kernel in kernels.items():
-            start = time.perf_counter()
-            for w in weights:
-                kernel(inputs[w.shape[1]], w)
-            best[name] = min(best[name], time.perf_counter() - start)
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, kernel in kernels.items():
+                start = time.perf_counter()
+                for w in weights:
+                    kernel(inputs[w.shape[1]], w)
+                best[name] = min(best[name], time.perf_counter() - start)
     return {**best, "flop": 2.0 * rows * sum(w.numel() for w in weights)}
+
+
+def prepacked(weight: torch.Tensor) -> PrepackedLinear:
+    """A ``PrepackedLinear`` of ``weight`` (no bias)."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return PrepackedLinear(linear)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["smollm2", "qwen3"], choices=sorted(SHAPES))
-    parser.add_argument("--rows", type=int, nargs="+", default=[2, 3, 4, 8, 16])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16])
     parser.add_argument("--layers", type=int, default=6, help="copies of a layer's weights per step")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -87,13 +105,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{torch.backends.mkldnn.is_available()}")
     report = []
     table = Table(f"A decoding step's products, {args.layers} layers and the head, best of {args.rounds} rounds",
-                  ["shape", "rows", "BLAS GFLOP/s", "oneDNN GFLOP/s", "oneDNN vs BLAS"])
+                  ["shape", "rows", "BLAS GFLOP/s", "oneDNN GFLOP/s", "prepacked GFLOP/s", "oneDNN vs BLAS",
+                   "prepacked vs BLAS", "prepacked vs oneDNN"])
     for shape in args.shapes:
         for rows in args.rows:
             got = measure(shape, rows, args.layers, args.rounds)
             report.append(dict(shape=shape, rows=rows, **got))
-            table.rows.append([shape, str(rows), f"{got['flop'] / got['BLAS'] / 1e9:.1f}",
-                               f"{got['flop'] / got['oneDNN'] / 1e9:.1f}", f"{got['BLAS'] / got['oneDNN']:.2f}x"])
+            table.rows.append([shape, str(rows), *(f"{got['flop'] / got[k] / 1e9:.1f}" for k in KERNELS),
+                               f"{got['BLAS'] / got['oneDNN']:.2f}x", f"{got['BLAS'] / got['prepacked']:.2f}x",
+                               f"{got['oneDNN'] / got['prepacked']:.2f}x"])
     print(table.render())
     return report
 

@@ -5,6 +5,7 @@
     python -m benchmarks.serve_peer --llama-server /path/to/llama-server   # + the peer on the same weights (F32 GGUF)
     LLAMA_SERVER=/path/to/llama-server python -m benchmarks.serve_peer     # the same (or llama-server on PATH)
     python -m benchmarks.serve_peer --kv-cache-dtypes auto float16   # each mode with float32 and float16 KV caches
+    python -m benchmarks.serve_peer --weights plain prepacked        # each mode with plain and prepacked weights
     python -m benchmarks.serve_peer --quick                  # a tiny model, few tokens: checks that the script runs
 
 Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread count, one run:
@@ -16,7 +17,8 @@ Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread c
   ``compile`` (eager, attention, single, compile, aot); for aot the packages are compiled in this process before
   the server starts (``prebuild``, its seconds printed), so the server measured runs them from its first request;
   with ``--kv-cache-dtypes``, each mode once per cache dtype (``Engine(kv_cache_dtype=...)``; llama-server's cache is
-  float16 by default);
+  float16 by default), and with ``--weights``, once per weight layout (``Engine(prepack_weights=...)``: ``zoo serve``
+  prepacks by default; ``plain`` is ``--no-prepack-weights``);
 - **llama-server** (``find_llama_server``: ``--llama-server PATH``, else ``$LLAMA_SERVER``, else ``llama-server`` on
   ``PATH``; ``--no-peer`` skips it): ``-np`` ``--concurrency`` on the model written as an F32 GGUF file (a filler
   tokenizer of the model's vocabulary), its end-of-text token ignored (``ignore_eos``) as the zoo's model has none.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import inspect
 import multiprocessing
 import os
@@ -55,6 +58,7 @@ import openai
 import torch
 
 from benchmarks.quantized import FAMILY, SHAPES, filler_tokenizer
+from blocks.prepacked_linear import prepack_linears
 from models import DecoderLM, DecoderLMConfig
 from serving.aot_steps import AheadOfTimeSteps
 from serving.cache_size import KV_CACHE_DTYPES, resolve_kv_cache_dtype
@@ -62,6 +66,8 @@ from serving.engine import Engine, kv_block_nbytes
 from serving.engine_process import ModelSource
 from serving.memory import process_memory, tree_memory
 
+#: ``--weights``: the linear weights as stored, or prepacked (``Engine(prepack_weights=True)``).
+WEIGHT_LAYOUTS = ("plain", "prepacked")
 MODES = {"eager": False, "attention": "attention", "compile": True, "single": "single", "aot": "aot"}
 #: The modules each of ``zoo serve``'s processes imports: the runtime every server holds whatever its model.
 RUNTIME = ("import torch, uvicorn, models, serving.openai_api", "import torch, models, serving.engine_worker")
@@ -101,7 +107,8 @@ def runtime_baseline() -> int:
             child.wait(60)
 
 
-def _serve(folder: str, port: int, threads: int, concurrency: int, compile_mode: Any, kv_cache_dtype: str) -> None:
+def _serve(folder: str, port: int, threads: int, concurrency: int, compile_mode: Any, kv_cache_dtype: str,
+           prepack_weights: bool) -> None:
     """The child process: ``zoo serve``'s application, the engine in its own process loading the saved weights."""
     import uvicorn
 
@@ -110,7 +117,8 @@ def _serve(folder: str, port: int, threads: int, concurrency: int, compile_mode:
     torch.set_num_threads(threads)  # the engine process takes as many
     model = DecoderLM.from_pretrained(folder, device="meta")  # this process holds the config only
     app = create_app(model, None, model_name="peer", engine_process=ModelSource(path=folder),
-                     max_num_seqs=concurrency, compile=compile_mode, kv_cache_dtype=kv_cache_dtype)
+                     max_num_seqs=concurrency, compile=compile_mode, kv_cache_dtype=kv_cache_dtype,
+                     prepack_weights=prepack_weights)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -156,10 +164,10 @@ def wait_healthy(url: str, alive: Any, seconds: float = 600) -> None:
 
 @contextlib.contextmanager
 def zoo_server(folder: str, threads: int, concurrency: int, compile_mode: Any,
-               kv_cache_dtype: str = "auto") -> Iterator[tuple[str, int]]:
+               kv_cache_dtype: str = "auto", prepack_weights: bool = False) -> Iterator[tuple[str, int]]:
     port = free_port()
     child = multiprocessing.get_context("spawn").Process(
-        target=_serve, args=(folder, port, threads, concurrency, compile_mode, kv_cache_dtype))
+        target=_serve, args=(folder, port, threads, concurrency, compile_mode, kv_cache_dtype, prepack_weights))
     child.start()
     try:
         wait_healthy(f"http://127.0.0.1:{port}", child.is_alive)
@@ -230,12 +238,15 @@ def measure_server(url: str, pid: int, prompts: list[list[int]], gen_len: int, s
                 pss=memory["pss"], tokens=outs)
 
 
-def prebuild(model: DecoderLM, kv_cache_dtype: str = "auto") -> float:
-    """Compile ``Engine(compile="aot")``'s packages of ``model`` (the engine's block size) before its server starts,
-    so that the server's first use loads them (a server compiles them in the background, serving eagerly until
-    then); the seconds it took (0 when they were on disk)."""
+def prebuild(model: DecoderLM, kv_cache_dtype: str = "auto", prepack_weights: bool = False) -> float:
+    """Compile ``Engine(compile="aot")``'s packages of ``model`` (the engine's block size; prepacked as the engine
+    will, on a copy) before its server starts, so that the server's first use loads them (a server compiles them in
+    the background, serving eagerly until then); the seconds it took (0 when they were on disk)."""
     start = time.perf_counter()
     block_size = inspect.signature(Engine).parameters["block_size"].default
+    if prepack_weights:
+        model = copy.deepcopy(model)
+        prepack_linears(model)
     AheadOfTimeSteps(model, block_size, torch.float32, resolve_kv_cache_dtype(kv_cache_dtype)).wait()
     return time.perf_counter() - start
 
@@ -255,6 +266,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--modes", nargs="+", default=["eager", "compile", "aot"], choices=sorted(MODES))
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], choices=list(KV_CACHE_DTYPES),
                         help="run each mode with each KV cache dtype (default: the model's)")
+    parser.add_argument("--weights", nargs="+", default=["plain"], choices=WEIGHT_LAYOUTS,
+                        help="run each mode with each weight layout (default: plain; prepacked: Engine("
+                             "prepack_weights=True), zoo serve's default)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
@@ -290,10 +304,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 torch.set_num_threads(threads)
                 rows = {"generate(compile=True)": {"single": generate_speed(model, prompts, args.gen_len,
                                                                             args.singles)}}
-                for mode, kv_dtype in [(m, d) for m in args.modes for d in args.kv_cache_dtypes]:
-                    name = f"zoo serve ({mode})" if kv_dtype == "auto" else f"zoo serve ({mode}, kv {kv_dtype})"
-                    built = prebuild(model, kv_dtype) if mode == "aot" else None
-                    with zoo_server(folder, threads, args.concurrency, MODES[mode], kv_dtype) as (url, pid):
+                for mode, kv_dtype, layout in [(m, d, w) for m in args.modes for d in args.kv_cache_dtypes
+                                               for w in args.weights]:
+                    name = f"zoo serve ({mode}" + ("" if kv_dtype == "auto" else f", kv {kv_dtype}") + \
+                        ("" if layout == "plain" else f", {layout}") + ")"
+                    prepack = layout == "prepacked"
+                    built = prebuild(model, kv_dtype, prepack) if mode == "aot" else None
+                    with zoo_server(folder, threads, args.concurrency, MODES[mode], kv_dtype,
+                                    prepack) as (url, pid):
                         rows[name] = row = measure_server(url, pid, prompts, args.gen_len, args.singles)
                     row["kv"] = positions * kv_block_nbytes(model, 1, resolve_kv_cache_dtype(kv_dtype))
                     row["kv_dtype"] = kv_dtype

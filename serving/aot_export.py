@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from blocks.paged_attention import RaggedRows
 from blocks.paged_cache import PagedBatch, PagedLayerCache
+from blocks.prepacked_linear import prepack_linears
 from models.checkpoints.file_staging import staging_file
 from models.checkpoints.folder_locks import fsync
 
@@ -66,7 +67,7 @@ def tensor_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]
 
 def rebuilt(model_class: type, config: Any, dtype: torch.dtype) -> nn.Module:
     """``model_class(config)`` in ``dtype`` and eval mode, its storage uninitialised (built on the meta device, then
-    given empty CPU storage): what export traces, its values never read.
+    given empty CPU storage, tied parameters tied again): what export traces, its values never read.
 
     Args:
         model_class: the model's class.
@@ -78,7 +79,15 @@ def rebuilt(model_class: type, config: Any, dtype: torch.dtype) -> nn.Module:
     """
     with torch.device("meta"):
         model = model_class(config)
-    return model.to_empty(device="cpu").to(dtype).eval()
+    tied: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(parameter), []).append(name)
+    model = model.to_empty(device="cpu")  # (gives each name its own storage: ties are made again below)
+    for first, *others in tied.values():
+        for name in others:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, model.get_parameter(first))
+    return model.to(dtype).eval()
 
 
 @contextlib.contextmanager
@@ -249,13 +258,16 @@ def compile_packages(spec: dict[str, Any]) -> None:
 
     Args:
         spec: ``model_class``, ``config``, ``dtype``, ``signature``, ``buffers`` (the engine model's, by name),
-            ``block_size``, ``kv_dtype`` (the pools', None for the model's), ``folder``, ``threads`` (the engine's
+            ``block_size``, ``kv_dtype`` (the pools', None for the model's), ``prepacked`` (the names of the engine
+            model's ``blocks.prepacked_linear`` layers), ``folder``, ``threads`` (the engine's
             thread count, read by ``main``).
 
     Raises:
         TypeError: the rebuilt model's tensors are not the engine model's.
     """
     model = rebuilt(spec["model_class"], spec["config"], spec["dtype"])
+    if spec.get("prepacked"):
+        prepack_linears(model, names=spec["prepacked"])
     if tensor_signature(model) != spec["signature"]:
         raise TypeError("the model rebuilt from its config does not have the engine model's tensors")
     with torch.no_grad():  # the buffers' values (rotary frequencies) may be folded into the graph: the engine's

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 import blocks
 import models
 from blocks.paged_cache import PagedLayerCache
+from blocks.prepacked_linear import PrepackedLinear
 
 from .aot_export import KINDS, NOT_EXPORTABLE, step_inputs, tensor_signature
 
@@ -89,6 +90,19 @@ def exportable(model: nn.Module) -> str | None:
         if module._forward_hooks or module._forward_pre_hooks:  # LoRA slot banks hook the layers they adapt
             return f"{name or 'the model'} has forward hooks (LoRA slots), which its config does not build"
     return None
+
+
+def prepacked(model: nn.Module) -> list[str]:
+    """The layers of ``model`` that were prepacked (``blocks.prepacked_linear``): the compile process prepacks the
+    same layers of the model it rebuilds, so that their tensors match.
+
+    Args:
+        model: the engine's model.
+
+    Returns:
+        The names of its ``PrepackedLinear`` layers.
+    """
+    return [name for name, module in model.named_modules() if isinstance(module, PrepackedLinear)]
 
 
 def source_digest() -> str:
@@ -185,7 +199,7 @@ class AheadOfTimeSteps:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         spec = {"model_class": type(model), "config": model.config, "dtype": float_dtype, "block_size": block_size,
-                "kv_dtype": kv_dtype,
+                "kv_dtype": kv_dtype, "prepacked": prepacked(model),
                 "threads": torch.get_num_threads(),
                 "signature": tensor_signature(model), "folder": str(self.folder),
                 "buffers": {name: b.detach().clone() for name, b in model.named_buffers(remove_duplicate=False)}}

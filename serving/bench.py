@@ -22,7 +22,10 @@ from typing import Any
 
 import torch
 
+from blocks.prepacked_linear import PrepackedLinear
+
 from .cache_size import KV_CACHE_DTYPES
+from .cli_options import add_prepack_option, prepack_choice
 from .engine import Engine
 
 _MIB = 2**20
@@ -141,6 +144,7 @@ def measure(engine: Engine, *, prompt_len: int = 128, gen_len: int = 64, concurr
     wall, first, _, tokens = _run(engine, prompts[3 + repetitions:], gen_len)
     rss, peak = resident_memory()
     weights = sum(t.nbytes for t in (*engine.model.parameters(), *engine.model.buffers()))
+    weights += sum(m.weight_nbytes for m in engine.model.modules() if isinstance(m, PrepackedLinear))
     rows = [
         (f"pp{prompt_len}", statistics.median(pp), "tokens/s"),
         (f"tg{gen_len}", statistics.median(tg) if tg else 0.0, "tokens/s"),
@@ -187,6 +191,7 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     p.add_argument("--block-size", type=_positive, default=16)
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                    help="the KV cache's dtype (Engine(kv_cache_dtype=...); default auto: the model's)")
+    add_prepack_option(p)
     return {"bench": bench}
 
 
@@ -205,10 +210,12 @@ def bench(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     model = load_model(args.model).eval()
     context = min(model.config.max_len, args.prompt_len + args.gen_len)
+    params = sum(p.numel() for p in model.parameters())  # (before prepacking: its weights are no parameters)
+    prepack = prepack_choice(args)
     start = time.perf_counter()
     engine = Engine(model, block_size=args.block_size, max_num_seqs=max(args.concurrency, 3),
                     max_model_len=max(context, 2), compile=BENCH_COMPILE[args.compile],
-                    kv_cache_dtype=args.kv_cache_dtype)
+                    kv_cache_dtype=args.kv_cache_dtype, prepack_weights=prepack)
     aot = engine.runner.aot
     if aot is not None and not aot.wait():  # the steps stay eager (or compile in this process): said, then measured
         print(f"zoo bench: the ahead-of-time compiled steps are not used: {aot.failed.splitlines()[0]}",
@@ -219,11 +226,11 @@ def bench(args: argparse.Namespace) -> None:
                          repetitions=args.repetitions)
     except ValueError as err:
         raise SystemExit(f"zoo bench: {err}") from None
-    params = sum(p.numel() for p in model.parameters())
     header = {"model": str(args.model), "params": f"{params / 1e6:.1f}M", "threads": str(torch.get_num_threads()),
               "compile": args.compile}
     if args.kv_cache_dtype != "auto":
         header["kv cache"] = args.kv_cache_dtype
+    header["weights"] = "prepacked" if prepack else "plain"
     if aot is not None:
         header["aot compile s"] = f"{compiled_s:.0f}"
     print(result.table(header))

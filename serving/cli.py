@@ -33,6 +33,7 @@ from .cli_options import (
     add_compile_option,
     add_context_option,
     add_model_options,
+    add_prepack_option,
     add_prompt_options,
     add_sampling_options,
     apply_threads,
@@ -40,6 +41,7 @@ from .cli_options import (
     model_options,
     model_sampling_defaults,
     positive_int,
+    prepack_choice,
     read_prompt,
     sampling_params,
 )
@@ -149,6 +151,7 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], None]]:
     serve_parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                               help="the KV cache's dtype (default auto: the model's); float16 under a float32 model "
                                    "halves the cache, as llama.cpp's default (Engine(kv_cache_dtype=...))")
+    add_prepack_option(serve_parser)
     serve_parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     serve_parser.add_argument("--served-model-name", "--alias", dest="served_model_name", default=None,
                               help="the model's name in the API (default: the folder's or file's name, or the Hub id)")
@@ -281,7 +284,8 @@ def serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or served_name(args.model)
     limits = dict(max_num_seqs=args.max_batch, num_blocks=args.kv_blocks, block_size=args.block_size,
                   kv_cache_bytes=args.kv_cache_memory, max_model_len=args.ctx_size,
-                  compile=serve_compile(args), kv_cache_dtype=args.kv_cache_dtype)
+                  compile=serve_compile(args), kv_cache_dtype=args.kv_cache_dtype,
+                  prepack_weights=prepack_choice(args))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     logging.getLogger("zoo").info(startup_line(name, model, args, limits))
     app = create_app(model, model.tokenizer, model_name=name, api_key=args.api_key, engine_process=source, **limits,

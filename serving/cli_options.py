@@ -114,6 +114,46 @@ def add_context_option(parser: argparse.ArgumentParser) -> None:
                         help="tokens of context, prompt and answer together (default: the model's max_len)")
 
 
+#: ``zoo serve``'s and ``zoo bench``'s default for ``--prepack-weights`` (without adapters).
+PREPACK_DEFAULT = True
+
+
+def add_prepack_option(parser: argparse.ArgumentParser) -> None:
+    """``--prepack-weights`` / ``--no-prepack-weights``: ``Engine(prepack_weights=...)``.
+
+    Args:
+        parser: the command's parser (or an argument group of it).
+    """
+    parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
+                        help="hold the float32 linear weights in oneDNN's blocked layout (Engine(prepack_weights=True)"
+                             ": the same bytes; many decoding rows multiply faster, one row slower; tied heads stay "
+                             f"plain); default: {'on' if PREPACK_DEFAULT else 'off'} without --lora or --max-loras")
+
+
+def prepack_choice(args: argparse.Namespace) -> bool:
+    """``Engine(prepack_weights=...)`` for the flags: the one given, else ``PREPACK_DEFAULT`` where torch has oneDNN
+    and no adapters are asked for (LoRA slots wrap the plain layers).
+
+    Args:
+        args: the parsed options (``prepack_weights``; ``lora`` and ``max_loras`` where the command has them).
+
+    Returns:
+        Whether to prepack.
+
+    Raises:
+        SystemExit: ``--prepack-weights`` with ``--lora`` or ``--max-loras``.
+    """
+    import torch
+
+    adapters = bool(getattr(args, "lora", None) or getattr(args, "max_loras", None))
+    if args.prepack_weights and adapters:
+        raise SystemExit("zoo: --prepack-weights cannot be combined with --lora or --max-loras (LoRA slots wrap the "
+                         "plain linear layers); drop one of them")
+    if args.prepack_weights is not None:
+        return args.prepack_weights
+    return PREPACK_DEFAULT and not adapters and torch.backends.mkldnn.is_available()
+
+
 def add_compile_option(parser: argparse.ArgumentParser) -> None:
     """``--compile``: decode through one compiled graph (``Engine(compile=True)``).
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from blocks.paged_cache import BlockAllocator
+from blocks.prepacked_linear import prepack_linears
 from models import DecoderLM
 from models.generation.requests import check_token_head
 from models.generation.sampling import has_nan, nan_rows
@@ -40,7 +41,7 @@ from .requests import (
     TokenLogprob,
     check_request,
 )
-from .runner import PagedRunner, check_compile
+from .runner import PagedRunner, check_compile, check_prepack
 from .scheduler import Scheduler
 
 __all__ = ["Engine", "QueueFullError", "blocks_in_memory", "kv_block_nbytes"]
@@ -88,12 +89,16 @@ class Engine(LoRAEngineMixin, OfflineGenerateMixin):
             each request may name one (``adapter=``), rows of different adapters share a step (docs/multi-lora.md).
         max_lora_rank: the largest adapter rank (default: that of ``loras``, at least 16).
         loras: adapters to load now, name -> ``peft`` folder or Hub repo (more with ``add_lora``).
+        prepack_weights: hold the model's float32 linear weights in oneDNN's blocked layout instead of their own
+            (``blocks.prepacked_linear``: the model is changed in place; same bytes, 16 decoding rows multiplied
+            about 15% faster, one row about 13% slower; tied heads stay as they are); not with adapters.
 
     Raises:
         NotImplementedError: a model that is not a ``DecoderLM`` (``Seq2SeqTransformer``, ``EncoderLM``), one
             with attention biases, or a ``kv_cache_dtype`` other than a latent-attention model's own.
         ValueError: a limit that is not a positive integer, ``num_blocks`` more than the device's whole memory
-            holds, or an unknown ``kv_cache_dtype``.
+            holds, an unknown ``kv_cache_dtype``, or ``prepack_weights`` that is not a bool or comes with adapters.
+        RuntimeError: ``prepack_weights`` where torch has no oneDNN.
     """
 
     def __init__(
@@ -101,7 +106,7 @@ class Engine(LoRAEngineMixin, OfflineGenerateMixin):
         max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_waiting: int = 1024,
         max_model_len: int | None = None, prefix_caching: bool = True, compile: bool | str = False,  # noqa: A002
         kv_cache_bytes: int | None = None, max_loras: int = 0, max_lora_rank: int | None = None,
-        loras: Any = None, kv_cache_dtype: Any = "auto",
+        loras: Any = None, kv_cache_dtype: Any = "auto", prepack_weights: bool = False,
     ) -> None:
 
 
@@ -132,6 +137,9 @@ class Engine(LoRAEngineMixin, OfflineGenerateMixin):
             check_num_blocks(num_blocks, per_block, block_size, device)
         if context < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt and one new token), got {context}")
+        check_prepack(prepack_weights, max_loras, loras)
+        if prepack_weights:
+            prepack_linears(model.eval())
         self.model, self.tokenizer = model, tokenizer
         self.context, self.max_waiting = context, max_waiting
         self.allocator = BlockAllocator(num_blocks, block_size)

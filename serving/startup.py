@@ -15,7 +15,7 @@ def startup_line(name: str, model: Any, args: argparse.Namespace, limits: dict[s
         model: the loaded model (its weights may be on the meta device).
         args: the parsed ``zoo serve`` options (``model``, ``device``, ``threads``).
         limits: the ``Engine`` arguments (``max_num_seqs``, ``num_blocks``, ``block_size``, ``kv_cache_bytes``,
-            ``max_model_len``, ``compile``, ``kv_cache_dtype``).
+            ``max_model_len``, ``compile``, ``kv_cache_dtype``, ``prepack_weights``).
 
     Returns:
         The line.
@@ -49,4 +49,5 @@ def startup_line(name: str, model: Any, args: argparse.Namespace, limits: dict[s
         kv = "KV cache: see the engine's error"
     compiled = {True: "on", False: "off"}.get(limits.get("compile"), limits.get("compile"))
     return (f"serving {name!r} from {args.model}: {where}, context {context} tokens, {kv}, "
-            f"{limits['max_num_seqs']} sequences at most, {threads}, compile {compiled}")
+            f"{limits['max_num_seqs']} sequences at most, {threads}, compile {compiled}"
+            + (", linear weights prepacked" if limits.get("prepack_weights") else ""))

@@ -1,5 +1,5 @@
-"""``benchmarks.decode_products``: its shapes are the real models' products, a quick run times both libraries on the
-same products (they agree, which the script checks before timing), and bad flags are refused."""
+"""``benchmarks.decode_products``: its shapes are the real models' products, a quick run times BLAS, oneDNN and
+prepacked layers on the same products (they agree, which the script checks before timing), and bad flags are refused."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ def test_a_quick_run_reports_both_libraries(capsys: pytest.CaptureFixture[str]) 
     assert [(r["shape"], r["rows"]) for r in report] == [("tiny", 2), ("tiny", 4)]
     weights = sum(i * o for i, o in decode_products.SHAPES["tiny"]["layer"]) * 2 + 64 * 512
     assert [r["flop"] for r in report] == [2.0 * 2 * weights, 2.0 * 4 * weights]
-    assert all(r["BLAS"] > 0 and r["oneDNN"] > 0 for r in report)
-    assert "oneDNN vs BLAS" in capsys.readouterr().out
+    assert all(r["BLAS"] > 0 and r["oneDNN"] > 0 and r["prepacked"] > 0 for r in report)
+    out = capsys.readouterr().out
+    assert "oneDNN vs BLAS" in out and "prepacked vs oneDNN" in out
 
 
 @pytest.mark.parametrize("flag", [["--rows", "2", "0"], ["--layers", "0"], ["--rounds", "-1"], ["--threads", "0"]])

@@ -44,9 +44,11 @@ def test_zoo_bench_prints_one_table(model: DecoderLM, tmp_path: Path, capsys: py
     model.save_pretrained(tmp_path, tokenizer=tok)
     main(["bench", str(tmp_path), "--prompt-len", "6", "--gen-len", "3", "--concurrency", "2", "--repetitions", "1"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "| model | params | threads | compile | test | value | unit |"
-    assert [line.split(" | ")[4] for line in lines[2:5]] == ["pp6", "tg3", "tg3 x2"]
+    assert lines[0] == "| model | params | threads | compile | weights | test | value | unit |"
+    assert [line.split(" | ")[5] for line in lines[2:5]] == ["pp6", "tg3", "tg3 x2"]
     assert all(line.split(" | ")[3] == "none" for line in lines[2:])
+    # zoo serve's default: prepacked where a weight is large enough (none of this tiny model's is)
+    assert all(line.split(" | ")[4] == "prepacked" for line in lines[2:])
 
 
 def test_zoo_bench_takes_the_cache_dtype(model: DecoderLM, tmp_path: Path, capsys: pytest.CaptureFixture,
@@ -63,9 +65,38 @@ def test_zoo_bench_takes_the_cache_dtype(model: DecoderLM, tmp_path: Path, capsy
     main(["bench", str(tmp_path), "--prompt-len", "6", "--gen-len", "3", "--concurrency", "2", "--repetitions", "1",
           "--kv-cache-dtype", "float16"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "| model | params | threads | compile | kv cache | test | value | unit |"
+    assert lines[0] == "| model | params | threads | compile | kv cache | weights | test | value | unit |"
     assert all(line.split(" | ")[4] == "float16" for line in lines[2:])
     assert {cache.self_attn.k.dtype for cache in engines[0].runner.caches} == {torch.float16}
     with pytest.raises(SystemExit):
         main(["bench", str(tmp_path), "--kv-cache-dtype", "fp8"])
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_zoo_bench_counts_prepacked_weights_and_takes_the_flag(model: DecoderLM, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from blocks import prepacked_linear
+    from blocks.prepacked_linear import PrepackedLinear
+
+    monkeypatch.setattr(prepacked_linear, "MIN_ELEMENTS", 0)  # the tiny model's weights are all small
+    tok = train_byte_level_bpe(["the quick brown fox jumps over the lazy dog"] * 4, vocab_size=300, min_frequency=1)
+    model.save_pretrained(tmp_path, tokenizer=tok)
+    weights = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+    engines = []
+
+    def kept(*args: object, **kwargs: object) -> Engine:
+        engines.append(Engine(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(bench, "Engine", kept)
+    for flag, layout in [("--prepack-weights", "prepacked"), ("--no-prepack-weights", "plain")]:
+        main(["bench", str(tmp_path), "--prompt-len", "6", "--gen-len", "3", "--concurrency", "2", "--repetitions",
+              "1", flag])
+        lines = capsys.readouterr().out.splitlines()
+        assert all(line.split(" | ")[4] == layout for line in lines[2:]), flag
+        row = next(line for line in lines[2:] if line.split(" | ")[5] == "weights")
+        handles = 8 * sum(isinstance(m, PrepackedLinear) for m in engines[-1].model.modules())  # int64 buffers
+        assert float(row.split(" | ")[6]) == pytest.approx((weights + handles) / 2**20, abs=0.01)
+    assert any(isinstance(m, PrepackedLinear) for m in engines[0].model.modules())
+    assert not any(isinstance(m, PrepackedLinear) for m in engines[1].model.modules())
