@@ -18,7 +18,7 @@ Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread c
   the server starts (``prebuild``, its seconds printed), so the server measured runs them from its first request;
   with ``--kv-cache-dtypes``, each mode once per cache dtype (``Engine(kv_cache_dtype=...)``; llama-server's cache is
   float16 by default), and with ``--weights``, once per weight layout (``Engine(prepack_weights=...)``: ``zoo serve``
-  prepacks by default; ``plain`` is ``--no-prepack-weights``);
+  ``prepacked`` is ``--prepack-weights``);
 - **llama-server** (``find_llama_server``: ``--llama-server PATH``, else ``$LLAMA_SERVER``, else ``llama-server`` on
   ``PATH``; ``--no-peer`` skips it): ``-np`` ``--concurrency`` on the model written as an F32 GGUF file (a filler
   tokenizer of the model's vocabulary), its end-of-text token ignored (``ignore_eos``) as the zoo's model has none.
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="run each mode with each KV cache dtype (default: the model's)")
     parser.add_argument("--weights", nargs="+", default=["plain"], choices=WEIGHT_LAYOUTS,
                         help="run each mode with each weight layout (default: plain; prepacked: Engine("
-                             "prepack_weights=True), zoo serve's default)")
+                             "prepack_weights=True), zoo serve --prepack-weights)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)

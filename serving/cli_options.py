@@ -114,8 +114,10 @@ def add_context_option(parser: argparse.ArgumentParser) -> None:
                         help="tokens of context, prompt and answer together (default: the model's max_len)")
 
 
-#: ``zoo serve``'s and ``zoo bench``'s default for ``--prepack-weights`` (without adapters).
-PREPACK_DEFAULT = True
+#: ``zoo serve``'s and ``zoo bench``'s default for ``--prepack-weights`` (without adapters): off, as measured
+#: (docs/engine-performance.md): 16 requests in flight on Qwen3-0.6B's shape gained 3–9%, but a lone request lost
+#: 16–19% there and 29% on SmolLM2-135M's, whose 16 in flight gained nothing.
+PREPACK_DEFAULT = False
 
 
 def add_prepack_option(parser: argparse.ArgumentParser) -> None:

@@ -47,8 +47,7 @@ def test_zoo_bench_prints_one_table(model: DecoderLM, tmp_path: Path, capsys: py
     assert lines[0] == "| model | params | threads | compile | weights | test | value | unit |"
     assert [line.split(" | ")[5] for line in lines[2:5]] == ["pp6", "tg3", "tg3 x2"]
     assert all(line.split(" | ")[3] == "none" for line in lines[2:])
-    # zoo serve's default: prepacked where a weight is large enough (none of this tiny model's is)
-    assert all(line.split(" | ")[4] == "prepacked" for line in lines[2:])
+    assert all(line.split(" | ")[4] == "plain" for line in lines[2:])  # zoo serve's default
 
 
 def test_zoo_bench_takes_the_cache_dtype(model: DecoderLM, tmp_path: Path, capsys: pytest.CaptureFixture,
