@@ -98,7 +98,7 @@ def test_a_build_without_onednn_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
     assert prepacked_count(model) == 0
 
 
-def test_zoo_serve_prepacks_by_default_unless_adapters_or_told_not_to(setup, monkeypatch) -> None:  # noqa: F811
+def test_zoo_serve_prepacks_when_told_and_never_with_adapters(setup, monkeypatch) -> None:  # noqa: F811
     import uvicorn
 
     from serving import openai_api
