@@ -24,7 +24,9 @@ from serving.aot_steps import package_key
 from .test_engine import alone, run_staggered
 from .test_engine_aot import LENGTHS, LIMITS, arrivals, assert_same_outputs, thin_model
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+#: Slow (its packages take about 45 s of one worker to compile): ``tests/serving/test_engine_prepack.py`` checks the
+#: compile process's side up to AOTInductor in the fast suite.
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,17 @@ import pytest
 import torch
 
 from blocks import prepacked_linear
-from blocks.prepacked_linear import PrepackedLinear
+from blocks.prepacked_linear import PrepackedLinear, prepack_linears
 from models import DecoderLM
 from models.generation import compiled
 from serving import Engine, cli, cli_options
+from serving.aot_export import KINDS, export_step, rebuilt, tensor_signature
+from serving.aot_steps import prepacked
 from serving.startup import startup_line
 
 from .test_cli_quantize import setup  # noqa: F401 - the fixture
 from .test_engine import FAMILIES, MAX_TOKENS, alone, prompts, run_staggered, tiny_model
+from .test_engine_aot import thin_model
 
 ORDER = [3, 0, 1, 4]
 ARRIVALS = {0: [3, 0], 2: [1], 5: [4]}
@@ -126,3 +129,20 @@ def test_the_startup_line_says_the_weights_are_prepacked() -> None:
     assert startup_line("m", model, args, {**limits, "prepack_weights": True}).endswith(
         "compile off, linear weights prepacked")
     assert startup_line("m", model, args, {**limits, "prepack_weights": False}).endswith("compile off")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_compile_process_prepacks_the_engines_layers_and_exports_the_op(kind: str) -> None:
+    """What the compile process does with a prepacked engine's spec (``serving.aot_export.compile_packages``), up to
+    AOTInductor (the whole compile and run: ``tests/serving/test_engine_aot_prepacked.py``, marked slow)."""
+    model = thin_model()
+    Engine(model, prepack_weights=True, block_size=4, num_blocks=8)
+    names = prepacked(model)
+    assert len(names) == 7 * model.config.n_layers  # q, k, v, o, gate, up, down; the head is tied
+    child = rebuilt(type(model), model.config, torch.float32)
+    assert prepack_linears(child, names=names) == names
+    assert tensor_signature(child) == tensor_signature(model)  # else the child exits NOT_EXPORTABLE
+    program = export_step(child, 4, kind)
+    calls = [n for n in program.graph.nodes if n.target is torch.ops.zoo.prepacked_linear.default]
+    assert len(calls) == len(names)
+    assert {f"model.{name}.handle" for name in names} <= set(program.graph_signature.inputs_to_buffers.values())
