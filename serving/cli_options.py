@@ -145,7 +145,7 @@ def prepack_choice(args: argparse.Namespace) -> bool:
     Raises:
         SystemExit: ``--prepack-weights`` with ``--lora`` or ``--max-loras``.
     """
-    import torch
+    from blocks.prepacked_linear import prepacking_available
 
     adapters = bool(getattr(args, "lora", None) or getattr(args, "max_loras", None))
     if args.prepack_weights and adapters:
@@ -153,7 +153,7 @@ def prepack_choice(args: argparse.Namespace) -> bool:
                          "plain linear layers); drop one of them")
     if args.prepack_weights is not None:
         return args.prepack_weights
-    return PREPACK_DEFAULT and not adapters and torch.backends.mkldnn.is_available()
+    return PREPACK_DEFAULT and not adapters and prepacking_available()
 
 
 def add_compile_option(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,6 @@ from torch import Tensor
 from blocks import get
 from blocks.paged_attention import RaggedRows, ragged_decode_attention
 from blocks.paged_cache import PagedBatch, PagedLayerCache
-from blocks.prepacked_linear import prepacking_available
 from models.core import stack
 from models.generation import compiled
 from models.generation.steps import eval_mode
@@ -71,15 +70,12 @@ def check_prepack(prepack_weights: Any, max_loras: Any, loras: Any) -> None:
 
     Raises:
         ValueError: not a bool, or True with ``max_loras`` or ``loras`` (adapters read the plain weights).
-        RuntimeError: True where torch has no oneDNN.
     """
     if not isinstance(prepack_weights, bool):
         raise ValueError(f"prepack_weights must be True or False, got {prepack_weights!r}")
     if prepack_weights and (max_loras or loras):
         raise ValueError("prepack_weights cannot be combined with adapters (max_loras, loras): LoRA slots wrap the "
                          "plain linear layers; drop one of them")
-    if prepack_weights and not prepacking_available():
-        raise RuntimeError("prepack_weights needs torch built with oneDNN (torch.backends.mkldnn.is_available())")
 
 
 def packed_logits(model: Any, ids: Tensor, positions: Tensor, caches: list[PagedLayerCache], keep: Tensor) -> Tensor:

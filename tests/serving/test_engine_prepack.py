@@ -93,7 +93,6 @@ def test_bad_values_are_refused_before_the_model_changes(kwargs: dict, error: ty
 
 
 def test_a_build_without_onednn_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("serving.runner.prepacking_available", lambda: False)
     monkeypatch.setattr(prepacked_linear, "prepacking_available", lambda: False)
     model = tiny_model("tiny")
     with pytest.raises(RuntimeError, match="oneDNN"):
