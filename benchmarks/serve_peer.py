@@ -6,6 +6,7 @@
     LLAMA_SERVER=/path/to/llama-server python -m benchmarks.serve_peer     # the same (or llama-server on PATH)
     python -m benchmarks.serve_peer --kv-cache-dtypes auto float16   # each mode with float32 and float16 KV caches
     python -m benchmarks.serve_peer --weights plain prepacked        # each mode with plain and prepacked weights
+    python -m benchmarks.serve_peer --peer-kv-cache-types f16 f32    # llama-server with each KV cache type
     python -m benchmarks.serve_peer --quick                  # a tiny model, few tokens: checks that the script runs
 
 Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread count, one run:
@@ -21,10 +22,12 @@ Per shape (``benchmarks.quantized.SHAPES``: random weights, seeded) and thread c
   ``prepacked`` is ``--prepack-weights``);
 - **llama-server** (``find_llama_server``: ``--llama-server PATH``, else ``$LLAMA_SERVER``, else ``llama-server`` on
   ``PATH``; ``--no-peer`` skips it): ``-np`` ``--concurrency`` on the model written as an F32 GGUF file (a filler
-  tokenizer of the model's vocabulary), its end-of-text token ignored (``ignore_eos``) as the zoo's model has none.
+  tokenizer of the model's vocabulary), its end-of-text token ignored (``ignore_eos``) as the zoo's model has none;
+  once per ``--peer-kv-cache-types`` (its ``-ctk``/``-ctv``: ``f16``, its default, and ``f32``).
 
 Reported: single-request tokens/s and its ratio to ``generate(compile=True)`` (goal >= 0.95), concurrent tokens/s
-and its ratio to llama-server's (goal >= 1.0) or, without the peer, to the server's own single-request tokens/s
+and its ratio to llama-server's (goal >= 1.0; the peer whose KV cache has the row's precision where both were
+run, else the default float16 one) or, without the peer, to the server's own single-request tokens/s
 (goal >= 5), the first use's seconds (the compiles), and the memory of the server's processes (their PSS summed,
 ``serving.memory``: shared library pages counted once; the RSS sum beside it) against the weights plus the KV cache
 the concurrent requests hold (goal <= 1.3), also less the runtime two idle processes with the server's and the
@@ -68,6 +71,8 @@ from serving.memory import process_memory, tree_memory
 
 #: ``--weights``: the linear weights as stored, or prepacked (``Engine(prepack_weights=True)``).
 WEIGHT_LAYOUTS = ("plain", "prepacked")
+#: ``--peer-kv-cache-types``: llama-server's rows by its KV cache type.
+PEER_NAMES = {"f16": "llama-server", "f32": "llama-server (kv f32)"}
 MODES = {"eager": False, "attention": "attention", "compile": True, "single": "single", "aot": "aot"}
 #: The modules each of ``zoo serve``'s processes imports: the runtime every server holds whatever its model.
 RUNTIME = ("import torch, uvicorn, models, serving.openai_api", "import torch, models, serving.engine_worker")
@@ -178,10 +183,12 @@ def zoo_server(folder: str, threads: int, concurrency: int, compile_mode: Any,
 
 
 @contextlib.contextmanager
-def llama_server(binary: str, gguf: str, threads: int, concurrency: int, context: int) -> Iterator[tuple[str, int]]:
+def llama_server(binary: str, gguf: str, threads: int, concurrency: int, context: int,
+                 kv_type: str = "f16") -> Iterator[tuple[str, int]]:
     port = free_port()
     process = subprocess.Popen([binary, "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
-                                "-np", str(concurrency), "-c", str(context * concurrency)],
+                                "-np", str(concurrency), "-c", str(context * concurrency), "-ctk", kv_type,
+                                "-ctv", kv_type],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", lambda: process.poll() is None)
@@ -269,6 +276,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--weights", nargs="+", default=["plain"], choices=WEIGHT_LAYOUTS,
                         help="run each mode with each weight layout (default: plain; prepacked: Engine("
                              "prepack_weights=True), zoo serve --prepack-weights)")
+    parser.add_argument("--peer-kv-cache-types", nargs="+", default=["f16"], choices=sorted(PEER_NAMES),
+                        help="llama-server's KV cache types (its -ctk/-ctv), one server each (default f16, its "
+                             "own default); a zoo row is compared with the peer of its cache's precision where run")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
@@ -320,16 +330,24 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         print(f"{name}: packages compiled in {built:.0f} s before the server started")
                     print(f"{name}: {row['single']:.2f} tok/s alone, {row['concurrent']:.2f} tok/s with "
                           f"{args.concurrency} in flight, PSS {row['pss'] / 2**20:.0f} MiB", flush=True)
-                if gguf is not None:
+                for kv_type in args.peer_kv_cache_types if gguf is not None else []:
+                    name = PEER_NAMES[kv_type]
                     with llama_server(peer, gguf, threads, args.concurrency,
-                                      args.prompt_len + args.gen_len) as (url, pid):
-                        rows["llama-server"] = row = measure_server(url, pid, prompts, args.gen_len, args.singles,
-                                                                    {"ignore_eos": True}, logprobs=1)
-                    print(f"llama-server: {row['single']:.2f} tok/s alone, {row['concurrent']:.2f} tok/s with "
+                                      args.prompt_len + args.gen_len, kv_type) as (url, pid):
+                        rows[name] = row = measure_server(url, pid, prompts, args.gen_len, args.singles,
+                                                          {"ignore_eos": True}, logprobs=1)
+                    print(f"{name}: {row['single']:.2f} tok/s alone, {row['concurrent']:.2f} tok/s with "
                           f"{args.concurrency} in flight, PSS {row['pss'] / 2**20:.0f} MiB", flush=True)
                 report.append(dict(shape=shape, threads=threads, rows=rows, weights=weights, kv=kv, runtime=baseline))
                 print_table(report[-1])
     return report
+
+
+def peer_of(rows: dict[str, dict[str, Any]], kv_dtype: str | None) -> dict[str, Any] | None:
+    """The llama-server row a row is compared with: the one whose KV cache has the row's precision (``auto`` is the
+    float32 model's own) where it was run, else llama-server with its default float16 cache, else None."""
+    same = PEER_NAMES["f16" if kv_dtype == "float16" else "f32"]
+    return rows.get(same) or rows.get(PEER_NAMES["f16"])
 
 
 def print_table(entry: dict[str, Any]) -> None:
@@ -347,7 +365,8 @@ def print_table(entry: dict[str, Any]) -> None:
         if "concurrent" not in r:
             print(f"| {name} | {r['single']:.2f} | 1.00x | | | | | | | | |")
             continue
-        versus_peer = f"{r['concurrent'] / peer['concurrent']:.2f}x" if peer else "n/a"
+        versus = peer_of(rows, r.get("kv_dtype")) if name.startswith("zoo") else r
+        versus_peer = f"{r['concurrent'] / versus['concurrent']:.2f}x" if versus else "n/a"
         budget = entry["weights"] + r.get("kv", entry["kv"])  # the weights and the KV cache in its dtype
         beyond = f"{(r['pss'] - runtime) / budget:.2f}x" if name.startswith("zoo") else ""
         print(f"| {name} | {r['single']:.2f} | {r['single'] / reference:.2f}x | {r['concurrent']:.2f} | "

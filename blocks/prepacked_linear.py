@@ -28,9 +28,12 @@ from torch import Tensor, nn
 
 #: Rows the weights' layout is chosen for (the engine's batches of decoding rows; any row count runs).
 PACK_ROWS = 16
-#: The smallest weight ``prepack_linears`` packs by default (elements): below, a call into oneDNN costs more than
-#: BLAS's (576 × 192: as fast at 16 rows, 1.8× slower at one; 64 × 64: 3–4× slower at any count).
-MIN_ELEMENTS = 2**18
+#: The smallest weight ``prepack_linears`` packs by default (elements), set by the price, one row's product. Against
+#: oneDNN on the plain layout, measured per shape on one core (a stack of 28–30 copies): weights of 1024 × 1024 and
+#: more lose 1.16–1.34× at one row and gain 1.06–1.24× at 16; smaller ones lose 1.24–1.77× at one row (a call's
+#: fixed cost weighs more) for a like gain. End to end, SmolLM2-135M's shape (all under 2^20) lost 29% on a lone
+#: request and gained 1% at 16 in flight; Qwen3-0.6B's (all above) lost 16–19% and gained 3–9%.
+MIN_ELEMENTS = 2**20
 
 _handles = itertools.count(1)
 _layers: weakref.WeakValueDictionary[int, PrepackedLinear] = weakref.WeakValueDictionary()
@@ -200,16 +203,12 @@ def prepack_linears(model: nn.Module, *, min_elements: int | None = None,
     """
     if not prepacking_available():
         raise RuntimeError("packing weights needs torch built with oneDNN (torch.backends.mkldnn.is_available())")
-    smallest = MIN_ELEMENTS if min_elements is None else min_elements
-    owners: dict[int, int] = {}
-    for _, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
-                                     model.named_buffers(remove_duplicate=False)):
-        key = tensor.untyped_storage().data_ptr()
-        owners[key] = owners.get(key, 0) + 1
-    chosen = [name for name, module in model.named_modules() if _packable(module, owners)
-              and (module.weight.numel() >= smallest if names is None else name in names)]
-    if names is not None and set(names) != set(chosen):
-        raise ValueError(f"not plain float32 linear layers of the model: {sorted(set(names) - set(chosen))}")
+    chosen = [name for name in prepackable(model, min_elements=0 if names is not None else min_elements)
+              if model.get_submodule(name).weight.device.type == "cpu"]
+    if names is not None:
+        if not set(names) <= set(chosen):
+            raise ValueError(f"not plain float32 linear layers of the model: {sorted(set(names) - set(chosen))}")
+        chosen = [name for name in chosen if name in names]
     for name in chosen:
         owner, _, attribute = name.rpartition(".")
         parent = model.get_submodule(owner)
@@ -221,7 +220,29 @@ def prepack_linears(model: nn.Module, *, min_elements: int | None = None,
     return chosen
 
 
-def _packable(module: nn.Module, owners: dict[int, int]) -> bool:
-    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
-            and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
-            and owners[module.weight.untyped_storage().data_ptr()] == 1)
+def prepackable(model: nn.Module, *, min_elements: int | None = None) -> list[str]:
+    """The layers ``prepack_linears`` would pack, without changing anything: plain ``nn.Linear`` layers without hooks,
+    with float32 CPU weights of at least ``min_elements`` elements that no other tensor of the model shares. A model
+    on the meta device (read for its config only) is taken as it would load onto the CPU.
+
+    Args:
+        model: the model.
+        min_elements: the smallest weight counted (default ``MIN_ELEMENTS``).
+
+    Returns:
+        The layers' names.
+    """
+    smallest = MIN_ELEMENTS if min_elements is None else min_elements
+    owners: dict[int, int] = {}
+    for _, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                     model.named_buffers(remove_duplicate=False)):
+        owners[_owner(tensor)] = owners.get(_owner(tensor), 0) + 1
+    return [name for name, module in model.named_modules()
+            if type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+            and module.weight.dtype == torch.float32 and module.weight.device.type in ("cpu", "meta")
+            and owners[_owner(module.weight)] == 1 and module.weight.numel() >= smallest]
+
+
+def _owner(tensor: Tensor) -> int:
+    """What tells shared tensors apart: their memory, or on the meta device (which has none) the tensor itself."""
+    return id(tensor) if tensor.device.type == "meta" else tensor.untyped_storage().data_ptr()

@@ -230,7 +230,7 @@ def bench(args: argparse.Namespace) -> None:
               "compile": args.compile}
     if args.kv_cache_dtype != "auto":
         header["kv cache"] = args.kv_cache_dtype
-    header["weights"] = "prepacked" if prepack else "plain"
+    header["weights"] = f"{len(engine.prepacked)} prepacked" if engine.prepacked else "plain"
     if aot is not None:
         header["aot compile s"] = f"{compiled_s:.0f}"
     print(result.table(header))

@@ -114,10 +114,12 @@ def add_context_option(parser: argparse.ArgumentParser) -> None:
                         help="tokens of context, prompt and answer together (default: the model's max_len)")
 
 
-#: ``zoo serve``'s and ``zoo bench``'s default for ``--prepack-weights`` (without adapters): off, as measured
-#: (docs/engine-performance.md): 16 requests in flight on Qwen3-0.6B's shape gained 3–9%, but a lone request lost
-#: 16–19% there and 29% on SmolLM2-135M's, whose 16 in flight gained nothing.
-PREPACK_DEFAULT = False
+#: ``zoo serve``'s and ``zoo bench``'s default for ``--prepack-weights`` (without adapters): on, as measured
+#: (docs/engine-performance.md). On Qwen3-0.6B's shape it took 16 requests in flight from 0.93× llama-server to
+#: 1.01× (1 thread) and 0.96× (2), a lone request staying at 1.00× and 0.96× ``generate(compile=True)``; SmolLM2-135M's
+#: weights are all under ``MIN_ELEMENTS`` (packing them lost a lone request 29% for 1% at 16 in flight), so nothing
+#: changes there.
+PREPACK_DEFAULT = True
 
 
 def add_prepack_option(parser: argparse.ArgumentParser) -> None:
@@ -128,8 +130,9 @@ def add_prepack_option(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument("--prepack-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="hold the float32 linear weights in oneDNN's blocked layout (Engine(prepack_weights=True)"
-                             ": the same bytes; many decoding rows multiply faster, one row slower; tied heads stay "
-                             f"plain); default: {'on' if PREPACK_DEFAULT else 'off'} without --lora or --max-loras")
+                             ": the same bytes; many decoding rows multiply faster, one row slower; tied heads and "
+                             "weights under 2^20 elements stay plain); default: "
+                             f"{'on' if PREPACK_DEFAULT else 'off'} without --lora or --max-loras")
 
 
 def prepack_choice(args: argparse.Namespace) -> bool:

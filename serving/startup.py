@@ -8,7 +8,8 @@ from typing import Any
 
 def startup_line(name: str, model: Any, args: argparse.Namespace, limits: dict[str, Any]) -> str:
     """``serving NAME from MODEL: dtype float32 on cpu, context 2048 tokens, KV cache 2048 blocks of 16 positions
-    (96.0 MiB), 16 sequences at most, 2 threads, compile off`` (an embedding model: no KV cache).
+    (96.0 MiB), 16 sequences at most, 2 threads, compile off`` (an embedding model: no KV cache), and how many
+    linear weights ``prepack_weights`` will hold prepacked (none said: none).
 
     Args:
         name: the served model name.
@@ -21,6 +22,8 @@ def startup_line(name: str, model: Any, args: argparse.Namespace, limits: dict[s
         The line.
     """
     import torch
+
+    from blocks.prepacked_linear import prepackable
 
     from .cache_size import default_num_blocks, resolve_kv_cache_dtype
     from .engine import blocks_in_memory, kv_block_nbytes
@@ -48,6 +51,7 @@ def startup_line(name: str, model: Any, args: argparse.Namespace, limits: dict[s
     except (ValueError, NotImplementedError, AttributeError):
         kv = "KV cache: see the engine's error"
     compiled = {True: "on", False: "off"}.get(limits.get("compile"), limits.get("compile"))
+    packed = len(prepackable(model)) if limits.get("prepack_weights") else 0
     return (f"serving {name!r} from {args.model}: {where}, context {context} tokens, {kv}, "
             f"{limits['max_num_seqs']} sequences at most, {threads}, compile {compiled}"
-            + (", linear weights prepacked" if limits.get("prepack_weights") else ""))
+            + (f", {packed} linear weights prepacked" if packed else ""))

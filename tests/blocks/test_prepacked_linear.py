@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from blocks import prepacked_linear
-from blocks.prepacked_linear import PrepackedLinear, prepack_linears
+from blocks.prepacked_linear import PrepackedLinear, prepack_linears, prepackable
 from models import DecoderLM
 from serving.aot_export import tracing
 
@@ -155,12 +155,27 @@ def test_the_op_finds_layers_by_handle_and_names_a_missing_one() -> None:
 
 
 def test_small_weights_stay_plain_by_default_and_named_layers_are_packed_exactly() -> None:
-    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 511), nn.Linear(8, 8))
-    assert prepacked_linear.MIN_ELEMENTS == 512 * 512
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1023), nn.Linear(8, 8))
+    assert prepacked_linear.MIN_ELEMENTS == 1024 * 1024
+    assert prepackable(model) == ["0"] and prepackable(model, min_elements=8 * 8) == ["0", "1", "2"]
     assert prepack_linears(model) == ["0"]
     assert [type(m) for m in model] == [PrepackedLinear, nn.Linear, nn.Linear]
-    other = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 511), nn.Linear(8, 8))
+    other = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1023), nn.Linear(8, 8))
     assert prepack_linears(other, names=["2"]) == ["2"]
     assert [type(m) for m in other] == [nn.Linear, nn.Linear, PrepackedLinear]
     with pytest.raises(ValueError, match=r"not plain float32 linear layers of the model: \['2', 'nope'\]"):
         prepack_linears(other, names=["2", "nope"])
+
+
+def test_a_meta_model_counts_as_it_would_load_and_is_not_packed() -> None:
+    """``zoo serve`` reads a model onto the meta device for its config: ``prepackable`` names what loading it onto the
+    CPU would pack (a tied head is told apart by identity there, having no memory), ``prepack_linears`` packs none."""
+    with torch.device("meta"):
+        meta = DecoderLM.from_preset("qwen3-tiny", n_layers=2)
+    cpu = DecoderLM.from_preset("qwen3-tiny", n_layers=2)
+    assert meta.lm_head.weight is meta.embed_tokens.weight and meta.lm_head.weight.is_meta
+    names = prepackable(cpu, min_elements=0)
+    assert prepackable(meta, min_elements=0) == names and len(names) == 7 * 2 and "lm_head" not in names
+    assert prepack_linears(meta, min_elements=0) == []
+    with pytest.raises(ValueError, match="not plain float32 linear layers of the model"):
+        prepack_linears(meta, names=names[:1])

@@ -89,7 +89,8 @@ def test_zoo_bench_counts_prepacked_weights_and_takes_the_flag(model: DecoderLM,
         return engines[-1]
 
     monkeypatch.setattr(bench, "Engine", kept)
-    for flag, layout in [("--prepack-weights", "prepacked"), ("--no-prepack-weights", "plain")]:
+    linears = sum(type(m) is torch.nn.Linear and m.weight is not model.embed_tokens.weight for m in model.modules())
+    for flag, layout in [("--prepack-weights", f"{linears} prepacked"), ("--no-prepack-weights", "plain")]:
         main(["bench", str(tmp_path), "--prompt-len", "6", "--gen-len", "3", "--concurrency", "2", "--repetitions",
               "1", flag])
         lines = capsys.readouterr().out.splitlines()

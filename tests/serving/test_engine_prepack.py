@@ -63,6 +63,7 @@ def test_every_family_gives_the_plain_models_tokens_and_log_probs(preset: str) -
     ps = prompts()
     engine = Engine(model, block_size=4, max_num_batched_tokens=16, max_num_seqs=3, prepack_weights=True)
     assert engine.model is model and prepacked_count(model) >= 4 * model.config.n_layers
+    assert engine.prepacked == [name for name, m in model.named_modules() if isinstance(m, PrepackedLinear)]
     check_against_the_plain_model(plain, staggered(engine, ps), ps)
 
 
@@ -121,13 +122,21 @@ def test_zoo_serve_prepacks_when_told_and_never_with_adapters(setup, monkeypatch
     assert not seen
 
 
-def test_the_startup_line_says_the_weights_are_prepacked() -> None:
+def test_the_startup_line_counts_the_weights_to_be_prepacked(monkeypatch: pytest.MonkeyPatch) -> None:
     args = cli.parser().parse_args(["serve", "some-model"])
     limits = dict(max_num_seqs=2, num_blocks=8, block_size=4, kv_cache_bytes=None, max_model_len=64, compile=False)
-    model = tiny_model("tiny")
-    assert startup_line("m", model, args, {**limits, "prepack_weights": True}).endswith(
-        "compile off, linear weights prepacked")
-    assert startup_line("m", model, args, {**limits, "prepack_weights": False}).endswith("compile off")
+    model = tiny_model("qwen3-tiny")  # its head is tied to the embeddings: not counted
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules()) - 1
+    assert model.lm_head.weight is model.embed_tokens.weight and linears == 7 * model.config.n_layers
+    with torch.device("meta"):  # zoo serve reads the config only, the engine process loads the weights
+        meta = DecoderLM(model.config)
+    for m in (model, meta):
+        assert startup_line("m", m, args, {**limits, "prepack_weights": True}).endswith(
+            f"compile off, {linears} linear weights prepacked")
+        assert startup_line("m", m, args, {**limits, "prepack_weights": False}).endswith("compile off")
+    monkeypatch.setattr(prepacked_linear, "MIN_ELEMENTS", 2**20)  # every weight smaller: nothing to say
+    assert startup_line("m", model, args, {**limits, "prepack_weights": True}).endswith("compile off")
+    assert Engine(model, prepack_weights=True).prepacked == [] and prepacked_count(model) == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
