@@ -51,7 +51,8 @@ def startup_line(name: str, model: Any, args: argparse.Namespace, limits: dict[s
     except (ValueError, NotImplementedError, AttributeError):
         kv = "KV cache: see the engine's error"
     compiled = {True: "on", False: "off"}.get(limits.get("compile"), limits.get("compile"))
-    packed = len(prepackable(model)) if limits.get("prepack_weights") else 0
+    on_cpu = torch.device(getattr(args, "device", None) or "cpu").type == "cpu"  # (others are not prepacked)
+    packed = len(prepackable(model)) if limits.get("prepack_weights") and on_cpu else 0
     return (f"serving {name!r} from {args.model}: {where}, context {context} tokens, {kv}, "
             f"{limits['max_num_seqs']} sequences at most, {threads}, compile {compiled}"
             + (f", {packed} linear weights prepacked" if packed else ""))

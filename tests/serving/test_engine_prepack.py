@@ -134,6 +134,8 @@ def test_the_startup_line_counts_the_weights_to_be_prepacked(monkeypatch: pytest
         assert startup_line("m", m, args, {**limits, "prepack_weights": True}).endswith(
             f"compile off, {linears} linear weights prepacked")
         assert startup_line("m", m, args, {**limits, "prepack_weights": False}).endswith("compile off")
+    on_gpu = cli.parser().parse_args(["serve", "some-model", "--device", "cuda"])
+    assert startup_line("m", meta, on_gpu, {**limits, "prepack_weights": True}).endswith("compile off")
     monkeypatch.setattr(prepacked_linear, "MIN_ELEMENTS", 2**20)  # every weight smaller: nothing to say
     assert startup_line("m", model, args, {**limits, "prepack_weights": True}).endswith("compile off")
     assert Engine(model, prepack_weights=True).prepacked == [] and prepacked_count(model) == 0
