@@ -114,12 +114,12 @@ def add_context_option(parser: argparse.ArgumentParser) -> None:
                         help="tokens of context, prompt and answer together (default: the model's max_len)")
 
 
-#: ``zoo serve``'s and ``zoo bench``'s default for ``--prepack-weights`` (without adapters): on, as measured
-#: (docs/engine-performance.md). On Qwen3-0.6B's shape it took 16 requests in flight from 0.93× llama-server to
-#: 1.01× (1 thread) and 0.96× (2), a lone request staying at 1.00× and 0.96× ``generate(compile=True)``; SmolLM2-135M's
-#: weights are all under ``MIN_ELEMENTS`` (packing them lost a lone request 29% for 1% at 16 in flight), so nothing
-#: changes there.
-PREPACK_DEFAULT = True
+#: ``zoo serve``'s and ``zoo bench``'s default for ``--prepack-weights`` (without adapters): off, as measured
+#: (docs/engine-performance.md). On Qwen3-0.6B's shape, prepacking took 16 requests in flight from 0.93× llama-server
+#: to 1.00–1.01× at 1 thread and 0.88–0.96× at 2, but a lone request from 1.18× ``generate(compile=True)`` to
+#: 0.96–1.06× at 1 thread and 0.76–0.96× at 2 (one row reads the blocked layout 1.25–1.47× slower); a lone request
+#: is the common case of a CPU server.
+PREPACK_DEFAULT = False
 
 
 def add_prepack_option(parser: argparse.ArgumentParser) -> None:
