@@ -28,10 +28,10 @@ from torch import Tensor, nn
 
 #: Rows the weights' layout is chosen for (the engine's batches of decoding rows; any row count runs).
 PACK_ROWS = 16
-#: The smallest weight ``prepack_linears`` packs by default (elements), set by the price, one row's product. Against
-#: oneDNN on the plain layout, measured per shape on one core (a stack of 28–30 copies): weights of 1024 × 1024 and
-#: more lose 1.16–1.34× at one row and gain 1.06–1.24× at 16; smaller ones lose 1.24–1.77× at one row (a call's
-#: fixed cost weighs more) for a like gain. End to end, SmolLM2-135M's shape (all under 2^20) lost 29% on a lone
+#: The smallest weight ``prepack_linears`` packs by default (elements), set by the price, one row's product. Measured
+#: per shape on one core (a stack of 28–30 copies): weights of 1024 × 1024 and more take 1.16–1.34× BLAS's time at
+#: one row and gain 1.06–1.24× over oneDNN on the plain layout at 16; smaller ones take 1.24–1.77× at one row (a
+#: call's fixed cost weighs more) for a like gain. End to end, SmolLM2-135M's shape (all under 2^20) lost 29% on a lone
 #: request and gained 1% at 16 in flight; Qwen3-0.6B's (all above) lost 16–19% and gained 3–9%.
 MIN_ELEMENTS = 2**20
 

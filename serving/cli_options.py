@@ -117,7 +117,7 @@ def add_context_option(parser: argparse.ArgumentParser) -> None:
 #: ``zoo serve``'s and ``zoo bench``'s default for ``--prepack-weights`` (without adapters): off, as measured
 #: (docs/engine-performance.md). On Qwen3-0.6B's shape, prepacking took 16 requests in flight from 0.93× llama-server
 #: to 1.00–1.01× at 1 thread and 0.88–0.96× at 2, but a lone request from 1.18× ``generate(compile=True)`` to
-#: 0.96–1.06× at 1 thread and 0.76–0.96× at 2 (one row reads the blocked layout 1.25–1.47× slower); a lone request
+#: 1.00–1.06× at 1 thread and 0.76–0.96× at 2 (one row reads the blocked layout 1.25–1.47× slower); a lone request
 #: is the common case of a CPU server.
 PREPACK_DEFAULT = False
 
