@@ -55,8 +55,9 @@ def serve(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[float
     return wall, engine.runner.spent / wall
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def ab_parser(description: str) -> argparse.ArgumentParser:
+    """The options of an in-process A/B run of two engines (this script's and ``benchmarks.engine_prepack``'s)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3", choices=sorted(SHAPES))
     parser.add_argument("--mode", default="aot", choices=sorted(MODES), help="the engines' compile mode")
     parser.add_argument("--concurrency", type=positive_int, default=16)
@@ -65,22 +66,39 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--rounds", type=positive_int, default=2)
     parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--quick", action="store_true", help="a tiny model, eager, few tokens")
+    return parser
+
+
+def ab_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv`` (``--quick``: a tiny model, eager, few tokens) and set torch's threads."""
     args = parser.parse_args(argv)
     if args.quick:
         args.shape, args.mode, args.concurrency, args.prompt_len, args.gen_len, args.rounds = \
             "tiny", "eager", 4, 8, 8, 1
     torch.set_num_threads(args.threads)
-    model = shaped_model(args.shape)
-    engines = {}
-    for dtype in DTYPES:
-        engines[dtype] = engine = Engine(model, compile=MODES[args.mode], max_num_seqs=args.concurrency,
-                                         kv_cache_dtype=dtype)
-        if engine.runner.aot is not None and not engine.runner.aot.wait():
-            raise RuntimeError(f"the {dtype} engine's packages failed: {engine.runner.aot.failed}")
-        timed_runner(engine)
+    return args
+
+
+def ready(engine: Engine, name: str) -> Engine:
+    """Wait for ``engine``'s packages (raise if they failed) and time its runner (``timed_runner``)."""
+    if engine.runner.aot is not None and not engine.runner.aot.wait():
+        raise RuntimeError(f"the {name} engine's packages failed: {engine.runner.aot.failed}")
+    timed_runner(engine)
+    return engine
+
+
+def random_prompts(vocab: int, count: int, length: int) -> list[list[int]]:
+    """``count`` seeded random prompts of ``length`` ids (3 and up: no special tokens)."""
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
-               for _ in range(args.concurrency)]
+    return [torch.randint(3, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    args = ab_args(ab_parser(__doc__), argv)
+    model = shaped_model(args.shape)
+    engines = {dtype: ready(Engine(model, compile=MODES[args.mode], max_num_seqs=args.concurrency,
+                                   kv_cache_dtype=dtype), dtype) for dtype in DTYPES}
+    prompts = random_prompts(model.config.vocab_size, args.concurrency, args.prompt_len)
     for engine in engines.values():  # warm-up: the first steps of each shape
         serve(engine, prompts[:1], args.gen_len)
         serve(engine, prompts, args.gen_len)

@@ -16,51 +16,25 @@ machine is shared and noisy: compare within one run.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
-import torch
-
-from benchmarks.engine_kv_dtype import serve, timed_runner
-from benchmarks.quantized import SHAPES
+from benchmarks.engine_kv_dtype import ab_args, ab_parser, random_prompts, ready, serve
 from benchmarks.serve_peer import MODES, shaped_model
-from blocks.prepacked_linear import PrepackedLinear
 from serving import Engine
 from serving.cache_size import KV_CACHE_DTYPES
-from serving.cli_options import positive_int
 
 LAYOUTS = ("plain", "prepacked")
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="qwen3", choices=sorted(SHAPES))
-    parser.add_argument("--mode", default="aot", choices=sorted(MODES), help="the engines' compile mode")
+    parser = ab_parser(__doc__)
     parser.add_argument("--kv-cache-dtype", default="float16", choices=list(KV_CACHE_DTYPES))
-    parser.add_argument("--concurrency", type=positive_int, default=16)
-    parser.add_argument("--prompt-len", type=positive_int, default=64)
-    parser.add_argument("--gen-len", type=positive_int, default=64)
-    parser.add_argument("--rounds", type=positive_int, default=2)
-    parser.add_argument("--threads", type=positive_int, default=1)
-    parser.add_argument("--quick", action="store_true", help="a tiny model, eager, few tokens")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.shape, args.mode, args.concurrency, args.prompt_len, args.gen_len, args.rounds = \
-            "tiny", "eager", 4, 8, 8, 1
-    torch.set_num_threads(args.threads)
-    engines = {}
-    for layout in LAYOUTS:
-        engines[layout] = engine = Engine(shaped_model(args.shape), compile=MODES[args.mode],
-                                          max_num_seqs=args.concurrency, kv_cache_dtype=args.kv_cache_dtype,
-                                          prepack_weights=layout == "prepacked")
-        if engine.runner.aot is not None and not engine.runner.aot.wait():
-            raise RuntimeError(f"the {layout} engine's packages failed: {engine.runner.aot.failed}")
-        timed_runner(engine)
-    packed = sum(isinstance(m, PrepackedLinear) for m in engines["prepacked"].model.modules())
-    vocab = engines["plain"].model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=generator).tolist()
-               for _ in range(args.concurrency)]
+    args = ab_args(parser, argv)
+    engines = {layout: ready(Engine(shaped_model(args.shape), compile=MODES[args.mode], max_num_seqs=args.concurrency,
+                                    kv_cache_dtype=args.kv_cache_dtype, prepack_weights=layout == "prepacked"),
+                             layout) for layout in LAYOUTS}
+    packed = len(engines["prepacked"].prepacked)
+    prompts = random_prompts(engines["plain"].model.config.vocab_size, args.concurrency, args.prompt_len)
     tokens = {layout: [out.token_ids for out in engine.generate(prompts, max_tokens=args.gen_len)]  # and warm-up
               for layout, engine in engines.items()}
     for engine in engines.values():
